@@ -1,0 +1,3 @@
+from toolkit.cli.app import main
+
+main()

@@ -1,0 +1,1 @@
+"""ft's command line: thin typer commands over the library; the work happens elsewhere."""

@@ -1,0 +1,46 @@
+"""The `ft` command. Each sub-command group lives in its own module."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from toolkit import __version__
+from toolkit.cli import lab
+from toolkit.cli.output import print_error
+from toolkit.errors import FtError
+
+app = typer.Typer(
+    name="ft",
+    help="Slurm-native fine-tuning of LLMs: validate, render, submit, watch.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(lab.app, name="lab")
+
+
+def show_version(value: bool) -> None:
+    if value:
+        print(f"ft {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
+                                 help="Print ft's version and exit."),
+) -> None:
+    """ft: fine-tuning on Slurm clusters."""
+
+
+def main() -> None:
+    try:
+        app()
+    except FtError as exc:
+        print_error(exc.message, exc.hint)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        print_error("interrupted")
+        sys.exit(130)

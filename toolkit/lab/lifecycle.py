@@ -1,0 +1,128 @@
+"""Bring the lab up, take it down, crash a node: what `ft lab` does, without the printing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit.errors import FtError, UsageError
+from toolkit.lab.manifest import LabManifest, state_dir
+from toolkit.lab.processes import kill_netns
+from toolkit.lab.provision import PlaybookFailed, PlaybookResult, ansible_dir, run_playbook
+from toolkit.lab.status import LabStatus, collect
+
+DEFAULT_NODES = 4
+MAX_NODES = 32  # each node is a slurmd in its own namespace; the lab subnet has room for more
+
+# Files the lab playbook writes outside its state directory: a hand edit to any of them makes the
+# next `ft lab up` run the playbook again instead of trusting the last run.
+MANAGED_FILES = (
+    "/etc/slurm/slurm.conf",
+    "/etc/slurm/gres.conf",
+    "/etc/slurm/cgroup.conf",
+    "/etc/slurm/slurmdbd.conf",
+    "/etc/ft/healthcheck.env",
+    "/usr/local/sbin/ft-healthcheck",
+    "/etc/hosts",
+)
+
+
+@dataclass
+class UpOutcome:
+    status: LabStatus
+    playbook: PlaybookResult | None  # None when the lab was already up as configured
+
+    @property
+    def changed(self) -> int:
+        return self.playbook.changed if self.playbook else 0
+
+
+def require_root(action: str) -> None:
+    if os.geteuid() != 0:
+        raise FtError(f"`ft lab {action}` needs root: it creates network namespaces and starts daemons",
+                      hint=f"run `sudo ft lab {action}`")
+
+
+def node_count(requested: int | None, manifest: LabManifest | None) -> int:
+    """The lab size: as asked, else the current lab's, else the default."""
+    if requested is None:
+        return len(manifest.nodes) if manifest else DEFAULT_NODES
+    if not 1 <= requested <= MAX_NODES:
+        raise UsageError(f"--nodes {requested} is out of range", hint=f"choose 1 to {MAX_NODES} lab nodes")
+    return requested
+
+
+def fingerprint(extra_vars: dict) -> str:
+    """Hash of what decides the lab: ft's Ansible tree, the variables, and the files it manages."""
+    digest = hashlib.sha256(json.dumps(extra_vars, sort_keys=True).encode())
+    root = ansible_dir()
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    for name in MANAGED_FILES:
+        digest.update(name.encode())
+        try:
+            digest.update(Path(name).read_bytes())
+        except OSError:
+            digest.update(b"<missing>")
+    return digest.hexdigest()
+
+
+def applied_path() -> Path:
+    return state_dir() / "applied.json"
+
+
+def already_up(extra_vars: dict, manifest: LabManifest | None) -> LabStatus | None:
+    """The lab's status when it runs exactly as the last successful `ft lab up` left it."""
+    if manifest is None or len(manifest.nodes) != extra_vars["lab_node_count"]:
+        return None
+    try:
+        applied = json.loads(applied_path().read_text())
+    except (OSError, ValueError):
+        return None
+    if applied.get("fingerprint") != fingerprint(extra_vars):
+        return None
+    status = collect(manifest)
+    return status if status.healthy else None
+
+
+def up(nodes: int | None = None, reprovision: bool = False,
+       on_task: Callable[[str], None] | None = None) -> UpOutcome:
+    require_root("up")
+    manifest = LabManifest.load()
+    extra_vars = {"lab_node_count": node_count(nodes, manifest)}
+    if not reprovision and (status := already_up(extra_vars, manifest)) is not None:
+        return UpOutcome(status, None)
+    result = run_playbook("lab.yml", extra_vars, on_task=on_task)
+    if not result.ok:
+        raise PlaybookFailed(f"the lab playbook failed (full log: {result.log_path})\n{result.error}",
+                             hint="fix the cause above and run `ft lab up` again; it resumes where it stopped")
+    applied_path().write_text(json.dumps({"fingerprint": fingerprint(extra_vars), **extra_vars}) + "\n")
+    manifest = LabManifest.load()
+    assert manifest is not None, "the lab playbook always writes lab.json"
+    return UpOutcome(collect(manifest), result)
+
+
+def down(purge: bool = False, on_task: Callable[[str], None] | None = None) -> PlaybookResult:
+    require_root("down")
+    manifest = LabManifest.load()
+    applied_path().unlink(missing_ok=True)
+    extra_vars = {"lab_node_count": node_count(None, manifest), "lab_purge": purge}
+    result = run_playbook("lab-down.yml", extra_vars, on_task=on_task)
+    if not result.ok:
+        raise PlaybookFailed(f"the lab teardown failed (full log: {result.log_path})\n{result.error}")
+    return result
+
+
+def crash(node_name: str) -> list[int]:
+    """Kill every process in a lab node's namespace, as a power loss would. `ft lab up` heals it."""
+    require_root("crash")
+    manifest = LabManifest.load()
+    if manifest is None:
+        raise FtError("there is no lab on this machine", hint="run `ft lab up` first")
+    return kill_netns(manifest.node(node_name).netns)

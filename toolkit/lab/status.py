@@ -1,0 +1,119 @@
+"""What state the lab is in: its daemons, its bridge and namespaces, and Slurm's view of its nodes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+from toolkit.lab.manifest import LabManifest
+from toolkit.lab.processes import daemon_pid, netns_exists
+from toolkit.slurm import commands
+from toolkit.slurm.commands import SlurmUnavailable
+
+# Node states in which a node serves jobs (drained nodes respond but take no new work).
+SERVING_STATES = {"idle", "mixed", "allocated", "completing"}
+
+
+@dataclass
+class DaemonStatus:
+    name: str
+    pid: int | None
+    node: str | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.pid is not None
+
+
+@dataclass
+class NodeStatus:
+    name: str
+    address: str
+    namespace: bool
+    state: str = "unknown"
+    flags: list[str] = field(default_factory=list)
+    reason: str = ""
+    gpus: str = ""
+
+    @property
+    def serving(self) -> bool:
+        return self.state in SERVING_STATES and not (
+            {"DRAIN", "NOT_RESPONDING", "DRAINING", "DRAINED"} & set(self.flags)
+        )
+
+
+@dataclass
+class LabStatus:
+    cluster: str
+    bridge_up: bool
+    daemons: list[DaemonStatus]
+    nodes: list[NodeStatus]
+    problems: list[str]
+
+    @property
+    def up(self) -> bool:
+        return self.bridge_up and any(d.running for d in self.daemons)
+
+    @property
+    def healthy(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict:
+        return {
+            "cluster": self.cluster,
+            "up": self.up,
+            "healthy": self.healthy,
+            "bridge_up": self.bridge_up,
+            "problems": self.problems,
+            "daemons": [asdict(d) | {"running": d.running} for d in self.daemons],
+            "nodes": [asdict(n) | {"serving": n.serving} for n in self.nodes],
+        }
+
+
+def bridge_up(bridge: str) -> bool:
+    try:
+        with open(f"/sys/class/net/{bridge}/operstate") as handle:
+            return handle.read().strip() in {"up", "unknown"}
+    except OSError:
+        return False
+
+
+def slurm_nodes(manifest: LabManifest) -> dict[str, dict]:
+    os.environ.setdefault("SLURM_CONF", manifest.slurm_conf)
+    data = commands.run_json(["sinfo", "--Node"], timeout=10)
+    return {node["name"]: node for node in data.get("nodes", [])}
+
+
+def collect(manifest: LabManifest) -> LabStatus:
+    """Check the lab without changing it. Never touches a lab address unless the bridge is up."""
+    problems: list[str] = []
+    daemons = [DaemonStatus(d.name, daemon_pid(d), d.node) for d in manifest.daemons]
+    for daemon in daemons:
+        if not daemon.running:
+            problems.append(f"{daemon.name} is not running")
+    has_bridge = bridge_up(manifest.bridge)
+    if not has_bridge:
+        problems.append(f"bridge {manifest.bridge} is down")
+    nodes = [NodeStatus(n.name, n.address, netns_exists(n.netns)) for n in manifest.nodes]
+    controller_running = any(d.running for d in daemons if d.name == "slurmctld")
+    if has_bridge and controller_running:
+        try:
+            seen = slurm_nodes(manifest)
+        except SlurmUnavailable as exc:
+            problems.append(str(exc.message))
+            seen = {}
+        for node in nodes:
+            info = seen.get(node.name)
+            if info is None:
+                continue
+            node.state = str(info.get("state", "unknown")).lower()
+            node.flags = [str(flag).upper() for flag in info.get("state_flags", [])]
+            node.reason = info.get("reason") or ""
+            node.gpus = f"{info.get('gres_used', '')} of {info.get('gres', '')}".replace("gpu:", "")
+    for node in nodes:
+        if not node.namespace:
+            problems.append(f"{node.name}: network namespace missing")
+        elif controller_running and has_bridge and not node.serving:
+            detail = f" ({node.reason})" if node.reason else ""
+            problems.append(f"{node.name} is {node.state}{'+' + '+'.join(node.flags) if node.flags else ''}{detail}")
+    return LabStatus(manifest.cluster, has_bridge, daemons, nodes, problems)

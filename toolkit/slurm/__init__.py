@@ -1,0 +1,1 @@
+"""Talking to Slurm: every call goes through `toolkit.slurm.commands`."""

@@ -1,0 +1,77 @@
+"""Run Slurm's command-line tools with a time limit and clear errors.
+
+Every call has a timeout: a controller that does not answer must never leave ft waiting forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Any
+
+from toolkit.errors import FtError
+
+DEFAULT_TIMEOUT_S = 20.0
+
+
+class SlurmUnavailable(FtError):
+    """The Slurm tools are missing or the controller does not answer."""
+
+
+class SlurmCommandError(FtError):
+    """A Slurm command ran and failed."""
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def slurm_env() -> dict[str, str]:
+    """The environment for Slurm tools. Without a config file, sbatch looks the controller up in
+    DNS, so ft refuses to run them unless SLURM_CONF or /etc/slurm/slurm.conf exists."""
+    env = dict(os.environ)
+    conf = env.get("SLURM_CONF") or "/etc/slurm/slurm.conf"
+    if not os.path.isfile(conf):
+        raise SlurmUnavailable(
+            f"no Slurm configuration at {conf}",
+            hint="set SLURM_CONF to your cluster's slurm.conf, or run `ft lab up` for the local lab",
+        )
+    env["SLURM_CONF"] = conf
+    return env
+
+
+def run(argv: list[str], timeout: float = DEFAULT_TIMEOUT_S, check: bool = True) -> CommandResult:
+    """Run a Slurm command; raise SlurmUnavailable when it cannot reach the controller."""
+    if shutil.which(argv[0]) is None:
+        raise SlurmUnavailable(f"{argv[0]} is not installed on this host",
+                               hint="install Slurm's client tools, or run `ft lab up` for the local lab")
+    try:
+        completed = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                                   env=slurm_env(), stdin=subprocess.DEVNULL, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise SlurmUnavailable(f"`{' '.join(argv)}` did not answer within {timeout:.0f} s",
+                               hint="is slurmctld running and reachable? (`scontrol ping`)") from exc
+    result = CommandResult(tuple(argv), completed.returncode, completed.stdout, completed.stderr)
+    if check and completed.returncode != 0:
+        message = completed.stderr.strip() or completed.stdout.strip() or f"exit status {completed.returncode}"
+        if "Unable to contact slurm controller" in message or "Connection refused" in message:
+            raise SlurmUnavailable(f"the Slurm controller is unreachable: {message}",
+                                   hint="check `scontrol ping`; for the local lab run `ft lab up`")
+        raise SlurmCommandError(f"`{' '.join(argv)}` failed: {message}")
+    return result
+
+
+def run_json(argv: list[str], timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """Run a Slurm command with --json and return its parsed output."""
+    result = run([*argv, "--json"], timeout=timeout)
+    try:
+        return json.loads(result.stdout)
+    except json.JSONDecodeError as exc:
+        raise SlurmCommandError(f"`{' '.join(result.argv)}` printed no valid JSON: {exc}") from exc
