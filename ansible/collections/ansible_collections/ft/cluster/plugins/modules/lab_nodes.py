@@ -198,29 +198,43 @@ class Lab:
                     if not self.module.check_mode:
                         os.unlink(os.path.join(directory, entry))
 
-    def remove_node(self, netns):
-        """Delete a lab namespace, first ending the processes in it (all of them the lab's own)."""
-        node = netns[len(self.params["netns_prefix"]):]
-        self.actions.append(f"remove namespace {netns}")
+    def remove_nodes(self, namespaces):
+        """Delete lab namespaces, first ending the processes in them (all of them the lab's own:
+        slurmd and job tasks). All are signalled at once, so teardown does not grow with the lab."""
+        if not namespaces:
+            return
+        self.actions.extend(f"remove namespace {netns}" for netns in namespaces)
         if self.module.check_mode:
             return
-        pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, check=False)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            alive = [int(p) for p in pids.stdout.split() if os.path.exists(f"/proc/{p}")]
-            for pid in alive:
+        for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 3.0)):
+            alive = self.signal_namespaces(namespaces, sig)
+            deadline = time.monotonic() + grace
+            while alive and time.monotonic() < deadline:
+                time.sleep(0.05)
+                alive = [pid for pid in alive if os.path.exists(f"/proc/{pid}")]
+            if not alive:
+                break
+        prefix = self.params["netns_prefix"]
+        for netns in namespaces:
+            node = netns[len(prefix):]
+            subprocess.run(["ip", "netns", "del", netns], check=False)
+            if self.link_exists(self.veth_name(node)):
+                subprocess.run(["ip", "link", "del", self.veth_name(node)], check=False)
+            if self.params["gpu_dir"]:
+                shutil.rmtree(os.path.join(self.params["gpu_dir"], node), ignore_errors=True)
+
+    @staticmethod
+    def signal_namespaces(namespaces, sig):
+        signalled = []
+        for netns in namespaces:
+            pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, check=False)
+            for pid in (int(p) for p in pids.stdout.split()):
                 try:
                     os.kill(pid, sig)
+                    signalled.append(pid)
                 except ProcessLookupError:
                     pass
-            deadline = time.monotonic() + 3
-            while alive and time.monotonic() < deadline:
-                alive = [p for p in alive if os.path.exists(f"/proc/{p}")]
-                time.sleep(0.05)
-        subprocess.run(["ip", "netns", "del", netns], check=False)
-        if self.link_exists(self.veth_name(node)):
-            subprocess.run(["ip", "link", "del", self.veth_name(node)], check=False)
-        if self.params["gpu_dir"]:
-            shutil.rmtree(os.path.join(self.params["gpu_dir"], node), ignore_errors=True)
+        return signalled
 
     # -- entry points --------------------------------------------------------------------------
     def present(self):
@@ -228,17 +242,13 @@ class Lab:
         self.bridge()
         existing = self.existing_netns()
         wanted = {self.netns_name(n["name"]) for n in self.params["nodes"]}
-        for netns in sorted(existing - wanted):
-            if netns.startswith(self.params["netns_prefix"]):
-                self.remove_node(netns)
+        self.remove_nodes(sorted(n for n in existing - wanted if n.startswith(self.params["netns_prefix"])))
         for node in self.params["nodes"]:
             self.node(node, existing)
 
     def absent(self):
         self.guard_route()
-        for netns in sorted(self.existing_netns()):
-            if netns.startswith(self.params["netns_prefix"]):
-                self.remove_node(netns)
+        self.remove_nodes(sorted(n for n in self.existing_netns() if n.startswith(self.params["netns_prefix"])))
         if self.link_exists(self.params["bridge"]):
             self.act(f"delete bridge {self.params['bridge']}", ["ip", "link", "del", self.params["bridge"]])
 
