@@ -19,6 +19,12 @@ if ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv
 fi
 
+# Test tools from Debian (shellcheck lints the job scripts ft renders and ships).
+if [[ "$extras" == *dev* ]] && ! command -v shellcheck >/dev/null; then
+    log "installing shellcheck"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck
+fi
+
 if [[ ! -x "$venv/bin/python" ]]; then
     log "creating venv $venv"
     python3 -m venv "$venv"
@@ -31,7 +37,7 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$wanted" ]]; then
 else
     log "installing ft[$extras] into $venv (pinned by constraints.txt)"
     "$venv/bin/python" -m pip install --quiet --upgrade pip
-    "$venv/bin/python" -m pip install --quiet -c "$repo/constraints.txt" -e "$repo[$extras]"
+    "$venv/bin/python" -m pip install --quiet -c "$repo/constraints.txt" -e "${repo}[${extras}]"
     printf '%s' "$wanted" > "$stamp"
 fi
 log "ft is $venv/bin/ft"

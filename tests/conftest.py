@@ -1,0 +1,50 @@
+"""Shared fixtures. Lab tests need the local lab up (`ft lab up`); they skip with a reason when it
+is not, except under FT_REQUIRE_LAB=1 (CI), where a missing lab fails them instead."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from toolkit.lab.manifest import LabManifest
+from toolkit.lab.status import collect
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "/tests/lab/" in str(item.fspath):
+            item.add_marker(pytest.mark.lab)
+
+
+@pytest.fixture(scope="session")
+def lab() -> LabManifest:
+    """The running lab, healthy (every node serving jobs)."""
+    manifest = LabManifest.load()
+    problem = None
+    if os.geteuid() != 0:
+        problem = "lab tests run as root"
+    elif manifest is None:
+        problem = "no lab on this machine: run `ft lab up`"
+    else:
+        status = collect(manifest)
+        if not status.healthy:
+            problem = "the lab is not healthy: " + "; ".join(status.problems)
+    if problem:
+        if os.environ.get("FT_REQUIRE_LAB") == "1":
+            pytest.fail(problem)
+        pytest.skip(problem)
+    os.environ["SLURM_CONF"] = manifest.slurm_conf
+    return manifest
+
+
+@pytest.fixture
+def shared_tmp(lab) -> Path:
+    """A fresh folder on the lab's shared filesystem, seen by every node."""
+    path = Path(lab.shared_dir) / "tests" / uuid.uuid4().hex[:12]
+    path.mkdir(parents=True)
+    return path
