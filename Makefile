@@ -31,7 +31,7 @@ test-unit: setup
 lint: setup
 	$(VENV)/bin/ruff check toolkit tests benchmarks
 	cd ansible && ../$(VENV)/bin/ansible-lint
-	shellcheck .ci/run scripts/*.sh ansible/roles/slurm/files/ft-healthcheck ansible/roles/slurm/files/healthcheck.d/*
+	shellcheck .ci/run scripts/*.sh benchmarks/*.sh ansible/roles/slurm/files/ft-healthcheck ansible/roles/slurm/files/healthcheck.d/*
 
 bench: lab
 	$(VENV)/bin/python benchmarks/lab_up.py

@@ -12,9 +12,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SHELL_SCRIPTS = [
     ".ci/run",
-    "scripts/setup.sh",
     "ansible/roles/slurm/files/ft-healthcheck",
     *sorted(str(p.relative_to(REPO)) for p in (REPO / "ansible/roles/slurm/files/healthcheck.d").iterdir()),
+    *sorted(str(p.relative_to(REPO)) for p in REPO.glob("scripts/*.sh")),
+    *sorted(str(p.relative_to(REPO)) for p in REPO.glob("benchmarks/*.sh")),
 ]
 
 
