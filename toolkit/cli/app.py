@@ -7,7 +7,7 @@ import sys
 import typer
 
 from toolkit import __version__
-from toolkit.cli import lab
+from toolkit.cli import lab, recipe, runs
 from toolkit.cli.output import print_error
 from toolkit.errors import FtError
 
@@ -19,6 +19,13 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(lab.app, name="lab")
+app.add_typer(recipe.app, name="recipe")
+app.command("render")(recipe.render_command)
+app.command()(runs.submit)
+app.command()(runs.ls)
+app.command()(runs.status)
+app.command()(runs.logs)
+app.command()(runs.cancel)
 
 
 def show_version(value: bool) -> None:

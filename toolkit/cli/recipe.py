@@ -1,0 +1,64 @@
+"""`ft recipe explain` and `ft render`: what a recipe resolves to, and the script it becomes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from toolkit.cli.output import console, print_json
+
+app = typer.Typer(help="Recipes: check them and see every resolved value.", no_args_is_help=True)
+
+RECIPE = typer.Argument(..., help="Recipe file (YAML).", exists=False)
+CLUSTER = typer.Option(None, "--cluster", "-c", help="Cluster profile (default: the recipe's, else this site's).")
+
+
+@app.command()
+def explain(recipe: Path = RECIPE, cluster: str = CLUSTER,
+            as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """Show the fully resolved recipe and where each value came from."""
+    from toolkit.recipe.resolve import resolve
+
+    resolved = resolve(recipe, cluster)
+    values = resolved.values()
+    derived = {"derived.world_size": resolved.world_size,
+               "derived.gradient_accumulation": resolved.gradient_accumulation,
+               "derived.partition": resolved.partition}
+    if as_json:
+        print_json({"values": values | derived, "sources": resolved.sources})
+        return
+    table = Table(title=f"{recipe} on {resolved.profile.name}", title_justify="left")
+    for column in ("field", "value", "from"):
+        table.add_column(column)
+    for dotted, value in values.items():
+        origin = resolved.sources.get(dotted, "")
+        style = "" if origin == "recipe" else "dim"
+        table.add_row(dotted, str(value), origin, style=style)
+    for dotted, value in derived.items():
+        table.add_row(dotted, str(value), "computed", style="cyan")
+    console.print(table)
+
+
+def render_command(
+    recipe: Path = RECIPE,
+    cluster: str = CLUSTER,
+    output: Path = typer.Option(None, "--output", "-o", help="Write the script here (default: stdout)."),
+    run_id: str = typer.Option(None, "--run-id", help="Run id (default: the recipe's name)."),
+    preflight: bool = typer.Option(False, "--preflight", help="Render a job that only checks the allocation."),
+) -> None:
+    """Render the standalone sbatch script of a recipe."""
+    from toolkit.recipe.resolve import resolve
+    from toolkit.render.sbatch import RunPlacement, render, write_atomically
+    from toolkit.runs.store import RunStore
+
+    resolved = resolve(recipe, cluster)
+    run_id = run_id or resolved.recipe.name
+    run_dir = RunStore.for_shared_root(resolved.profile.shared_root).run_dir(run_id)
+    script = render(resolved, RunPlacement(run_id, str(run_dir)), mode="preflight" if preflight else "train")
+    if output is None:
+        typer.echo(script, nl=False)
+    else:
+        write_atomically(output, script, mode=0o755)
+        console.print(f"wrote {output}: sbatch it as is, or edit it first")

@@ -1,0 +1,142 @@
+"""`ft submit`, `ft ls`, `ft status`, `ft logs`, `ft cancel`: runs as a user sees them."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from toolkit.cli.output import console, print_json, task_spinner
+from toolkit.errors import FtError
+
+STATE_COLOURS = {"RUNNING": "green", "COMPLETED": "green", "PENDING": "yellow", "REQUEUED": "yellow",
+                 "FAILED": "red", "NODE_FAIL": "red", "CANCELLED": "magenta", "TIMEOUT": "red"}
+
+
+def _store(cluster: str | None):
+    from toolkit.cluster.profile import load_profile
+    from toolkit.runs.store import RunStore
+
+    return RunStore.for_shared_root(load_profile(cluster).shared_root)
+
+
+def _coloured(state: str) -> str:
+    return f"[{STATE_COLOURS.get(state, 'white')}]{state}[/]"
+
+
+def submit(
+    recipe: Path = typer.Argument(..., help="Recipe file (YAML)."),
+    cluster: str = typer.Option(None, "--cluster", "-c", help="Cluster profile."),
+    idempotency_key: str = typer.Option(None, "--idempotency-key",
+                                        help="Submit at most once per key: a repeat returns the first run."),
+    preflight: bool = typer.Option(False, "--preflight",
+                                   help="Only check the allocation (rendezvous, GPUs, shared filesystem)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Validate a recipe, render its script and submit it as a gang-scheduled job."""
+    from toolkit.submit import submit as submit_run
+
+    with task_spinner("submit") as step:
+        step("validating and rendering")
+        submission = submit_run(recipe, cluster, idempotency_key, mode="preflight" if preflight else "train")
+    run = submission.run
+    if as_json:
+        print_json({"run_id": run.run_id, "job_id": run.latest_job, "run_dir": str(submission.run_dir),
+                    "created": submission.created})
+        return
+    verb = "submitted" if submission.created else "already submitted (same idempotency key)"
+    console.print(f"run [bold]{run.run_id}[/] {verb}: job {run.latest_job}")
+    console.print(f"  run directory {submission.run_dir}")
+    console.print(f"  follow it with: ft status {run.run_id}   ft logs {run.run_id} -f")
+
+
+def ls(cluster: str = typer.Option(None, "--cluster", "-c"), limit: int = typer.Option(20, "--limit", "-n"),
+       as_json: bool = typer.Option(False, "--json")) -> None:
+    """List recent runs."""
+    from toolkit.runs.status import run_status
+    from toolkit.slurm.client import default_client
+
+    store, client = _store(cluster), default_client()
+    statuses = [run_status(store, record.run_id, client) for record in store.list()[:limit]]
+    if as_json:
+        print_json([status.to_dict() for status in statuses])
+        return
+    table = Table(title=f"runs in {store.root}", title_justify="left")
+    for column in ("run", "state", "job", "mode", "submitted"):
+        table.add_column(column)
+    for status in statuses:
+        table.add_row(status.run.run_id, _coloured(status.state), status.run.latest_job or "-", status.run.mode,
+                      datetime.fromtimestamp(status.run.created).strftime("%Y-%m-%d %H:%M"))
+    console.print(table)
+
+
+def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, "--cluster", "-c"),
+           as_json: bool = typer.Option(False, "--json")) -> None:
+    """Show a run's state (from squeue, then sacct, then the job-completion log), jobs and attempts."""
+    from toolkit.runs.status import run_status
+    from toolkit.slurm.client import default_client
+
+    current = run_status(_store(cluster), run_id, default_client())
+    if as_json:
+        print_json(current.to_dict())
+        return
+    job = current.job
+    console.print(f"run [bold]{run_id}[/]: {_coloured(current.state)}"
+                  + (f" (from {job.source}, nodes {job.nodes or '-'})" if job else ""))
+    if job and job.reason and job.reason != "None":
+        console.print(f"  reason: {job.reason}")
+    console.print(f"  run directory {current.run_dir}")
+    table = Table(title="attempts", title_justify="left")
+    for column in ("job", "restart", "nodes", "started"):
+        table.add_column(column)
+    for attempt in current.attempts:
+        table.add_row(str(attempt["job_id"]), str(attempt["restart"]), ",".join(attempt["nodes"]),
+                      datetime.fromtimestamp(attempt["started"]).strftime("%H:%M:%S"))
+    if current.attempts:
+        console.print(table)
+
+
+def logs(run_id: str = typer.Argument(...), follow: bool = typer.Option(False, "--follow", "-f"),
+         node: str = typer.Option(None, "--node", help="A node's launcher log."),
+         rank: int = typer.Option(None, "--rank", help="A rank's log."),
+         cluster: str = typer.Option(None, "--cluster", "-c")) -> None:
+    """Print a run's log: the job's by default, one node's or one rank's on request."""
+    from toolkit.runs.status import log_path, run_status
+    from toolkit.slurm.client import default_client
+
+    store = _store(cluster)
+    record = store.load(run_id)
+    path = log_path(store.run_dir(run_id), record, node, rank)
+    client = default_client()
+    position = 0
+    while True:
+        if path.exists():
+            with open(path, errors="replace") as handle:
+                handle.seek(position)
+                chunk = handle.read()
+                position = handle.tell()
+            if chunk:
+                typer.echo(chunk, nl=False)
+        elif not follow:
+            available = sorted(p.name for p in (store.run_dir(run_id) / "logs").glob("*"))
+            raise FtError(f"no log at {path} yet", hint="logs so far: " + (", ".join(available) or "none"))
+        if not follow:
+            return
+        if run_status(store, run_id, client).job and run_status(store, run_id, client).job.finished:
+            follow = False  # one last read above picks up what the job wrote at the end
+            continue
+        time.sleep(1.0)
+
+
+def cancel(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, "--cluster", "-c")) -> None:
+    """Cancel a run's job."""
+    from toolkit.slurm.client import default_client
+
+    record = _store(cluster).load(run_id)
+    if not record.latest_job:
+        raise FtError(f"run {run_id} has no Slurm job")
+    default_client().cancel([record.latest_job])
+    console.print(f"cancelled job {record.latest_job} of run {run_id}")

@@ -1,0 +1,139 @@
+"""Cluster profiles: built in (lab, hyperpod, coreweave, oci), this site's (/etc/ft/cluster.yaml,
+written by ft's Ansible role ft_profile), and the user's (~/.config/ft/clusters.yaml)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from toolkit.errors import FtError
+
+BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
+SITE_PROFILE = Path(os.environ.get("FT_SITE_PROFILE", "/etc/ft/cluster.yaml"))
+
+
+class TierTarget(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    partition: str
+    qos: str | None = None
+
+
+class ClusterProfile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    slurm_cluster: str | None = None
+    gpu_model: str = ""
+    gpus_per_node: int = Field(ge=0)
+    # Workers per node where there are no GPUs (the lab: gloo on CPU). None: one per GPU.
+    cpu_workers_per_node: int | None = None
+    max_nodes: int | None = None
+    fabric: str = "none"
+    nccl_env: dict[str, str] = {}
+    tiers: dict[str, TierTarget]
+    shared_root: str = ""
+    s3_prefix: str = ""
+    container_runtime: str = ""
+    container_image: str = ""
+    modules: list[str] = []
+    srun_extra_args: list[str] = []
+    price_per_gpu_hour: float = 0.0
+    default_account: str | None = None
+    # Python that runs ft on the compute nodes; empty: `python3` from the job's PATH.
+    python: str = ""
+
+    @field_validator("nccl_env")
+    @classmethod
+    def env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(f"{name!r} is not a valid environment variable name")
+        return value
+
+    @property
+    def workers_per_node(self) -> int:
+        return self.cpu_workers_per_node or self.gpus_per_node or 1
+
+    @property
+    def distributed_backend(self) -> str:
+        return "gloo" if self.cpu_workers_per_node else "nccl"
+
+
+class ProfileError(FtError):
+    exit_code = 2
+
+
+def _parse(data: dict, origin: str) -> ClusterProfile:
+    try:
+        return ClusterProfile.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"])
+        raise ProfileError(f"{origin}: cluster profile field {field}: {first['msg']}") from None
+
+
+def _read(path: Path) -> object:
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{path}: invalid YAML: {exc}") from None
+
+
+def user_profiles_path() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
+    return Path(os.environ.get("FT_CLUSTERS_FILE", os.path.join(base, "ft", "clusters.yaml")))
+
+
+def available_profiles() -> dict[str, ClusterProfile]:
+    """Every profile by name; later sources override earlier: built in, site, user."""
+    profiles: dict[str, ClusterProfile] = {}
+    for path in sorted(BUILTIN_DIR.glob("*.yaml")):
+        profile = _parse(_read(path), str(path))
+        profiles[profile.name] = profile
+    if SITE_PROFILE.is_file():
+        site = _read(SITE_PROFILE) or {}
+        if isinstance(site, dict):
+            base = profiles.get(site.get("name", ""))
+            merged = (base.model_dump() if base else {}) | {k: v for k, v in site.items() if v not in ("", None)}
+            profile = _parse(merged, str(SITE_PROFILE))
+            profiles[profile.name] = profile
+    user_file = user_profiles_path()
+    if user_file.is_file():
+        entries = _read(user_file) or {}
+        if not isinstance(entries, dict):
+            raise ProfileError(f"{user_file}: expected a mapping of profile name to profile")
+        for name, body in entries.items():
+            body = dict(body or {})
+            parent = body.pop("extends", None)
+            base = profiles.get(parent).model_dump() if parent in profiles else {}
+            if parent and not base:
+                raise ProfileError(f"{user_file}: profile {name} extends unknown profile {parent!r}",
+                                   hint=f"known profiles: {', '.join(sorted(profiles))}")
+            profiles[name] = _parse(base | body | {"name": name}, f"{user_file} ({name})")
+    return profiles
+
+
+def default_profile_name() -> str:
+    """This site's profile when ft's Ansible wrote one, else the local lab."""
+    if SITE_PROFILE.is_file():
+        site = _read(SITE_PROFILE)
+        if isinstance(site, dict) and site.get("name"):
+            return str(site["name"])
+    return "lab"
+
+
+def load_profile(name: str | None) -> ClusterProfile:
+    profiles = available_profiles()
+    wanted = name or default_profile_name()
+    if wanted not in profiles:
+        import difflib
+
+        close = difflib.get_close_matches(wanted, profiles, n=1)
+        raise ProfileError(f"unknown cluster profile {wanted!r}",
+                           hint=(f"did you mean {close[0]!r}? " if close else "")
+                           + f"known profiles: {', '.join(sorted(profiles))}")
+    return profiles[wanted]

@@ -1,0 +1,3 @@
+from toolkit.launch.node import main
+
+main()

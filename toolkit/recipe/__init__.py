@@ -1,0 +1,1 @@
+"""Recipes: one fine-tuning run as a typed, validated document (recipes/*.yaml)."""

@@ -1,0 +1,232 @@
+"""Load a recipe, fill its defaults from the model size, method and cluster, and check it against
+the cluster. Every value carries its source, for `ft recipe explain`."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from toolkit.cluster.profile import ClusterProfile, load_profile
+from toolkit.errors import FtError
+from toolkit.recipe.schema import Method, Objective, Recipe
+from toolkit.recipe.yaml_source import SourceMap, load_yaml
+
+TINY_MODEL = "tiny-llama"
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+class RecipeError(FtError):
+    """One or more problems in a recipe, each located (file:line field) with a fix."""
+
+    exit_code = 2
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        super().__init__(f"recipe has {count}:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+@dataclass
+class ResolvedRecipe:
+    recipe: Recipe
+    profile: ClusterProfile
+    path: Path
+    sources: dict[str, str] = field(default_factory=dict)  # dotted field -> where its value came from
+
+    @property
+    def world_size(self) -> int:
+        return self.recipe.resources.nodes * self.workers_per_node
+
+    @property
+    def workers_per_node(self) -> int:
+        if self.profile.cpu_workers_per_node:
+            return self.profile.cpu_workers_per_node
+        return self.recipe.resources.gpus_per_node or 1
+
+    @property
+    def gradient_accumulation(self) -> int:
+        training = self.recipe.training
+        return training.global_batch // (training.micro_batch * self.world_size)
+
+    @property
+    def partition(self) -> str:
+        return self.profile.tiers[self.recipe.resources.tier].partition
+
+    @property
+    def qos(self) -> str | None:
+        return self.profile.tiers[self.recipe.resources.tier].qos
+
+    def values(self) -> dict[str, Any]:
+        """Dotted field -> value, for every leaf of the resolved recipe."""
+        return dict(_flatten(self.recipe.model_dump(mode="json")))
+
+
+def _flatten(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(data, dict) and data and prefix.count(".") < 3 and not prefix.endswith("env"):
+        items: list[tuple[str, Any]] = []
+        for key, value in data.items():
+            items.extend(_flatten(value, f"{prefix}.{key}" if prefix else key))
+        return items
+    return [(prefix, data)]
+
+
+def _field_names(model: type[BaseModel], location: tuple) -> list[str]:
+    """The valid keys at a location of the schema (for 'did you mean')."""
+    current: Any = model
+    for part in location:
+        fields = getattr(current, "model_fields", None)
+        if not fields or part not in fields:
+            return []
+        annotation = fields[part].annotation
+        current = next((a for a in getattr(annotation, "__args__", (annotation,)) if hasattr(a, "model_fields")),
+                       annotation)
+    return list(getattr(current, "model_fields", {}))
+
+
+def _describe(error: dict, source: SourceMap) -> str:
+    location = tuple(error["loc"])
+    dotted = ".".join(str(part) for part in location) or "(top level)"
+    line = source.line_of(location)
+    where = f"{source.path}:{line}" if line else source.path
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        valid = _field_names(Recipe, location[:-1])
+        close = difflib.get_close_matches(str(location[-1]), valid, n=1, cutoff=0.6)
+        fix = f"did you mean '{close[0]}'?" if close else f"valid keys here: {', '.join(valid)}"
+        return f"{where}: {dotted}: unknown field; {fix}"
+    if error["type"] == "missing":
+        return f"{where}: {dotted}: required field is missing"
+    if error["type"] == "enum":
+        return f"{where}: {dotted}: {message} (got {error.get('input')!r})"
+    return f"{where}: {dotted}: {message}"
+
+
+def load_recipe(path: Path) -> tuple[Recipe, SourceMap]:
+    data, source = load_yaml(path)
+    if not isinstance(data, dict):
+        raise RecipeError([f"{path}:1: a recipe is a YAML mapping (name:, model:, data:, ...)"])
+    try:
+        return Recipe.model_validate(data), source
+    except ValidationError as exc:
+        problems = sorted((source.line_of(tuple(e["loc"])) or 0, _describe(e, source)) for e in exc.errors())
+        raise RecipeError([text for _, text in problems]) from None
+
+
+def model_size_b(recipe: Recipe) -> float | None:
+    """Billions of parameters: as given, or as the model's name says (Llama-3.1-8B, 70b)."""
+    if recipe.model.params_b:
+        return recipe.model.params_b
+    if recipe.model.base == TINY_MODEL:
+        return 0.002
+    match = re.search(r"(?<![\d.])(\d+(?:\.\d+)?)\s*[bB](?![a-zA-Z])", Path(recipe.model.base).name)
+    return float(match[1]) if match else None
+
+
+def lora_rank_for(size_b: float | None) -> int:
+    if size_b is None or size_b <= 13:
+        return 16 if size_b and size_b >= 3 else 8
+    return 32 if size_b <= 34 else 64
+
+
+class _Resolver:
+    def __init__(self, recipe: Recipe, source: SourceMap, profile: ClusterProfile, cluster_from: str):
+        self.recipe, self.source, self.profile = recipe, source, profile
+        self.sources: dict[str, str] = {}
+        self.problems: list[str] = []
+        self.cluster_from = cluster_from
+
+    def given(self, dotted: str) -> bool:
+        return self.source.line_of(tuple(dotted.split("."))) is not None and \
+            tuple(dotted.split(".")) in self.source.lines
+
+    def default(self, dotted: str, value: Any, why: str) -> None:
+        section, name = dotted.split(".")
+        if getattr(getattr(self.recipe, section), name) is None:
+            setattr(getattr(self.recipe, section), name, value)
+            self.sources[dotted] = f"default: {why}"
+
+    def problem(self, dotted: str, message: str) -> None:
+        line = self.source.line_of(tuple(dotted.split(".")))
+        where = f"{self.source.path}:{line}" if line else self.source.path
+        self.problems.append(f"{where}: {dotted}: {message}")
+
+    def run(self) -> dict[str, str]:
+        r, p = self.recipe, self.profile
+        size = model_size_b(r)
+        method = r.method.kind
+        self.default("resources.gpus_per_node", p.gpus_per_node, f"all {p.gpus_per_node} GPUs of a {p.name} node")
+        self.default("resources.account", p.default_account, f"the {p.name} profile's account")
+        if method in (Method.lora.value, Method.qlora.value):
+            self.default("method.rank", lora_rank_for(size), f"LoRA rank for a {size or 'unknown-size'}B model")
+            self.default("method.alpha", float(2 * r.method.rank), "twice the rank")
+            self.default("method.target_modules", LLAMA_TARGETS, "the attention projections of Llama-style models")
+            self.default("training.learning_rate", 2e-4, f"{method} fine-tuning")
+        else:
+            self.default("training.learning_rate", 2e-5, "full fine-tuning")
+        if r.objective.kind == Objective.dpo.value:
+            if r.objective.beta is None:
+                r.objective.beta = 0.1
+                self.sources["objective.beta"] = "default: DPO's usual temperature"
+            if r.training.learning_rate and "training.learning_rate" in self.sources:
+                r.training.learning_rate /= 4
+                self.sources["training.learning_rate"] += ", divided by 4 for DPO"
+        big = (size or 0) >= 13
+        self.default("training.zero_stage", 3 if method == Method.full.value and big else 2,
+                     "ZeRO-3 shards a large full fine-tune" if method == Method.full.value and big
+                     else "ZeRO-2: optimizer state and gradients sharded")
+        self.default("training.gradient_checkpointing", (size or 0) >= 7, "on for models of 7B and more")
+        self.default("training.precision", "fp32" if p.cpu_workers_per_node else "bf16",
+                     "CPU workers compute in fp32" if p.cpu_workers_per_node else "bf16 on GPUs")
+        if r.training.steps is None and r.training.epochs is None:
+            r.training.epochs = 1.0
+            self.sources["training.epochs"] = "default: one pass over the data"
+        self.check_resources()
+        workers = p.cpu_workers_per_node or r.resources.gpus_per_node or 1
+        world = r.resources.nodes * workers
+        self.default("training.global_batch", r.training.micro_batch * world, "one micro batch per rank")
+        if r.training.global_batch % (r.training.micro_batch * world):
+            self.problem("training.global_batch",
+                         f"{r.training.global_batch} is not divisible by micro_batch x ranks = "
+                         f"{r.training.micro_batch} x {world}; use a multiple of {r.training.micro_batch * world}")
+        if method == Method.qlora.value and p.cpu_workers_per_node and r.resources.nodes > 1:
+            self.problem("method.kind", "qlora runs on one node on CPU clusters; set resources.nodes: 1")
+        return self.sources
+
+    def check_resources(self) -> None:
+        r, p = self.recipe.resources, self.profile
+        if r.gpus_per_node > p.gpus_per_node:
+            self.problem("resources.gpus_per_node",
+                         f"{r.gpus_per_node} GPUs per node, but {p.name} nodes have {p.gpus_per_node}; "
+                         f"use at most {p.gpus_per_node} (and more nodes)")
+        if p.max_nodes and r.nodes > p.max_nodes:
+            self.problem("resources.nodes", f"{r.nodes} nodes, but {p.name} has {p.max_nodes}")
+        if r.tier not in p.tiers:
+            self.problem("resources.tier", f"{p.name} has no {r.tier} tier; tiers: {', '.join(p.tiers)}")
+
+
+def resolve(path: Path, cluster: str | None = None) -> ResolvedRecipe:
+    """Load, validate, fill defaults and check a recipe against its cluster profile."""
+    recipe, source = load_recipe(path)
+    sources = {dotted: "recipe" for dotted, _ in _flatten(recipe.model_dump(mode="json"))
+               if tuple(dotted.split(".")) in source.lines}
+    chosen = cluster or recipe.cluster
+    profile = load_profile(chosen)
+    resolver = _Resolver(recipe, source, profile,
+                         "--cluster" if cluster else "recipe" if recipe.cluster else "site default")
+    sources.update(resolver.run())
+    if cluster:
+        recipe.cluster = profile.name
+        sources["cluster"] = "--cluster"
+    elif recipe.cluster is None:
+        recipe.cluster = profile.name
+        sources["cluster"] = "default: this site's profile" if profile.name != "lab" else "default: the local lab"
+    if resolver.problems:
+        raise RecipeError(resolver.problems)
+    for dotted, _ in _flatten(recipe.model_dump(mode="json")):
+        sources.setdefault(dotted, "default: schema")
+    return ResolvedRecipe(recipe, profile, path, sources)

@@ -1,0 +1,189 @@
+"""The recipe schema. Fields left unset (None) are filled by `toolkit.recipe.resolve`, which records
+where each value came from; `ft recipe explain` shows it."""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# Environment names that carry secrets: passed from the submitting environment, never written.
+SECRET_ENV_NAMES = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL)", re.IGNORECASE)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=True)
+
+
+class Method(str, Enum):
+    lora = "lora"
+    qlora = "qlora"
+    full = "full"
+
+
+class Objective(str, Enum):
+    sft = "sft"
+    dpo = "dpo"
+
+
+class DataFormat(str, Enum):
+    auto = "auto"
+    prompt_completion = "prompt_completion"
+    chat = "chat"
+    preference = "preference"
+
+
+class Precision(str, Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class Tier(str, Enum):
+    free = "free"
+    standard = "standard"
+    premium = "premium"
+
+
+class ModelSpec(Strict):
+    base: str = Field(description="Local path, a model id (resolved through the cluster's model cache), "
+                                  "or 'tiny-llama' (built locally: tests and the lab)")
+    revision: str | None = Field(None, description="Revision of a model id (a tag or commit)")
+    params_b: Annotated[float, Field(gt=0)] | None = Field(
+        None, description="Size in billions of parameters; inferred from the name when it says (8B, 70b)")
+
+
+class MethodSpec(Strict):
+    kind: Method = Method.lora
+    rank: Annotated[int, Field(ge=1, le=1024)] | None = None
+    alpha: Annotated[float, Field(gt=0)] | None = None
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.05
+    target_modules: list[str] | None = None
+
+
+class ObjectiveSpec(Strict):
+    kind: Objective = Objective.sft
+    beta: Annotated[float, Field(gt=0)] | None = Field(None, description="DPO temperature (dpo only)")
+
+    @model_validator(mode="after")
+    def beta_only_for_dpo(self) -> ObjectiveSpec:
+        if self.beta is not None and self.kind != Objective.dpo.value:
+            raise ValueError("beta applies to the dpo objective only")
+        return self
+
+
+class DataSpec(Strict):
+    train: str = Field(description="Training data: a local path or s3:// URL (JSONL, Parquet, CSV)")
+    eval: str | None = None
+    format: DataFormat = DataFormat.auto
+    max_seq_len: Annotated[int, Field(ge=16, le=1_048_576)] = 2048
+    eval_fraction: Annotated[float, Field(ge=0, lt=0.5)] = Field(
+        0.02, description="Held out for evaluation when no eval set is given")
+    too_long: str = Field("reject", pattern="^(reject|truncate)$")
+
+
+class TrainingSpec(Strict):
+    steps: Annotated[int, Field(ge=1)] | None = None
+    epochs: Annotated[float, Field(gt=0)] | None = None
+    learning_rate: Annotated[float, Field(gt=0, lt=1)] | None = None
+    lr_schedule: str = Field("cosine", pattern="^(cosine|linear|constant)$")
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    micro_batch: Annotated[int, Field(ge=1)] = 1
+    global_batch: Annotated[int, Field(ge=1)] | None = None
+    precision: Precision | None = None
+    seed: int = 42
+    zero_stage: Annotated[int, Field(ge=0, le=3)] | None = None
+    gradient_checkpointing: bool | None = None
+    max_grad_norm: Annotated[float, Field(gt=0)] = 1.0
+
+    @model_validator(mode="after")
+    def steps_or_epochs(self) -> TrainingSpec:
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("give steps or epochs, not both")
+        return self
+
+
+class ResourceSpec(Strict):
+    nodes: Annotated[int, Field(ge=1, le=4096)] = 1
+    gpus_per_node: Annotated[int, Field(ge=0, le=64)] | None = None
+    time: str = Field("04:00:00", description="Slurm time limit: [D-]HH:MM:SS or minutes")
+    tier: Tier = Tier.standard
+    account: str | None = None
+
+    @field_validator("time")
+    @classmethod
+    def slurm_time(cls, value: str) -> str:
+        if not re.fullmatch(r"(\d+-)?\d{1,2}:\d{2}:\d{2}|\d+", value):
+            raise ValueError("use Slurm's format: [D-]HH:MM:SS, or minutes (e.g. 04:00:00, 1-12:00:00, 90)")
+        return value
+
+    @field_validator("account")
+    @classmethod
+    def account_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(NAME_PATTERN, value):
+            raise ValueError("an account name is letters, digits, '.', '_' and '-'")
+        return value
+
+
+class CheckpointSpec(Strict):
+    every_steps: Annotated[int, Field(ge=1)] | None = 100
+    every_minutes: Annotated[float, Field(gt=0)] | None = 30
+    keep_last: Annotated[int, Field(ge=1)] = 3
+    staging: str | None = Field(None, description="Checkpoint folder on the shared filesystem "
+                                                  "(default: the run directory)")
+    s3_mirror: str | None = Field(None, description="s3:// prefix the checkpoints are mirrored to")
+
+    @field_validator("s3_mirror")
+    @classmethod
+    def s3_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("s3://"):
+            raise ValueError("an S3 mirror is an s3://bucket/prefix URL")
+        return value
+
+
+class WandbSpec(Strict):
+    project: str | None = None
+    entity: str | None = None
+    mode: str = Field("offline", pattern="^(online|offline|disabled)$")
+    tags: list[str] = []
+
+
+class TrackingSpec(Strict):
+    wandb: WandbSpec = WandbSpec()
+
+
+class Recipe(Strict):
+    name: str = Field(description="Names the run: letters, digits, '.', '_', '-'")
+    model: ModelSpec
+    method: MethodSpec = MethodSpec()
+    objective: ObjectiveSpec = ObjectiveSpec()
+    data: DataSpec
+    training: TrainingSpec = TrainingSpec()
+    resources: ResourceSpec = ResourceSpec()
+    cluster: str | None = Field(None, description="Cluster profile (default: this site's, else lab)")
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    tracking: TrackingSpec = TrackingSpec()
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for every rank")
+
+    @field_validator("name")
+    @classmethod
+    def run_name(cls, value: str) -> str:
+        if not re.fullmatch(NAME_PATTERN, value):
+            raise ValueError(f"{value!r} cannot name a run: use 1-63 letters, digits, '.', '_' or '-', "
+                             "starting with a letter or digit")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not re.fullmatch(ENV_NAME_PATTERN, name):
+                raise ValueError(f"{name!r} is not a valid environment variable name")
+            if SECRET_ENV_NAMES.search(name):
+                raise ValueError(f"{name} looks like a secret: never put secrets in a recipe; export it in "
+                                 "the shell you submit from and ft passes it by name")
+        return value

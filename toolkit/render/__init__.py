@@ -1,0 +1,1 @@
+"""Rendering the sbatch script of a run from sbatch_templates/."""

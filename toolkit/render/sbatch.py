@@ -1,0 +1,118 @@
+"""Render a run's sbatch script. Deterministic: the same recipe, profile and run id give the same
+bytes. Every user-supplied string reaches the shell quoted, and no secret value is ever written."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from toolkit import __version__
+from toolkit.errors import FtError
+from toolkit.paths import resource_dir
+from toolkit.recipe.resolve import ResolvedRecipe
+
+# Seconds between the pre-timeout signal and the time limit: room to write a checkpoint.
+PRE_TIMEOUT_SECONDS = 300
+# Names passed from the submitting environment, by name only.
+SECRET_NAMES = ("WANDB_API_KEY", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN")
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
+
+
+class RenderError(FtError):
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class RunPlacement:
+    run_id: str
+    run_dir: str
+    idempotency_key: str | None = None
+
+
+def default_run_dir(resolved: ResolvedRecipe, run_id: str) -> str:
+    root = resolved.profile.shared_root or "~/ft"
+    return f"{root.rstrip('/')}/runs/{run_id}"
+
+
+def sbatch_path(path: str) -> str:
+    """A path for an #SBATCH line, which sbatch reads without a shell: it must stand alone."""
+    if any(ch in path for ch in "\n\r\"'\\ \t"):
+        raise RenderError(f"the run directory {path!r} holds a space, quote or newline, which an #SBATCH line "
+                          "cannot carry", hint="choose a run directory (shared_root) without them")
+    return path
+
+
+def environment(resolved: ResolvedRecipe) -> list[tuple[str, str]]:
+    """Fabric variables from the profile, then the recipe's (which win)."""
+    merged = dict(resolved.profile.nccl_env)
+    merged["FT_DIST_BACKEND"] = resolved.profile.distributed_backend
+    merged["FT_WORKERS_PER_NODE"] = str(resolved.workers_per_node)
+    merged.update(resolved.recipe.env)
+    return sorted(merged.items())
+
+
+def srun_options(resolved: ResolvedRecipe) -> str:
+    options = list(resolved.profile.srun_extra_args)
+    if resolved.profile.container_runtime == "pyxis" and resolved.profile.container_image:
+        options += [f"--container-image={resolved.profile.container_image}",
+                    f"--container-mounts={resolved.profile.shared_root}", "--container-workdir=/"]
+    return "".join(f" {shlex.quote(option)}" for option in options)
+
+
+def template_environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(resource_dir("sbatch_templates"))),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,  # noqa: S701 - shell, not HTML: quoting is the `q` filter's job
+    )
+    env.filters["q"] = lambda value: shlex.quote(str(value))
+    env.globals["sbatch_path"] = sbatch_path
+    return env
+
+
+def render(resolved: ResolvedRecipe, placement: RunPlacement, mode: str = "train", python: str | None = None) -> str:
+    if not RUN_ID_PATTERN.fullmatch(placement.run_id):
+        raise RenderError(f"run id {placement.run_id!r} is not typeable",
+                          hint="use letters, digits, '.', '_' and '-'")
+    key = placement.idempotency_key
+    context = {
+        "version": __version__,
+        "recipe": resolved.recipe,
+        "profile": resolved.profile,
+        "run_id": placement.run_id,
+        "run_dir": placement.run_dir,
+        "mode": mode,
+        "job_name": f"ft-{placement.run_id}"[:120],
+        "partition": resolved.partition,
+        "qos": resolved.qos,
+        "gres_gpus": resolved.recipe.resources.gpus_per_node,
+        "workers_per_node": resolved.workers_per_node,
+        "world_size": resolved.world_size,
+        "pre_timeout_seconds": PRE_TIMEOUT_SECONDS,
+        "comment": f"ft-run={placement.run_id}" + (f",ft-key={key}" if key else ""),
+        "modules": resolved.profile.modules,
+        "environment": environment(resolved),
+        "secret_names": SECRET_NAMES,
+        "srun_options": srun_options(resolved),
+        "python": python or resolved.profile.python or sys.executable,
+        "recipe_json": json.dumps(resolved.recipe.model_dump(mode="json"), indent=2, sort_keys=True),
+    }
+    return template_environment().get_template("job.sbatch.j2").render(context)
+
+
+def write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write a file so that readers see the old or the new content, never a half-written one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text)
+    temporary.chmod(mode)
+    temporary.replace(path)

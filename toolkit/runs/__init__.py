@@ -1,0 +1,1 @@
+"""Runs: one directory per run on the shared filesystem, with its recipe, script, jobs and logs."""

@@ -1,0 +1,51 @@
+"""A run's state, as Slurm sees it now, and where its logs are."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from toolkit.runs.store import RunRecord, RunStore
+from toolkit.slurm.client import JobInfo, SlurmClient
+
+
+@dataclass
+class RunStatus:
+    run: RunRecord
+    run_dir: Path
+    job: JobInfo | None
+    attempts: list[dict]
+
+    @property
+    def state(self) -> str:
+        return self.job.state if self.job else "UNKNOWN"
+
+    def to_dict(self) -> dict:
+        return {"run_id": self.run.run_id, "state": self.state, "run_dir": str(self.run_dir),
+                "cluster": self.run.cluster, "recipe": self.run.recipe_name, "mode": self.run.mode,
+                "idempotency_key": self.run.idempotency_key,
+                "jobs": [asdict(job) for job in self.run.jobs],
+                "job": asdict(self.job) if self.job else None, "attempts": self.attempts}
+
+
+def read_attempts(run_dir: Path) -> list[dict]:
+    try:
+        lines = (run_dir / "attempts.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def run_status(store: RunStore, run_id: str, client: SlurmClient) -> RunStatus:
+    record = store.load(run_id)
+    job = client.job(record.latest_job) if record.latest_job else None
+    return RunStatus(record, store.run_dir(run_id), job, read_attempts(store.run_dir(run_id)))
+
+
+def log_path(run_dir: Path, record: RunRecord, node: str | None = None, rank: int | None = None) -> Path:
+    if node is not None:
+        return run_dir / "logs" / f"node-{node}.log"
+    if rank is not None:
+        return run_dir / "logs" / f"rank-{rank}.log"
+    return run_dir / "logs" / f"slurm-{record.latest_job}.out"

@@ -1,0 +1,127 @@
+"""Run directories. Layout of <runs root>/<run id>/:
+
+    run.json           what ft knows: recipe, cluster, idempotency key, every Slurm job id
+    recipe.yaml        the recipe as submitted;  recipe.resolved.yaml  with every default filled
+    job.sbatch         the exact script Slurm runs (it also writes recipe.json when it starts)
+    attempts.jsonl     one line per start of the job (requeues included), from the launcher
+    logs/              slurm-<job>.out, node-<node>.log, rank-<rank>.log
+    checkpoints/       written by the training runtime
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from toolkit.errors import FtError, UsageError
+from toolkit.render.sbatch import write_atomically
+
+KEY_PATTERN = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+_ID_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"  # no 0/o/1/l/i: ids are typed by people
+
+
+@dataclass
+class JobRecord:
+    job_id: str
+    submitted: float
+
+
+@dataclass
+class RunRecord:
+    run_id: str
+    recipe_name: str
+    recipe_path: str
+    cluster: str
+    mode: str
+    created: float
+    idempotency_key: str | None = None
+    jobs: list[JobRecord] = field(default_factory=list)
+
+    @property
+    def latest_job(self) -> str | None:
+        return self.jobs[-1].job_id if self.jobs else None
+
+
+class RunNotFound(FtError):
+    exit_code = 2
+
+
+def new_run_id(recipe_name: str) -> str:
+    suffix = "".join(secrets.choice(_ID_ALPHABET) for _ in range(4))
+    return f"{recipe_name}-{time.strftime('%Y%m%d')}-{suffix}"
+
+
+def validate_key(key: str) -> str:
+    if not KEY_PATTERN.fullmatch(key):
+        raise UsageError(f"idempotency key {key!r} is not usable",
+                         hint="use 1-128 letters, digits and . _ : @ / + = - (it is stored on the Slurm job)")
+    return key
+
+
+class RunStore:
+    def __init__(self, root: Path):
+        self.root = root
+
+    @classmethod
+    def for_shared_root(cls, shared_root: str) -> RunStore:
+        root = os.environ.get("FT_RUNS_DIR") or os.path.join(os.path.expanduser(shared_root or "~/ft"), "runs")
+        return cls(Path(root))
+
+    def run_dir(self, run_id: str) -> Path:
+        return self.root / run_id
+
+    def save(self, record: RunRecord) -> None:
+        write_atomically(self.run_dir(record.run_id) / "run.json", json.dumps(asdict(record), indent=2) + "\n")
+
+    def load(self, run_id: str) -> RunRecord:
+        path = self.run_dir(run_id) / "run.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            known = [r.run_id for r in self.list()][:5]
+            raise RunNotFound(f"no run {run_id!r} in {self.root}",
+                              hint=("recent runs: " + ", ".join(known)) if known else "see `ft ls`") from None
+        raw["jobs"] = [JobRecord(**job) for job in raw.get("jobs", [])]
+        return RunRecord(**raw)
+
+    def list(self) -> list[RunRecord]:
+        records = []
+        if self.root.is_dir():
+            for path in self.root.glob("*/run.json"):
+                with contextlib.suppress(OSError, ValueError, TypeError):
+                    records.append(self.load(path.parent.name))
+        return sorted(records, key=lambda record: record.created, reverse=True)
+
+    # -- idempotency -------------------------------------------------------------------------
+    def _key_path(self, key: str, suffix: str) -> Path:
+        digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+        return self.root / ".keys" / f"{digest}.{suffix}"
+
+    @contextlib.contextmanager
+    def key_lock(self, key: str):
+        """Exclusive across processes and shells (flock on the shared filesystem)."""
+        path = self._key_path(key, "lock")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def run_for_key(self, key: str) -> str | None:
+        try:
+            return json.loads(self._key_path(key, "json").read_text())["run_id"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def remember_key(self, key: str, run_id: str) -> None:
+        write_atomically(self._key_path(key, "json"), json.dumps({"key": key, "run_id": run_id}) + "\n")

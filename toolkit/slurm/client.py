@@ -1,0 +1,185 @@
+"""SlurmClient: what ft asks of Slurm, behind one small interface with two backends.
+
+- CliSlurmClient: Slurm's command-line tools, `--json` where this Slurm has it, text otherwise;
+  every call with a timeout. Works wherever the tools do.
+- PyslurmClient: pyslurm, used only when it is installed and built for this cluster's Slurm
+  (pyslurm builds against exactly one Slurm release); otherwise `unavailable_reason()` says why.
+
+Job state comes from squeue while Slurm remembers the job, then sacct (accounting), then the
+job-completion log, so it stays right after squeue forgets a job and on sites without accounting.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+from toolkit.slurm import commands
+from toolkit.slurm.commands import SlurmCommandError
+
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+            "DEADLINE", "PREEMPTED"}
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    job_id: str
+    state: str
+    source: str  # squeue | sacct | jobcomp
+    nodes: str = ""
+    reason: str = ""
+    exit_code: int | None = None
+    restarts: int = 0
+    elapsed_s: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINISHED
+
+
+class SlurmClient(Protocol):
+    name: str
+
+    def version(self) -> tuple[int, int, int]: ...
+
+    def job(self, job_id: str) -> JobInfo | None: ...
+
+    def cancel(self, job_ids: list[str]) -> None: ...
+
+
+def _parse_version(text: str) -> tuple[int, int, int]:
+    match = re.search(r"(\d+)\.(\d+)\.(\d+)", text)
+    if not match:
+        raise SlurmCommandError(f"cannot read the Slurm version from {text!r}")
+    return int(match[1]), int(match[2]), int(match[3])
+
+
+def _state(value) -> str:
+    if isinstance(value, dict):  # sacct --json: {"current": "COMPLETED", "reason": ...}
+        value = value.get("current", "")
+    if isinstance(value, list):
+        value = value[0] if value else ""
+    return str(value).split()[0].upper() if value else "UNKNOWN"
+
+
+class CliSlurmClient:
+    name = "cli"
+
+    def __init__(self, timeout: float = commands.DEFAULT_TIMEOUT_S):
+        self.timeout = timeout
+
+    @functools.cache  # noqa: B019 - one client per process; the version does not change under it
+    def version(self) -> tuple[int, int, int]:
+        return _parse_version(commands.run(["sbatch", "--version"], timeout=self.timeout).stdout)
+
+    def supports_json(self) -> bool:
+        return self.version() >= (21, 8, 0)
+
+    def job(self, job_id: str) -> JobInfo | None:
+        return self._from_squeue(job_id) or self._from_sacct(job_id) or self._from_jobcomp(job_id)
+
+    def cancel(self, job_ids: list[str]) -> None:
+        if job_ids:
+            commands.run(["scancel", *job_ids], timeout=self.timeout)
+
+    # -- sources -----------------------------------------------------------------------------
+    def _from_squeue(self, job_id: str) -> JobInfo | None:
+        if self.supports_json():
+            result = commands.run(["squeue", "--json", "--jobs", job_id], timeout=self.timeout, check=False)
+            if result.returncode != 0:
+                return None  # squeue exits non-zero for a job it no longer knows
+            for job in json.loads(result.stdout).get("jobs", []):
+                if str(job.get("job_id")) == job_id:
+                    return JobInfo(job_id, _state(job.get("job_state")), "squeue", job.get("nodes", ""),
+                                   job.get("state_reason", ""), None, int(job.get("restart_cnt", 0) or 0))
+            return None
+        result = commands.run(["squeue", "--noheader", "--jobs", job_id, "--format=%T|%N|%r"],
+                              timeout=self.timeout, check=False)
+        line = result.stdout.strip()
+        if result.returncode != 0 or not line:
+            return None
+        state, nodes, reason = (line.split("|") + ["", ""])[:3]
+        return JobInfo(job_id, _state(state), "squeue", nodes, reason)
+
+    def _from_sacct(self, job_id: str) -> JobInfo | None:
+        result = commands.run(["sacct", "--noheader", "--parsable2", "--allocations", "--jobs", job_id,
+                               "--format=JobIDRaw,State,NodeList,ExitCode,ElapsedRaw"],
+                              timeout=self.timeout, check=False)
+        if result.returncode != 0:
+            return None  # accounting disabled or unreachable: fall through to the completion log
+        rows = [line.split("|") for line in result.stdout.splitlines() if line.split("|")[0] == job_id]
+        if not rows:
+            return None
+        _, state, nodes, exit_code, elapsed = rows[-1][:5]
+        return JobInfo(job_id, _state(state), "sacct", nodes, "", int(exit_code.split(":")[0] or 0),
+                       len(rows) - 1, int(elapsed or 0))
+
+    def _jobcomp_path(self) -> str | None:
+        result = commands.run(["scontrol", "show", "config"], timeout=self.timeout, check=False)
+        types = re.search(r"^JobCompType\s*=\s*(\S+)", result.stdout, re.M)
+        location = re.search(r"^JobCompLoc\s*=\s*(\S+)", result.stdout, re.M)
+        if types and "filetxt" in types[1] and location:
+            return location[1]
+        return None
+
+    def _from_jobcomp(self, job_id: str) -> JobInfo | None:
+        path = self._jobcomp_path()
+        if not path:
+            return None
+        found = None
+        try:
+            with open(path, errors="replace") as handle:
+                for line in handle:
+                    if line.startswith(f"JobId={job_id} "):
+                        found = dict(re.findall(r"(\w+)=(\S*)", line))
+        except OSError:
+            return None
+        if not found:
+            return None
+        exit_code = found.get("ExitCode", "0:0").split(":")[0]
+        return JobInfo(job_id, _state(found.get("JobState", "")), "jobcomp", found.get("NodeList", ""), "",
+                       int(exit_code) if exit_code.isdigit() else None)
+
+
+class PyslurmClient(CliSlurmClient):
+    """pyslurm for job queries when it matches this Slurm; the CLI otherwise stays authoritative."""
+
+    name = "pyslurm"
+
+    def __init__(self, timeout: float = commands.DEFAULT_TIMEOUT_S):
+        super().__init__(timeout)
+        import pyslurm  # noqa: F401 - raises ImportError when absent
+
+        self._pyslurm = pyslurm
+
+    def job(self, job_id: str) -> JobInfo | None:
+        try:
+            job = self._pyslurm.Job.load(int(job_id))
+        except Exception:  # pyslurm raises its own RPCError for unknown jobs
+            return super().job(job_id)
+        return JobInfo(job_id, _state(job.state), "pyslurm", str(job.allocated_nodes or ""), str(job.state_reason))
+
+
+def pyslurm_unavailable_reason(slurm_version: tuple[int, int, int] | None) -> str | None:
+    """Why the pyslurm backend is not used here, or None when it can be."""
+    try:
+        import pyslurm
+    except ImportError:
+        return "pyslurm is not installed (it builds only against one Slurm release: pip install pyslurm==<X.Y>)"
+    built = _parse_version(getattr(pyslurm, "__version__", "0.0.0"))
+    if slurm_version is None or built[:2] != slurm_version[:2]:
+        found = ".".join(map(str, slurm_version)) if slurm_version else "unknown"
+        return f"pyslurm {'.'.join(map(str, built))} is built for Slurm {built[0]}.{built[1]}, this cluster runs {found}"
+    return None
+
+
+def default_client() -> SlurmClient:
+    cli = CliSlurmClient()
+    try:
+        version = cli.version()
+    except Exception:
+        return cli
+    return PyslurmClient() if pyslurm_unavailable_reason(version) is None else cli

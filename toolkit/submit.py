@@ -1,0 +1,101 @@
+"""Submit a run: validate, render, and hand the script to Slurm through submitit.
+
+The script submitit passes to sbatch is exactly ft's rendered script (FtSlurmExecutor swaps
+submitit's own template for it), and it is kept in the run directory as job.sbatch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from toolkit.errors import FtError
+from toolkit.recipe.resolve import ResolvedRecipe, resolve
+from toolkit.render.sbatch import RunPlacement, render, write_atomically
+from toolkit.slurm import commands
+from toolkit.runs.store import JobRecord, RunRecord, RunStore, new_run_id, validate_key
+
+
+class SubmitError(FtError):
+    pass
+
+
+@dataclass
+class Submission:
+    run: RunRecord
+    run_dir: Path
+    created: bool  # False: an earlier submission with the same idempotency key was returned
+
+
+def _executor(folder: Path, script: str):
+    import submitit
+
+    class FtSlurmExecutor(submitit.SlurmExecutor):
+        """submitit's Slurm executor with ft's rendered script as the submission file."""
+
+        def _make_submission_file_text(self, command: str, uid: str) -> str:
+            return script
+
+    return FtSlurmExecutor(folder=folder)
+
+
+def _sbatch(run_dir: Path, script: str) -> str:
+    os.environ.setdefault("SLURM_CONF", commands.slurm_env()["SLURM_CONF"])  # never let sbatch ask DNS
+    folder = run_dir / "submitit"
+    folder.mkdir(exist_ok=True)
+    executor = _executor(folder, script)
+    try:
+        job = executor._submit_command("ft-run")  # the script above is the whole job; no pickle
+    except Exception as exc:  # submitit raises FailedJobError/CalledProcessError with sbatch's text
+        raise SubmitError(f"sbatch refused the job: {exc}".strip(),
+                          hint=f"the rendered script is in {run_dir / 'job.sbatch'}") from None
+    return str(job.job_id)
+
+
+def store_for(resolved: ResolvedRecipe) -> RunStore:
+    return RunStore.for_shared_root(resolved.profile.shared_root)
+
+
+def submit(recipe_path: Path, cluster: str | None = None, idempotency_key: str | None = None,
+           mode: str = "train") -> Submission:
+    resolved = resolve(recipe_path, cluster)
+    store = store_for(resolved)
+    if idempotency_key is None:
+        return _submit_new(resolved, store, None, mode)
+    validate_key(idempotency_key)
+    with store.key_lock(idempotency_key):
+        existing = store.run_for_key(idempotency_key)
+        if existing:
+            return Submission(store.load(existing), store.run_dir(existing), created=False)
+        submission = _submit_new(resolved, store, idempotency_key, mode)
+        store.remember_key(idempotency_key, submission.run.run_id)
+        return submission
+
+
+def _submit_new(resolved: ResolvedRecipe, store: RunStore, key: str | None, mode: str) -> Submission:
+    run_id = new_run_id(resolved.recipe.name)
+    run_dir = store.run_dir(run_id)
+    placement = RunPlacement(run_id, str(run_dir), key)
+    script = render(resolved, placement, mode=mode)  # before anything is written: errors leave nothing
+    run_dir.mkdir(parents=True)
+    (run_dir / "logs").mkdir()
+    shutil.copyfile(resolved.path, run_dir / "recipe.yaml")
+    write_atomically(run_dir / "recipe.resolved.yaml",
+                     yaml.safe_dump(resolved.recipe.model_dump(mode="json"), sort_keys=False))
+    write_atomically(run_dir / "job.sbatch", script, mode=0o755)
+    record = RunRecord(run_id, resolved.recipe.name, str(resolved.path.resolve()), resolved.profile.name, mode,
+                       time.time(), key)
+    store.save(record)
+    try:
+        job_id = _sbatch(run_dir, script)
+    except SubmitError:
+        shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-done: no run without a job
+        raise
+    record.jobs.append(JobRecord(job_id, time.time()))
+    store.save(record)
+    return Submission(record, run_dir, created=True)
