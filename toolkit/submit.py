@@ -17,8 +17,8 @@ import yaml
 from toolkit.errors import FtError
 from toolkit.recipe.resolve import ResolvedRecipe, resolve
 from toolkit.render.sbatch import RunPlacement, render, write_atomically
-from toolkit.slurm import commands
 from toolkit.runs.store import JobRecord, RunRecord, RunStore, new_run_id, validate_key
+from toolkit.slurm import commands
 
 
 class SubmitError(FtError):

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,17 +26,23 @@ def test_version():
     assert result.stdout.strip() == f"ft {__version__}"
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["lab", "--help"], ["lab", "status", "--json"]])
+RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "llama3-8b-lora-sft.yaml")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["lab", "--help"], ["lab", "status", "--json"],
+                                  ["recipe", "explain", RECIPE, "--cluster", "oci"],
+                                  ["render", RECIPE, "--cluster", "hyperpod"], ["ls", "--json"],
+                                  ["status", "no-such-run"]])
 def test_login_node_commands_never_import_the_training_stack(argv, tmp_path):
     probe = (
         "import sys\n"
         "from toolkit.cli.app import app\n"
         f"sys.argv = ['ft', *{argv!r}]\n"
-        "try:\n    app()\nexcept SystemExit:\n    pass\n"
+        "try:\n    app()\nexcept (SystemExit, Exception):\n    pass\n"
         f"print('HEAVY=' + ','.join(m for m in {HEAVY!r} if m in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "FT_LAB_STATE_DIR": str(tmp_path)})
+                            env={**os.environ, "FT_LAB_STATE_DIR": str(tmp_path), "FT_RUNS_DIR": str(tmp_path)})
     assert "HEAVY=\n" in result.stdout, result.stdout + result.stderr
 
 

@@ -13,7 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from toolkit.errors import FtError
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
-SITE_PROFILE = Path(os.environ.get("FT_SITE_PROFILE", "/etc/ft/cluster.yaml"))
+
+
+def site_profile_path() -> Path:
+    """This site's profile, written by ft's Ansible role ft_profile."""
+    return Path(os.environ.get("FT_SITE_PROFILE", "/etc/ft/cluster.yaml"))
 
 
 class TierTarget(BaseModel):
@@ -94,12 +98,13 @@ def available_profiles() -> dict[str, ClusterProfile]:
     for path in sorted(BUILTIN_DIR.glob("*.yaml")):
         profile = _parse(_read(path), str(path))
         profiles[profile.name] = profile
-    if SITE_PROFILE.is_file():
-        site = _read(SITE_PROFILE) or {}
+    site_path = site_profile_path()
+    if site_path.is_file():
+        site = _read(site_path) or {}
         if isinstance(site, dict):
             base = profiles.get(site.get("name", ""))
             merged = (base.model_dump() if base else {}) | {k: v for k, v in site.items() if v not in ("", None)}
-            profile = _parse(merged, str(SITE_PROFILE))
+            profile = _parse(merged, str(site_path))
             profiles[profile.name] = profile
     user_file = user_profiles_path()
     if user_file.is_file():
@@ -119,8 +124,8 @@ def available_profiles() -> dict[str, ClusterProfile]:
 
 def default_profile_name() -> str:
     """This site's profile when ft's Ansible wrote one, else the local lab."""
-    if SITE_PROFILE.is_file():
-        site = _read(SITE_PROFILE)
+    if site_profile_path().is_file():
+        site = _read(site_profile_path())
         if isinstance(site, dict) and site.get("name"):
             return str(site["name"])
     return "lab"

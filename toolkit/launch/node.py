@@ -38,16 +38,22 @@ def preflight(run_dir: Path) -> int:
     expected = int(os.environ.get("SLURM_GPUS_ON_NODE", "0") or 0)
     if len(visible) != expected:
         problems.append(f"{len(visible)} GPUs visible, {expected} allocated")
+    try:
+        recipe = json.loads((run_dir / "recipe.json").read_text())
+    except (OSError, ValueError) as exc:
+        problems.append(f"recipe unreadable: {exc}")
+        recipe = {"env": {}}
+    # What this node sees: the recipe's environment arrives exactly as written, or the check fails.
+    env_seen = {name: os.environ.get(name) for name in recipe.get("env", {})}
+    for name, value in recipe.get("env", {}).items():
+        if env_seen[name] != value:
+            problems.append(f"environment variable {name} differs from the recipe's value")
     probe = run_dir / "preflight" / socket.gethostname()
     try:
         probe.parent.mkdir(parents=True, exist_ok=True)
-        probe.write_text(json.dumps({"gpus": visible, "time": time.time()}))
+        probe.write_text(json.dumps({"gpus": visible, "env": env_seen, "time": time.time()}))
     except OSError as exc:
         problems.append(f"run directory not writable: {exc}")
-    try:
-        json.loads((run_dir / "recipe.json").read_text())
-    except (OSError, ValueError) as exc:
-        problems.append(f"recipe unreadable: {exc}")
     for problem in problems:
         log(f"preflight: {problem}")
     if not problems:

@@ -4,7 +4,7 @@ where each value came from; `ft recipe explain` shows it."""
 from __future__ import annotations
 
 import re
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -19,31 +19,31 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=True)
 
 
-class Method(str, Enum):
+class Method(StrEnum):
     lora = "lora"
     qlora = "qlora"
     full = "full"
 
 
-class Objective(str, Enum):
+class Objective(StrEnum):
     sft = "sft"
     dpo = "dpo"
 
 
-class DataFormat(str, Enum):
+class DataFormat(StrEnum):
     auto = "auto"
     prompt_completion = "prompt_completion"
     chat = "chat"
     preference = "preference"
 
 
-class Precision(str, Enum):
+class Precision(StrEnum):
     bf16 = "bf16"
     fp16 = "fp16"
     fp32 = "fp32"
 
 
-class Tier(str, Enum):
+class Tier(StrEnum):
     free = "free"
     standard = "standard"
     premium = "premium"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,18 @@ def default_run_dir(resolved: ResolvedRecipe, run_id: str) -> str:
     return f"{root.rstrip('/')}/runs/{run_id}"
 
 
+_PLAIN_WORD = re.compile(r"[A-Za-z0-9_./:@%+,-]+")
+
+
+def shell_quote(value: object) -> str:
+    """One shell word that means exactly `value`. Stricter than shlex.quote: a leading '=' or
+    '^' (NCCL's "exact match" and "exclude" prefixes) is quoted too, so readers never wonder."""
+    text = str(value)
+    if _PLAIN_WORD.fullmatch(text):
+        return text
+    return "'" + text.replace("'", "'\"'\"'") + "'"
+
+
 def sbatch_path(path: str) -> str:
     """A path for an #SBATCH line, which sbatch reads without a shell: it must stand alone."""
     if any(ch in path for ch in "\n\r\"'\\ \t"):
@@ -62,7 +73,7 @@ def srun_options(resolved: ResolvedRecipe) -> str:
     if resolved.profile.container_runtime == "pyxis" and resolved.profile.container_image:
         options += [f"--container-image={resolved.profile.container_image}",
                     f"--container-mounts={resolved.profile.shared_root}", "--container-workdir=/"]
-    return "".join(f" {shlex.quote(option)}" for option in options)
+    return "".join(f" {shell_quote(option)}" for option in options)
 
 
 def template_environment() -> jinja2.Environment:
@@ -74,7 +85,7 @@ def template_environment() -> jinja2.Environment:
         keep_trailing_newline=True,
         autoescape=False,  # noqa: S701 - shell, not HTML: quoting is the `q` filter's job
     )
-    env.filters["q"] = lambda value: shlex.quote(str(value))
+    env.filters["q"] = shell_quote
     env.globals["sbatch_path"] = sbatch_path
     return env
 

@@ -172,7 +172,8 @@ def pyslurm_unavailable_reason(slurm_version: tuple[int, int, int] | None) -> st
     built = _parse_version(getattr(pyslurm, "__version__", "0.0.0"))
     if slurm_version is None or built[:2] != slurm_version[:2]:
         found = ".".join(map(str, slurm_version)) if slurm_version else "unknown"
-        return f"pyslurm {'.'.join(map(str, built))} is built for Slurm {built[0]}.{built[1]}, this cluster runs {found}"
+        return (f"pyslurm {'.'.join(map(str, built))} is built for Slurm {built[0]}.{built[1]}; "
+                f"this cluster runs {found}")
     return None
 
 

@@ -1,0 +1,137 @@
+"""`ft submit` on the lab: a 2-node job through to completion, the exact script kept, idempotent
+submission, hostile strings carried without executing, refusals that leave nothing behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support.slurm import job_fields, wait_for
+from toolkit.runs.store import RunStore
+from toolkit.slurm import commands
+from toolkit.slurm.client import CliSlurmClient
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "recipes" / "tiny-lora-sft.yaml"
+
+
+def ft(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True,
+                          timeout=120, **kwargs)
+
+
+@pytest.fixture
+def runs_dir(shared_tmp, monkeypatch) -> Path:
+    """Runs of this test in a folder of their own on the shared filesystem."""
+    monkeypatch.setenv("FT_RUNS_DIR", str(shared_tmp / "runs"))
+    return shared_tmp / "runs"
+
+
+def submit(*args: str) -> dict:
+    result = ft("submit", "--json", *args)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def wait_finished(run_id: str) -> dict:
+    def finished():
+        shown = json.loads(ft("status", run_id, "--json").stdout)
+        return shown if shown["job"] and shown["state"] in {"COMPLETED", "FAILED", "CANCELLED"} else None
+
+    return wait_for(f"run {run_id} to finish", finished, timeout=120, interval=1)
+
+
+def test_two_node_run_goes_through_to_completion_with_status_and_logs(lab, runs_dir):
+    run = submit(str(TINY), "--preflight")
+
+    status = wait_finished(run["run_id"])
+    assert status["state"] == "COMPLETED"
+    (attempt,) = status["attempts"]
+    assert attempt["job_id"] == run["job_id"] and len(set(attempt["nodes"])) == 2
+    job_log = ft("logs", run["run_id"])
+    assert job_log.returncode == 0 and f"ft: job {run['job_id']}" in job_log.stdout
+    for node in attempt["nodes"]:
+        node_log = ft("logs", run["run_id"], "--node", node)
+        assert "preflight passed" in node_log.stdout, node_log.stdout + node_log.stderr
+    listed = json.loads(ft("ls", "--json").stdout)
+    assert [entry["run_id"] for entry in listed] == [run["run_id"]]
+    table = ft("status", run["run_id"])
+    assert "COMPLETED" in table.stdout and "attempts" in table.stdout
+
+
+def test_slurm_runs_exactly_the_script_ft_render_writes(lab, runs_dir):
+    run = submit(str(TINY), "--preflight")
+    kept = (Path(run["run_dir"]) / "job.sbatch").read_text()
+
+    in_slurm = commands.run(["scontrol", "write", "batch_script", run["job_id"], "-"]).stdout
+    rendered = ft("render", str(TINY), "--preflight", "--run-id", run["run_id"])
+
+    assert rendered.returncode == 0, rendered.stderr
+    assert in_slurm == kept == rendered.stdout
+    wait_finished(run["run_id"])
+
+
+def test_same_idempotency_key_from_two_shells_at_once_submits_once(lab, runs_dir):
+    key = f"test-key-{runs_dir.parent.name}"
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: submit(str(TINY), "--preflight", "--idempotency-key", key), range(2)))
+
+    assert results[0]["run_id"] == results[1]["run_id"]
+    assert sorted(r["created"] for r in results) == [False, True]
+    assert len(list(runs_dir.glob("*/run.json"))) == 1
+    assert f"ft-key={key}" in job_fields(results[0]["job_id"]).get("Comment", "")
+    again = submit(str(TINY), "--preflight", "--idempotency-key", key)
+    assert again["run_id"] == results[0]["run_id"] and again["created"] is False
+    wait_finished(results[0]["run_id"])
+
+
+def test_hostile_strings_arrive_on_every_node_and_never_execute(lab, runs_dir, shared_tmp):
+    marker = shared_tmp / "pwned"
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["env"] = {"FT_Q": "it's \"quoted\"; echo hi", "FT_SUB": f"$(touch {marker})",
+                     "FT_TICK": f"`touch {marker}`", "FT_NL": f"one\ntwo $(touch {marker})"}
+    recipe["data"]["train"] = f"/data/o'neil; $(touch {marker}).jsonl"
+    path = shared_tmp / "hostile.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+
+    run = submit(str(path), "--preflight")
+
+    assert wait_finished(run["run_id"])["state"] == "COMPLETED"
+    assert not marker.exists()
+    records = list((Path(run["run_dir"]) / "preflight").glob("*"))
+    assert len(records) == 2
+    for record in records:
+        assert json.loads(record.read_text())["env"] == recipe["env"]
+    assert json.loads((Path(run["run_dir"]) / "recipe.json").read_text())["data"]["train"] == recipe["data"]["train"]
+
+
+def test_a_job_slurm_refuses_leaves_no_run_behind(lab, runs_dir, shared_tmp):
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["resources"]["account"] = "no-such-account"
+    path = shared_tmp / "bad-account.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+
+    result = ft("submit", str(path))
+
+    assert result.returncode != 0
+    assert "sbatch refused the job" in result.stderr and "account" in result.stderr.lower()
+    assert not list(runs_dir.glob("*/run.json"))
+
+
+def test_every_state_source_agrees_on_a_finished_job(lab, runs_dir):
+    run = submit(str(TINY), "--preflight")
+    wait_finished(run["run_id"])
+    client = CliSlurmClient()
+
+    from_sacct = wait_for("sacct to record the job", lambda: client._from_sacct(run["job_id"]), timeout=30)
+    from_jobcomp = wait_for("the completion log to record the job",
+                            lambda: client._from_jobcomp(run["job_id"]), timeout=30)
+    assert from_sacct.state == from_jobcomp.state == "COMPLETED"
+    assert from_sacct.exit_code == 0
+    assert RunStore(runs_dir).load(run["run_id"]).latest_job == run["job_id"]

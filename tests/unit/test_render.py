@@ -1,0 +1,145 @@
+"""The rendered sbatch script: golden files per profile, valid bash, shellcheck clean, quoting that
+holds against hostile strings, and no secret ever written."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from toolkit.recipe.resolve import resolve
+from toolkit.render.sbatch import RenderError, RunPlacement, render, shell_quote
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = REPO / "tests" / "golden"
+REALISTIC = ["llama3-8b-lora-sft", "llama3-70b-qlora", "llama3-8b-dpo", "llama3-8b-full-32gpu"]
+CASES = [(recipe, cluster) for recipe in REALISTIC for cluster in ("hyperpod", "coreweave", "oci")]
+CASES.append(("tiny-lora-sft", "lab"))
+PYTHON = "/opt/ft/venv/bin/python"  # fixed, so golden files do not depend on this machine
+
+
+def rendered(recipe: str, cluster: str, run_id: str = "golden-run") -> str:
+    resolved = resolve(REPO / "recipes" / f"{recipe}.yaml", cluster)
+    return render(resolved, RunPlacement(run_id, f"/shared/ft/runs/{run_id}"), python=PYTHON)
+
+
+@pytest.mark.parametrize("recipe,cluster", CASES)
+def test_matches_golden_file(recipe, cluster):
+    """Regenerate after an intended change: FT_UPDATE_GOLDEN=1 pytest tests/unit/test_render.py"""
+    script = rendered(recipe, cluster)
+    golden = GOLDEN / f"{recipe}__{cluster}.sbatch"
+    if os.environ.get("FT_UPDATE_GOLDEN") == "1":
+        golden.write_text(script)
+    assert golden.exists(), f"missing golden file {golden.name}: run with FT_UPDATE_GOLDEN=1"
+    assert script == golden.read_text()
+
+
+@pytest.mark.parametrize("recipe,cluster", CASES)
+def test_is_valid_bash_and_shellcheck_clean(recipe, cluster, tmp_path):
+    path = tmp_path / "job.sbatch"
+    path.write_text(rendered(recipe, cluster))
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    if shutil.which("shellcheck"):
+        result = subprocess.run(["shellcheck", str(path)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout
+
+
+def test_rendering_is_deterministic():
+    assert rendered("llama3-8b-lora-sft", "hyperpod") == rendered("llama3-8b-lora-sft", "hyperpod")
+
+
+def sbatch_options(script: str) -> dict[str, str]:
+    return dict(re.findall(r"^#SBATCH --([\w-]+)=?(.*)$", script, re.M))
+
+
+def test_header_asks_slurm_for_what_the_recipe_needs():
+    options = sbatch_options(rendered("llama3-8b-full-32gpu", "hyperpod"))
+    assert options["nodes"] == "4" and options["ntasks-per-node"] == "1"
+    assert options["gpus-per-node"] == "8"
+    assert options["time"] == "2-00:00:00"
+    assert options["partition"] == "urgent"  # tier premium on hyperpod
+    assert "requeue" in options
+    assert options["signal"].startswith("B:USR2@")  # to the batch shell, and not USR1
+    assert options["output"] == "/shared/ft/runs/golden-run/logs/slurm-%j.out"
+
+
+def test_profile_specifics_reach_the_script():
+    hyperpod = rendered("llama3-8b-lora-sft", "hyperpod")
+    assert "--auto-resume=1" in hyperpod and "export FI_PROVIDER=efa" in hyperpod
+    coreweave = rendered("llama3-8b-lora-sft", "coreweave")
+    assert "--container-image=" in coreweave and "--auto-resume" not in coreweave
+    oci = rendered("llama3-8b-lora-sft", "oci")
+    assert "export NCCL_IB_GID_INDEX=3" in oci
+    assert "export NCCL_IB_HCA='=mlx5_0," in oci
+
+
+HOSTILE = [
+    "it's \"quoted\"",
+    "two words; echo INJECTED",
+    "$(touch {marker})",
+    "`touch {marker}`",
+    "line one\nline two\n$(touch {marker})",
+    "${{HOME}} and $HOME",
+    "back\\slash and * glob ?",
+    "",
+]
+
+
+def hostile_recipe(tmp_path: Path, marker: Path) -> Path:
+    env = {f"FT_TEST_{i}": value.format(marker=marker) for i, value in enumerate(HOSTILE)}
+    recipe = yaml.safe_load((REPO / "recipes" / "tiny-lora-sft.yaml").read_text())
+    recipe["env"] = env
+    recipe["data"]["train"] = f"/data/it's a \"path\"; $(touch {marker})\n`touch {marker}`.jsonl"
+    recipe["model"]["base"] = "/models/o'neil $(touch {marker})".replace("{marker}", str(marker))
+    path = tmp_path / "hostile.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_hostile_strings_reach_the_job_exactly_and_never_execute(tmp_path):
+    """Run the script's environment section in bash: every value arrives byte for byte, no payload runs."""
+    marker = tmp_path / "pwned"
+    resolved = resolve(hostile_recipe(tmp_path, marker), "lab")
+    script = render(resolved, RunPlacement("hostile", str(tmp_path / "run")), python=PYTHON)
+    # Everything up to the rendezvous: run dir, recipe heredoc, exports. Then print the environment.
+    head = script.split("# Rendezvous:")[0]
+    probe = tmp_path / "probe.sh"
+    probe.write_text(head + '\nenv -0 > "$FT_RUN_DIR/env.bin"\n')
+    result = subprocess.run(["bash", str(probe)], capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
+    assert result.returncode == 0, result.stderr
+    assert not marker.exists(), "a payload in the recipe was executed"
+    seen = dict(item.split("=", 1) for item in (tmp_path / "run" / "env.bin").read_text().split("\0") if "=" in item)
+    for name, value in resolved.recipe.env.items():
+        assert seen[name] == value
+    import json
+
+    carried = json.loads((tmp_path / "run" / "recipe.json").read_text())
+    assert carried["data"]["train"] == resolved.recipe.data.train
+    assert carried["model"]["base"] == resolved.recipe.model.base
+
+
+def test_no_secret_value_is_ever_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-0123456789")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-abcdefghij")
+    script = rendered("llama3-8b-lora-sft", "hyperpod")
+    assert "wandb-secret-0123456789" not in script and "aws-secret-abcdefghij" not in script
+    assert "WANDB_API_KEY" in script  # named, so readers know where it comes from
+
+
+def test_run_dir_an_sbatch_line_cannot_carry_is_refused(tmp_path):
+    resolved = resolve(REPO / "recipes" / "tiny-lora-sft.yaml", "lab")
+    with pytest.raises(RenderError, match="cannot carry"):
+        render(resolved, RunPlacement("r1", "/shared/my runs/r1"))
+
+
+@pytest.mark.parametrize("value,expected", [("plain-value_1.2", "plain-value_1.2"), ("", "''"),
+                                            ("=mlx5_0", "'=mlx5_0'"), ("a'b", "'a'\"'\"'b'")])
+def test_shell_quote(value, expected):
+    assert shell_quote(value) == expected
+    assert subprocess.run(["bash", "-c", f"printf %s {shell_quote(value)}"], capture_output=True,
+                          text=True).stdout == value
