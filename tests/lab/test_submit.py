@@ -135,3 +135,24 @@ def test_every_state_source_agrees_on_a_finished_job(lab, runs_dir):
     assert from_sacct.state == from_jobcomp.state == "COMPLETED"
     assert from_sacct.exit_code == 0
     assert RunStore(runs_dir).load(run["run_id"]).latest_job == run["job_id"]
+
+
+def test_python_api_submits_waits_and_reads_logs(lab, runs_dir):
+    import toolkit
+
+    run = toolkit.submit(TINY, preflight=True, idempotency_key=f"api-{runs_dir.parent.name}")
+    final = run.wait(timeout=120, poll=1)
+
+    assert final.state == "COMPLETED"
+    assert f"ft: job {run.job_id}" in run.log()
+    assert toolkit.run(run.run_id).state == "COMPLETED"
+    again = toolkit.submit(TINY, preflight=True, idempotency_key=f"api-{runs_dir.parent.name}")
+    assert again.run_id == run.run_id
+
+
+def test_logs_follow_streams_until_the_job_ends(lab, runs_dir):
+    run = submit(str(TINY), "--preflight")
+    followed = ft("logs", run["run_id"], "-f")
+    assert followed.returncode == 0
+    assert f"ft: job {run['job_id']}" in followed.stdout
+    assert json.loads(ft("status", run["run_id"], "--json").stdout)["state"] == "COMPLETED"

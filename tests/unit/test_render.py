@@ -143,3 +143,12 @@ def test_shell_quote(value, expected):
     assert shell_quote(value) == expected
     assert subprocess.run(["bash", "-c", f"printf %s {shell_quote(value)}"], capture_output=True,
                           text=True).stdout == value
+
+
+def test_old_slurm_gets_gres_instead_of_gpus_per_node():
+    resolved = resolve(REPO / "recipes" / "llama3-8b-lora-sft.yaml", "oci")
+    placement = RunPlacement("r", "/shared/r")
+    old = sbatch_options(render(resolved, placement, python=PYTHON, slurm_version=(18, 8, 9)))
+    new = sbatch_options(render(resolved, placement, python=PYTHON, slurm_version=(22, 5, 8)))
+    assert old["gres"] == "gpu:8" and "gpus-per-node" not in old
+    assert new["gpus-per-node"] == "8" and "gres" not in new

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
-import typer
+# ft uses no pydantic plugins; without this, pydantic scans every installed package's entry points.
+os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
 
-from toolkit import __version__
-from toolkit.cli import lab, recipe, runs
-from toolkit.cli.output import print_error
-from toolkit.errors import FtError
+import typer  # noqa: E402
+
+from toolkit import __version__  # noqa: E402
+from toolkit.cli import lab, recipe, runs  # noqa: E402
+from toolkit.cli.output import print_error  # noqa: E402
+from toolkit.errors import FtError  # noqa: E402
 
 app = typer.Typer(
     name="ft",

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
 from rich.table import Table
 
 from toolkit.cli.output import console, print_json, task_spinner
 from toolkit.errors import FtError
-from toolkit.lab import lifecycle
-from toolkit.lab.manifest import LabManifest
-from toolkit.lab.status import LabStatus, collect
+
+if TYPE_CHECKING:
+    from toolkit.lab.status import LabStatus
 
 app = typer.Typer(help="The local lab: a real multi-node Slurm cluster on this machine.", no_args_is_help=True)
 
@@ -50,6 +52,8 @@ def up(
                                      help="Run the playbook even when the lab is already up as configured."),
 ) -> None:
     """Provision and start the lab through ft's Ansible roles. Safe to repeat."""
+    from toolkit.lab import lifecycle
+
     with task_spinner("lab up") as on_task:
         outcome = lifecycle.up(nodes=nodes, reprovision=reprovision, on_task=on_task)
     if outcome.playbook is None:
@@ -69,6 +73,9 @@ def up(
 @app.command()
 def status(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """Show the lab's daemons and nodes. Exit status 0 when every node serves jobs, 1 otherwise."""
+    from toolkit.lab.manifest import LabManifest
+    from toolkit.lab.status import collect
+
     manifest = LabManifest.load()
     if manifest is None:
         if as_json:
@@ -88,6 +95,8 @@ def status(as_json: bool = typer.Option(False, "--json", help="Machine-readable 
 def down(purge: bool = typer.Option(False, "--purge",
                                     help="Also delete jobs, accounting, logs and the lab's shared directory.")) -> None:
     """Stop the lab's daemons and remove its namespaces. The guard route stays."""
+    from toolkit.lab import lifecycle
+
     with task_spinner("lab down") as on_task:
         result = lifecycle.down(purge=purge, on_task=on_task)
     console.print(f"lab is down{' and purged' if purge else ''} ({result.seconds:.1f} s)")
@@ -96,6 +105,8 @@ def down(purge: bool = typer.Option(False, "--purge",
 @app.command()
 def crash(node: str = typer.Argument(..., help="Lab node to crash, e.g. node2.")) -> None:
     """Kill every process of one node, as a power loss would. `ft lab up` brings it back."""
+    from toolkit.lab import lifecycle
+
     killed = lifecycle.crash(node)
     console.print(f"{node}: killed {len(killed)} processes; Slurm marks it DOWN after ~3x SlurmdTimeout")
 

@@ -41,6 +41,21 @@ def explain(recipe: Path = RECIPE, cluster: str = CLUSTER,
     console.print(table)
 
 
+def local_slurm_version(profile_name: str) -> tuple[int, int, int] | None:
+    """This machine's Slurm version when rendering for this site's own cluster; None otherwise."""
+    import shutil
+
+    from toolkit.cluster.profile import default_profile_name
+    from toolkit.slurm.client import CliSlurmClient
+
+    if profile_name != default_profile_name() or not shutil.which("sbatch"):
+        return None
+    try:
+        return CliSlurmClient(timeout=5).version()
+    except Exception:
+        return None
+
+
 def render_command(
     recipe: Path = RECIPE,
     cluster: str = CLUSTER,
@@ -56,7 +71,8 @@ def render_command(
     resolved = resolve(recipe, cluster)
     run_id = run_id or resolved.recipe.name
     run_dir = RunStore.for_shared_root(resolved.profile.shared_root).run_dir(run_id)
-    script = render(resolved, RunPlacement(run_id, str(run_dir)), mode="preflight" if preflight else "train")
+    script = render(resolved, RunPlacement(run_id, str(run_dir)), mode="preflight" if preflight else "train",
+                    slurm_version=local_slurm_version(resolved.profile.name))
     if output is None:
         typer.echo(script, nl=False)
     else:

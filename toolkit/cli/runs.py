@@ -37,7 +37,7 @@ def submit(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Validate a recipe, render its script and submit it as a gang-scheduled job."""
-    from toolkit.submit import submit as submit_run
+    from toolkit.submission import submit as submit_run
 
     with task_spinner("submit") as step:
         step("validating and rendering")

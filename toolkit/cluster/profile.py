@@ -8,6 +8,9 @@ import re
 from pathlib import Path
 
 import yaml
+
+# libyaml's loader when PyYAML was built with it: several times faster on the login node.
+SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from toolkit.errors import FtError
@@ -82,7 +85,7 @@ def _parse(data: dict, origin: str) -> ClusterProfile:
 
 def _read(path: Path) -> object:
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.load(path.read_text(), Loader=SafeLoader)
     except yaml.YAMLError as exc:
         raise ProfileError(f"{path}: invalid YAML: {exc}") from None
 

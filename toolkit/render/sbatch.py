@@ -90,7 +90,14 @@ def template_environment() -> jinja2.Environment:
     return env
 
 
-def render(resolved: ResolvedRecipe, placement: RunPlacement, mode: str = "train", python: str | None = None) -> str:
+# --gpus-per-node arrived in Slurm 19.05; older controllers only understand --gres.
+GPUS_PER_NODE_SINCE = (19, 5, 0)
+
+
+def render(resolved: ResolvedRecipe, placement: RunPlacement, mode: str = "train", python: str | None = None,
+           slurm_version: tuple[int, int, int] | None = None) -> str:
+    """The job script. `slurm_version`, when known (detected on the cluster), picks the options this
+    Slurm understands; unknown means a current Slurm."""
     if not RUN_ID_PATTERN.fullmatch(placement.run_id):
         raise RenderError(f"run id {placement.run_id!r} is not typeable",
                           hint="use letters, digits, '.', '_' and '-'")
@@ -106,6 +113,7 @@ def render(resolved: ResolvedRecipe, placement: RunPlacement, mode: str = "train
         "partition": resolved.partition,
         "qos": resolved.qos,
         "gres_gpus": resolved.recipe.resources.gpus_per_node,
+        "gpus_as_gres": slurm_version is not None and slurm_version < GPUS_PER_NODE_SINCE,
         "workers_per_node": resolved.workers_per_node,
         "world_size": resolved.world_size,
         "pre_timeout_seconds": PRE_TIMEOUT_SECONDS,

@@ -19,6 +19,7 @@ from toolkit.recipe.resolve import ResolvedRecipe, resolve
 from toolkit.render.sbatch import RunPlacement, render, write_atomically
 from toolkit.runs.store import JobRecord, RunRecord, RunStore, new_run_id, validate_key
 from toolkit.slurm import commands
+from toolkit.slurm.client import CliSlurmClient
 
 
 class SubmitError(FtError):
@@ -81,7 +82,8 @@ def _submit_new(resolved: ResolvedRecipe, store: RunStore, key: str | None, mode
     run_id = new_run_id(resolved.recipe.name)
     run_dir = store.run_dir(run_id)
     placement = RunPlacement(run_id, str(run_dir), key)
-    script = render(resolved, placement, mode=mode)  # before anything is written: errors leave nothing
+    version = CliSlurmClient().version()  # this cluster's Slurm decides which options the script uses
+    script = render(resolved, placement, mode=mode, slurm_version=version)  # errors here leave nothing
     run_dir.mkdir(parents=True)
     (run_dir / "logs").mkdir()
     shutil.copyfile(resolved.path, run_dir / "recipe.yaml")

@@ -1,0 +1,50 @@
+"""Cluster profiles: built in, this site's file (from ft's Ansible), and the user's own."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from toolkit.cluster.profile import ProfileError, available_profiles, default_profile_name, load_profile
+
+
+def test_builtin_profiles():
+    assert {"lab", "hyperpod", "coreweave", "oci"} <= set(available_profiles())
+    assert load_profile("hyperpod").srun_extra_args == ["--auto-resume=1"]
+    assert load_profile("lab").distributed_backend == "gloo"
+    assert load_profile("oci").distributed_backend == "nccl"
+    assert default_profile_name() == "lab"  # no site file
+
+
+def test_unknown_profile_suggests_the_nearest(monkeypatch):
+    with pytest.raises(ProfileError) as raised:
+        load_profile("hyperpd")
+    assert "did you mean 'hyperpod'?" in raised.value.hint
+
+
+def test_site_file_names_the_default_and_overrides_builtin_values(tmp_path, monkeypatch):
+    site = tmp_path / "cluster.yaml"
+    site.write_text(yaml.safe_dump({"name": "oci", "shared_root": "/mnt/lustre/ours", "price_per_gpu_hour": 7.5}))
+    monkeypatch.setenv("FT_SITE_PROFILE", str(site))
+    assert default_profile_name() == "oci"
+    profile = load_profile(None)
+    assert profile.shared_root == "/mnt/lustre/ours" and profile.price_per_gpu_hour == 7.5
+    assert profile.fabric == "roce"  # the rest from the built-in profile
+
+
+def test_user_profile_extends_a_builtin(tmp_path, monkeypatch):
+    user = tmp_path / "clusters.yaml"
+    user.write_text(yaml.safe_dump({"mylab": {"extends": "hyperpod", "tiers": {
+        "free": {"partition": "cheap"}, "standard": {"partition": "gpu"}, "premium": {"partition": "gpu",
+                                                                                     "qos": "high"}}}}))
+    monkeypatch.setenv("FT_CLUSTERS_FILE", str(user))
+    profile = load_profile("mylab")
+    assert profile.fabric == "efa" and profile.tiers["premium"].qos == "high"
+
+
+def test_bad_user_profile_is_located(tmp_path, monkeypatch):
+    user = tmp_path / "clusters.yaml"
+    user.write_text(yaml.safe_dump({"x": {"extends": "lab", "gpus_per_node": "many"}}))
+    monkeypatch.setenv("FT_CLUSTERS_FILE", str(user))
+    with pytest.raises(ProfileError, match=r"clusters.yaml \(x\): cluster profile field gpus_per_node"):
+        load_profile("x")
