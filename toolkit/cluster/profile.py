@@ -8,12 +8,12 @@ import re
 from pathlib import Path
 
 import yaml
-
-# libyaml's loader when PyYAML was built with it: several times faster on the login node.
-SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from toolkit.errors import FtError
+
+# libyaml's loader when PyYAML was built with it: several times faster on the login node.
+SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 

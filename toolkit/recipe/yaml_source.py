@@ -8,10 +8,10 @@ from typing import Any
 
 import yaml
 
+from toolkit.errors import FtError
+
 # libyaml's loader when PyYAML was built with it: several times faster on the login node.
 SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-from toolkit.errors import FtError
 
 Location = tuple[str | int, ...]
 
