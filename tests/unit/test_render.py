@@ -25,7 +25,8 @@ PYTHON = "/opt/ft/venv/bin/python"  # fixed, so golden files do not depend on th
 
 def rendered(recipe: str, cluster: str, run_id: str = "golden-run") -> str:
     resolved = resolve(REPO / "recipes" / f"{recipe}.yaml", cluster)
-    return render(resolved, RunPlacement(run_id, f"/shared/ft/runs/{run_id}"), python=PYTHON)
+    script = render(resolved, RunPlacement(run_id, f"/shared/ft/runs/{run_id}"), python=PYTHON)
+    return script.replace(str(REPO), "/checkout")  # recipe-relative data paths name this checkout
 
 
 @pytest.mark.parametrize("recipe,cluster", CASES)

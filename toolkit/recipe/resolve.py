@@ -214,6 +214,11 @@ def resolve(path: Path, cluster: str | None = None) -> ResolvedRecipe:
     recipe, source = load_recipe(path)
     sources = {dotted: "recipe" for dotted, _ in _flatten(recipe.model_dump(mode="json"))
                if tuple(dotted.split(".")) in source.lines}
+    for key in ("train", "eval"):  # local data paths are relative to the recipe file
+        value = getattr(recipe.data, key)
+        if value and "://" not in value and not Path(value).is_absolute():
+            setattr(recipe.data, key, str((path.parent / value).resolve()))
+            sources[f"data.{key}"] = "recipe (relative to the recipe file)"
     chosen = cluster or recipe.cluster
     profile = load_profile(chosen)
     resolver = _Resolver(recipe, source, profile,

@@ -63,6 +63,7 @@ def environment(resolved: ResolvedRecipe) -> list[tuple[str, str]]:
     """Fabric variables from the profile, then the recipe's (which win)."""
     merged = dict(resolved.profile.nccl_env)
     merged["FT_DIST_BACKEND"] = resolved.profile.distributed_backend
+    merged["FT_SHARED_ROOT"] = resolved.profile.shared_root
     merged["FT_WORKERS_PER_NODE"] = str(resolved.workers_per_node)
     merged.update(resolved.recipe.env)
     return sorted(merged.items())

@@ -47,7 +47,8 @@ def build_model(path: Path, vocab_size: int, seed: int = 0, hidden: int = 256, l
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
                          max_position_embeddings=1024, bos_token_id=0, eos_token_id=1, pad_token_id=2,
                          tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    # is_main_process: under torch.distributed, transformers would otherwise write only on rank 0.
+    LlamaForCausalLM(config).save_pretrained(path, is_main_process=True)
 
 
 def ensure_tiny_llama(cache_dir: Path, hidden: int = 256, layers: int = 2) -> Path:

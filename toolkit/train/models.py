@@ -1,0 +1,42 @@
+"""Where a base model comes from: a local path, the cluster's model cache (node-local disk, then the
+shared filesystem), or the hub; or 'tiny-llama', built locally."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from toolkit.train.tiny import ensure_tiny_llama
+
+
+class ModelNotFound(RuntimeError):
+    pass
+
+
+def cache_dirs(shared_root: str) -> list[Path]:
+    local = Path(os.environ.get("FT_MODEL_CACHE_LOCAL", "/tmp/ft-model-cache"))
+    return [local, Path(shared_root) / "models"]
+
+
+def resolve_model(base: str, revision: str | None, shared_root: str) -> Path:
+    if base == "tiny-llama":
+        return ensure_tiny_llama(Path(shared_root) / "models")
+    if Path(base).is_dir():
+        return Path(base)
+    name = base.replace("/", "--") + (f"@{revision}" if revision else "")
+    tried = []
+    for cache in cache_dirs(shared_root):
+        candidate = cache / name
+        tried.append(str(candidate))
+        if (candidate / "config.json").is_file():
+            return candidate
+    if os.environ.get("FT_ALLOW_HUB") != "1":
+        raise ModelNotFound(
+            f"model {base}{'@' + revision if revision else ''} is not in the cluster's model cache "
+            f"(looked in {', '.join(tried)}), and this cluster does not download from the hub "
+            "(FT_ALLOW_HUB is not 1). Put the model in the shared cache first.")
+    from huggingface_hub import snapshot_download
+
+    target = cache_dirs(shared_root)[1] / name
+    snapshot_download(base, revision=revision, local_dir=target)
+    return target

@@ -1,0 +1,240 @@
+"""One training rank: DeepSpeed + transformers + peft, SFT with LoRA or full fine-tuning.
+
+Started by toolkit.train.workers with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set. Resumes by
+itself from the newest valid checkpoint, so a requeue, a restart or a resubmit continues the run.
+Exit status: 0 done (or checkpointed on request), 4 user error (NaN loss), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from toolkit.train.checkpoint import CheckpointStore, step_of
+from toolkit.train.data import batch_indices, collate, detect_format, rank_slice, read_jsonl, sft_example
+from toolkit.train.workers import EXIT_USER_ERROR
+
+_stop_requested = False
+
+
+def request_stop(_signum, _frame) -> None:
+    global _stop_requested
+    _stop_requested = True
+
+
+def log(rank: int, message: str) -> None:
+    print(f"[rank {rank} {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def deepspeed_config(recipe: dict, world: int, total_steps: int) -> dict:
+    training = recipe["training"]
+    accumulation = training["global_batch"] // (training["micro_batch"] * world)
+    warmup = max(1, training["warmup_steps"])  # DeepSpeed's schedulers refuse 0
+    schedulers = {
+        "cosine": {"type": "WarmupCosineLR", "params": {"total_num_steps": total_steps,
+                                                        "warmup_num_steps": warmup}},
+        "linear": {"type": "WarmupDecayLR", "params": {"total_num_steps": total_steps, "warmup_min_lr": 0,
+                                                       "warmup_max_lr": training["learning_rate"],
+                                                       "warmup_num_steps": warmup}},
+        "constant": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": training["learning_rate"],
+                                                    "warmup_num_steps": warmup}},
+    }
+    config = {
+        "train_batch_size": training["global_batch"],
+        "train_micro_batch_size_per_gpu": training["micro_batch"],
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": training["max_grad_norm"],
+        # torch's AdamW: DeepSpeed's fused/CPU Adam would compile an op on first use.
+        "optimizer": {"type": "AdamW", "params": {"lr": training["learning_rate"], "torch_adam": True,
+                                                  "weight_decay": 0.0}},
+        "scheduler": schedulers[training["lr_schedule"]],
+        "zero_optimization": {"stage": training["zero_stage"]},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if training["precision"] == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif training["precision"] == "fp16":
+        config["fp16"] = {"enabled": True}
+    return config
+
+
+def total_steps(recipe: dict, dataset_size: int) -> int:
+    training = recipe["training"]
+    if training.get("steps"):
+        return int(training["steps"])
+    return max(1, math.ceil(training["epochs"] * dataset_size / training["global_batch"]))
+
+
+class Tracker:
+    """Metrics to metrics.jsonl in the run directory, and to W&B (offline on the lab)."""
+
+    def __init__(self, run_dir: Path, recipe: dict, rank: int):
+        self.enabled = rank == 0
+        self.path = run_dir / "metrics.jsonl"
+        self.wandb = None
+        wandb_spec = recipe["tracking"]["wandb"]
+        if self.enabled and wandb_spec["mode"] != "disabled":
+            import wandb
+
+            self.wandb = wandb.init(project=wandb_spec["project"] or "ft", entity=wandb_spec["entity"],
+                                    mode=wandb_spec["mode"], dir=str(run_dir), tags=wandb_spec["tags"],
+                                    name=os.environ.get("FT_RUN_ID"), id=os.environ.get("FT_RUN_ID"),
+                                    resume="allow", config=recipe)
+            link = getattr(self.wandb, "url", None) or str(Path(self.wandb.dir).parent)
+            (run_dir / "tracking.json").write_text(json.dumps({"wandb": link, "mode": wandb_spec["mode"]}) + "\n")
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+
+    def artifact(self, folder: Path) -> None:
+        if self.wandb:
+            import wandb
+
+            artifact = wandb.Artifact(f"{os.environ.get('FT_RUN_ID', 'ft')}-adapter", type="model")
+            artifact.add_dir(str(folder))
+            self.wandb.log_artifact(artifact)
+
+    def finish(self) -> None:
+        if self.wandb:
+            self.wandb.finish()
+
+
+def main() -> None:  # noqa: C901 - the training loop reads best in one place
+    signal.signal(signal.SIGUSR2, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    run_dir = Path(os.environ["FT_RUN_DIR"])
+    shared_root = os.environ.get("FT_SHARED_ROOT", str(run_dir.parent.parent))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(shared_root) / "cache" / "torch_extensions"))
+    recipe = json.loads((run_dir / "recipe.json").read_text())
+    backend = os.environ.get("FT_DIST_BACKEND", "nccl")
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.train.models import resolve_model
+
+    deepspeed.init_distributed(dist_backend=backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(recipe["training"]["seed"])
+    model_path = resolve_model(recipe["model"]["base"], recipe["model"]["revision"], shared_root)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if recipe["training"]["gradient_checkpointing"]:
+        model.gradient_checkpointing_enable()
+    method = recipe["method"]
+    if method["kind"] in ("lora", "qlora"):
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=method["rank"], lora_alpha=method["alpha"],
+                                                 lora_dropout=method["dropout"],
+                                                 target_modules=method["target_modules"], task_type="CAUSAL_LM"))
+
+    rows = read_jsonl(recipe["data"]["train"])
+    fmt = recipe["data"]["format"] if recipe["data"]["format"] != "auto" else detect_format(rows[0])
+    examples = [sft_example(row, tokenizer, recipe["data"]["max_seq_len"], fmt) for row in rows]
+    steps = total_steps(recipe, len(examples))
+    config = deepspeed_config(recipe, world, steps)
+    accumulation = config["gradient_accumulation_steps"]
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config,
+                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
+    store = CheckpointStore(Path(recipe["checkpoint"]["staging"] or run_dir / "checkpoints"),
+                            recipe["checkpoint"]["keep_last"])
+    start = 0
+    tag = store.choose(lambda message: log(rank, f"warning: {message}"))
+    if tag:
+        engine.load_checkpoint(str(store.root), tag=tag, load_module_strict=False)
+        start = step_of(tag)
+        log(rank, f"resumed from checkpoint {tag}")
+    tracker = Tracker(run_dir, recipe, rank)
+    every_steps = recipe["checkpoint"]["every_steps"]
+    every_seconds = (recipe["checkpoint"]["every_minutes"] or 0) * 60
+    last_save, started, tokens = time.monotonic(), time.monotonic(), 0
+
+    def save(step: int) -> None:
+        nonlocal last_save
+        if rank == 0:
+            store.prepare()
+        dist.barrier()
+        engine.save_checkpoint(str(store.staging), tag=f"step-{step:08d}", save_latest=False,
+                               exclude_frozen_parameters=method["kind"] != "full")
+        dist.barrier()
+        if rank == 0:
+            store.publish(step)
+        dist.barrier()
+        last_save = time.monotonic()
+        log(rank, f"checkpoint step {step} saved")
+
+    log(rank, f"training steps {start}..{steps} world={world} accumulation={accumulation} backend={backend}")
+    step = start
+    for step in range(start + 1, steps + 1):
+        indices = batch_indices(step - 1, recipe["training"]["seed"], len(examples), config["train_batch_size"])
+        losses = []
+        for micro in range(accumulation):
+            part = [examples[i] for i in rank_slice(indices, rank, world, config["train_micro_batch_size_per_gpu"],
+                                                    micro)]
+            batch = collate(part, tokenizer.pad_token_id)
+            tokens += int(batch["attention_mask"].sum())
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach())
+        # One collective per step: the mean loss, whether any rank wants to stop, and the save clock.
+        signals = torch.tensor([torch.stack(losses).mean().item(), float(_stop_requested),
+                                float(time.monotonic() - last_save >= every_seconds > 0)], dtype=torch.float64)
+        dist.all_reduce(signals)
+        mean_loss = signals[0].item() / world
+        if not math.isfinite(mean_loss):
+            log(rank, f"loss is {mean_loss} at step {step}: stopping. Try a lower learning rate "
+                      f"(now {recipe['training']['learning_rate']}), gradient clipping (max_grad_norm), "
+                      "and `ft validate` on the data.")
+            sys.exit(EXIT_USER_ERROR)
+        tracker.log(step, {"loss": mean_loss, "lr": engine.get_lr()[0], "tokens": tokens * world})
+        if rank == 0 and (step % 10 == 0 or step == start + 1):
+            log(rank, f"step {step}/{steps} loss {mean_loss:.4f}")
+        stop_now = signals[1].item() > 0
+        if (every_steps and step % every_steps == 0) or signals[2].item() > 0 or stop_now or step == steps:
+            save(step)
+        if stop_now:
+            log(rank, f"stopping at step {step} on request (checkpoint saved); the job continues after requeue")
+            tracker.finish()
+            return
+
+    if rank == 0:
+        export(engine, tokenizer, run_dir, recipe, step, tokens * world, time.monotonic() - started, tracker)
+    dist.barrier()
+    tracker.finish()
+
+
+def export(engine, tokenizer, run_dir: Path, recipe: dict, step: int, tokens: int, seconds: float, tracker) -> None:
+    output = run_dir / "output"
+    output.mkdir(exist_ok=True)
+    engine.module.save_pretrained(output, safe_serialization=True)
+    tokenizer.save_pretrained(output)
+    curve = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        curve = [(m["step"], m["loss"]) for m in map(json.loads, metrics.read_text().splitlines())]
+    gpus = int(os.environ.get("SLURM_GPUS_ON_NODE", "0") or 0) * int(os.environ.get("SLURM_JOB_NUM_NODES", "1"))
+    summary = {"steps": step, "tokens": tokens, "wall_seconds": round(seconds, 1),
+               "gpu_hours": round(gpus * seconds / 3600, 4), "final_loss": curve[-1][1] if curve else None,
+               "loss_curve": curve, "output": str(output), "method": recipe["method"]["kind"]}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    tracker.artifact(output)
+    print(f"[rank 0] wrote {output} and summary.json", flush=True)
+
+
+if __name__ == "__main__":
+    main()
