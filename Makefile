@@ -18,9 +18,9 @@ setup:
 lab: setup
 	$(FT) lab up
 
-# The main job on the local lab: a 2-node GPU smoke job submitted through ft.
-demo: lab
-	$(FT) lab smoke
+# The main job on the local lab: a real 2-node LoRA SFT fine-tune submitted through ft.
+demo:
+	scripts/demo.sh
 
 test:
 	scripts/test.sh

@@ -3,13 +3,13 @@
 # System packages (Slurm, munge, MariaDB) are installed by ft's own Ansible roles (`ft lab up`),
 # so the same roles are exercised here as on a real cluster.
 #
-#   scripts/setup.sh            login-node dependencies + test tools
-#   FT_EXTRAS=train scripts/setup.sh   also the training stack (torch pinned to 2.13.0)
+#   scripts/setup.sh                  ft, the training stack (torch pinned to 2.13.0) and test tools
+#   FT_EXTRAS=dev scripts/setup.sh    a login node: no training stack
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${FT_VENV:-$repo/.venv}"
-extras="${FT_EXTRAS:-dev}"
+extras="${FT_EXTRAS:-dev,train}"
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 
@@ -37,7 +37,8 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$wanted" ]]; then
 else
     log "installing ft[$extras] into $venv (pinned by constraints.txt)"
     "$venv/bin/python" -m pip install --quiet --upgrade pip
-    "$venv/bin/python" -m pip install --quiet -c "$repo/constraints.txt" -e "${repo}[${extras}]"
+    # DS_BUILD_OPS=0: DeepSpeed compiles its ops on first use (cached), not at install time.
+    DS_BUILD_OPS=0 "$venv/bin/python" -m pip install --quiet -c "$repo/constraints.txt" -e "${repo}[${extras}]"
     printf '%s' "$wanted" > "$stamp"
 fi
 log "ft is $venv/bin/ft"

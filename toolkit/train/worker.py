@@ -181,6 +181,9 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
     step = start
     for step in range(start + 1, steps + 1):
         indices = batch_indices(step - 1, recipe["training"]["seed"], len(examples), config["train_batch_size"])
+        # Dropout and every other random draw follow from (seed, step, rank): a resumed run
+        # repeats exactly what the uninterrupted one would have done.
+        torch.manual_seed(recipe["training"]["seed"] * 1_000_003 + step * 4099 + rank)
         losses = []
         for micro in range(accumulation):
             part = [examples[i] for i in rank_slice(indices, rank, world, config["train_micro_batch_size_per_gpu"],

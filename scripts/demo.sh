@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# ft's main job on the local lab: a real 2-node LoRA SFT fine-tune submitted through ft.
+# Sets everything up first (venv, lab). Run as root.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"$repo/scripts/setup.sh"
+ft="$repo/.venv/bin/ft"
+"$ft" lab up
+run_id="$("$ft" submit "$repo/recipes/tiny-lora-sft.yaml" --json | "$repo/.venv/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["run_id"])')"
+echo "[demo] run $run_id submitted; following rank 0"
+# The rank log appears once the job starts; until then, wait.
+until "$ft" logs "$run_id" --rank 0 >/dev/null 2>&1; do sleep 1; done
+"$ft" logs "$run_id" --rank 0 -f
+"$ft" status "$run_id"
+state="$("$ft" status "$run_id" --json | "$repo/.venv/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["state"])')"
+if [[ "$state" != COMPLETED ]]; then
+    echo "[demo] run $run_id ended $state: see \`ft logs $run_id --rank 0\`" >&2
+    exit 1
+fi
+echo "[demo] adapter: $("$ft" status "$run_id" --json | "$repo/.venv/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["run_dir"])')/output"

@@ -1,0 +1,156 @@
+"""The training runtime on the lab, through `ft submit`: a 2-node DeepSpeed ZeRO-2 LoRA SFT that
+learns its task, exact resume after a requeue, and a killed rank that stops the whole job."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support.slurm import job_fields, wait_for
+from toolkit.lab.processes import netns_pids
+from toolkit.slurm import commands
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "recipes" / "tiny-lora-sft.yaml"
+PAIRS = [("cat", "chat"), ("dog", "chien"), ("house", "maison"), ("water", "eau"), ("moon", "lune"),
+         ("bird", "oiseau")]
+
+pytest.importorskip("deepspeed", reason="the training stack (ft[train]) is not installed")
+
+
+def ft(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, timeout=120)
+
+
+def submit(recipe: Path) -> dict:
+    result = ft("submit", "--json", str(recipe))
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def state(run_id: str) -> str:
+    return json.loads(ft("status", run_id, "--json").stdout)["state"]
+
+
+def wait_done(run_id: str, timeout: float = 300) -> str:
+    return wait_for(f"run {run_id} to finish",
+                    lambda: (lambda s: s if s in {"COMPLETED", "FAILED", "CANCELLED", "NODE_FAIL"} else None)(
+                        state(run_id)), timeout=timeout, interval=2)
+
+
+def adapter_tensors(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "output" / "adapter_model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def runs_env(lab, tmp_path_factory):
+    runs = Path(lab.shared_dir) / "tests" / f"training-{os.getpid()}"
+    runs.mkdir(parents=True, exist_ok=True)
+    previous = os.environ.get("FT_RUNS_DIR")
+    os.environ["FT_RUNS_DIR"] = str(runs)
+    yield runs
+    if previous is None:
+        os.environ.pop("FT_RUNS_DIR")
+    else:
+        os.environ["FT_RUNS_DIR"] = previous
+
+
+@pytest.fixture(scope="module")
+def baseline(runs_env) -> dict:
+    """One uninterrupted 2-node run of the tiny recipe."""
+    run = submit(TINY)
+    assert wait_done(run["run_id"]) == "COMPLETED", ft("logs", run["run_id"], "--rank", "0").stdout[-3000:]
+    return run
+
+
+def test_two_node_lora_sft_learns_the_task(baseline):
+    run_dir = Path(baseline["run_dir"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    curve = [loss for _, loss in summary["loss_curve"]]
+    assert summary["steps"] == 120
+    assert sum(curve[-10:]) / 10 < 0.5 * sum(curve[:10]) / 10  # the loss falls by more than half
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter = run_dir / "output"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"]),
+                                      adapter).eval()
+    correct = 0
+    for english, french in PAIRS:
+        ids = [tokenizer.bos_token_id] + tokenizer(f"Translate to French: {english}\nAnswer:",
+                                                   add_special_tokens=False)["input_ids"]
+        output = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        correct += tokenizer.decode(output[0][len(ids):], skip_special_tokens=True).strip() == french
+    assert correct >= len(PAIRS) - 1, f"greedy output right for only {correct} of {len(PAIRS)} words"
+    # Both nodes trained: one log per rank, each with its steps.
+    assert {p.name for p in (run_dir / "logs").glob("rank-*.log")} == {"rank-0.log", "rank-1.log"}
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000120"
+
+
+def test_requeued_run_resumes_and_ends_with_the_same_weights(baseline, runs_env):
+    run = submit(TINY)
+    latest = Path(run["run_dir"]) / "checkpoints" / "latest"
+    wait_for("the first checkpoint", lambda: latest.exists(), timeout=240, interval=0.5)
+    interrupted_at = latest.read_text().strip()
+    commands.run(["scontrol", "requeue", run["job_id"]])
+
+    assert wait_done(run["run_id"], timeout=400) == "COMPLETED"
+    attempts = [json.loads(line) for line in (Path(run["run_dir"]) / "attempts.jsonl").read_text().splitlines()]
+    assert [a["restart"] for a in attempts] == [0, 1]
+    rank0 = (Path(run["run_dir"]) / "logs" / "rank-0.log").read_text()
+    assert "resumed from checkpoint step-" in rank0
+
+    import torch
+
+    expected, resumed = adapter_tensors(Path(baseline["run_dir"])), adapter_tensors(Path(run["run_dir"]))
+    assert expected.keys() == resumed.keys()
+    for name in expected:
+        assert torch.allclose(expected[name], resumed[name], atol=1e-5), f"{name} differs after resume " \
+                                                                         f"(interrupted at {interrupted_at})"
+
+
+def test_a_killed_rank_stops_the_whole_job_with_a_located_error(lab, runs_env, shared_tmp):
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["training"]["steps"] = 5000  # long enough to be killed mid-training
+    recipe["data"]["train"] = str(REPO / "recipes" / "data" / "tiny-sft.jsonl")
+    path = shared_tmp / "long.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    run = submit(path)
+    rank1_log = Path(run["run_dir"]) / "logs" / "rank-1.log"
+    wait_for("rank 1 to train", lambda: rank1_log.exists() and "training steps" in rank1_log.read_text(),
+             timeout=240, interval=1)
+    nodes = commands.run(["scontrol", "show", "hostnames", job_fields(run["job_id"])["NodeList"]]).stdout.split()
+    victim_node = nodes[1]
+
+    def rank1_worker():
+        for pid in netns_pids(f"ftlab-{victim_node}"):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"toolkit.train.worker" in cmdline and b"RANK=1" in environ:
+                return pid
+        return None
+
+    pid = wait_for("rank 1's worker process", rank1_worker, timeout=30)
+    os.kill(pid, signal.SIGKILL)
+
+    # Far below the collective timeout (10 minutes): the whole job stops and fails.
+    assert wait_done(run["run_id"], timeout=120) == "FAILED"
+    node_log = (Path(run["run_dir"]) / "logs" / f"node-{victim_node}.log").read_text()
+    assert f"rank 1 on {victim_node} exited -9" in node_log
