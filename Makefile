@@ -35,6 +35,7 @@ lint: setup
 
 bench: lab
 	$(VENV)/bin/python benchmarks/lab_up.py
+	$(VENV)/bin/python benchmarks/control_plane.py
 
 down:
 	$(FT) lab down
