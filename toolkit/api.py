@@ -56,10 +56,11 @@ class Run:
 
 
 def submit(recipe: str | Path, cluster: str | None = None, idempotency_key: str | None = None,
-           preflight: bool = False) -> Run:
+           preflight: bool = False, skip_validation: bool = False) -> Run:
     from toolkit.submission import submit as submit_run
 
-    submission = submit_run(Path(recipe), cluster, idempotency_key, mode="preflight" if preflight else "train")
+    submission = submit_run(Path(recipe), cluster, idempotency_key, mode="preflight" if preflight else "train",
+                            skip_validation=skip_validation)
     store = RunStore(submission.run_dir.parent)
     return Run(submission.run.run_id, submission.run_dir, store, default_client())
 

@@ -6,6 +6,7 @@ submitit's own template for it), and it is kept in the run directory as job.sbat
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -24,6 +25,29 @@ from toolkit.slurm.client import CliSlurmClient
 
 class SubmitError(FtError):
     pass
+
+
+class DataInvalid(FtError):
+    exit_code = 1
+
+
+def check_data(resolved: ResolvedRecipe) -> list:
+    """The data checks of `ft validate`; errors stop the submission before anything is written."""
+    from toolkit.data.recipe_data import validate_recipe_data
+
+    reports = validate_recipe_data(resolved)
+    bad = [report for report in reports if not report.ok]
+    if bad:
+        lines = []
+        for report in bad:
+            for kind, summary in sorted(report.errors.items()):
+                first = "; ".join(f"{f.location}{' ' + f.field if f.field else ''}: {f.message}"
+                                  for f in summary.examples[:3])
+                lines.append(f"  {kind} x{summary.count}: {first}")
+        raise DataInvalid("the data would fail this run; nothing was submitted:\n" + "\n".join(lines),
+                          hint=f"see every problem with `ft validate {resolved.path}`; --skip-validation "
+                               "submits anyway")
+    return reports
 
 
 @dataclass
@@ -63,22 +87,24 @@ def store_for(resolved: ResolvedRecipe) -> RunStore:
 
 
 def submit(recipe_path: Path, cluster: str | None = None, idempotency_key: str | None = None,
-           mode: str = "train") -> Submission:
+           mode: str = "train", skip_validation: bool = False) -> Submission:
     resolved = resolve(recipe_path, cluster)
+    reports = [] if skip_validation or mode == "preflight" else check_data(resolved)
     store = store_for(resolved)
     if idempotency_key is None:
-        return _submit_new(resolved, store, None, mode)
+        return _submit_new(resolved, store, None, mode, reports)
     validate_key(idempotency_key)
     with store.key_lock(idempotency_key):
         existing = store.run_for_key(idempotency_key)
         if existing:
             return Submission(store.load(existing), store.run_dir(existing), created=False)
-        submission = _submit_new(resolved, store, idempotency_key, mode)
+        submission = _submit_new(resolved, store, idempotency_key, mode, reports)
         store.remember_key(idempotency_key, submission.run.run_id)
         return submission
 
 
-def _submit_new(resolved: ResolvedRecipe, store: RunStore, key: str | None, mode: str) -> Submission:
+def _submit_new(resolved: ResolvedRecipe, store: RunStore, key: str | None, mode: str,
+                reports: list) -> Submission:
     run_id = new_run_id(resolved.recipe.name)
     run_dir = store.run_dir(run_id)
     placement = RunPlacement(run_id, str(run_dir), key)
@@ -90,6 +116,9 @@ def _submit_new(resolved: ResolvedRecipe, store: RunStore, key: str | None, mode
     write_atomically(run_dir / "recipe.resolved.yaml",
                      yaml.safe_dump(resolved.recipe.model_dump(mode="json"), sort_keys=False))
     write_atomically(run_dir / "job.sbatch", script, mode=0o755)
+    if reports:
+        write_atomically(run_dir / "data-report.json",
+                         json.dumps([report.to_dict() for report in reports], indent=1) + "\n")
     record = RunRecord(run_id, resolved.recipe.name, str(resolved.path.resolve()), resolved.profile.name, mode,
                        time.time(), key)
     store.save(record)

@@ -34,14 +34,17 @@ def submit(
                                         help="Submit at most once per key: a repeat returns the first run."),
     preflight: bool = typer.Option(False, "--preflight",
                                    help="Only check the allocation (rendezvous, GPUs, shared filesystem)."),
+    skip_validation: bool = typer.Option(False, "--skip-validation",
+                                         help="Submit even when the data checks find errors."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """Validate a recipe, render its script and submit it as a gang-scheduled job."""
+    """Validate a recipe and its data, render its script and submit it as a gang-scheduled job."""
     from toolkit.submission import submit as submit_run
 
     with task_spinner("submit") as step:
         step("validating and rendering")
-        submission = submit_run(recipe, cluster, idempotency_key, mode="preflight" if preflight else "train")
+        submission = submit_run(recipe, cluster, idempotency_key, mode="preflight" if preflight else "train",
+                                skip_validation=skip_validation)
     run = submission.run
     if as_json:
         print_json({"run_id": run.run_id, "job_id": run.latest_job, "run_dir": str(submission.run_dir),

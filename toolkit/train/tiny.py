@@ -17,9 +17,16 @@ TINY_CORPUS = [
 ]
 
 
-def build_tokenizer(path: Path, vocab_size: int = 512):
+# A simple role-tagged chat template, so chat data trains with loss on the assistant turns only.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
+
+def train_tiny_tokenizer(vocab_size: int = 512):
+    """The tiny byte-level BPE (tokenizers only: the login node can build it without torch)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -27,13 +34,15 @@ def build_tokenizer(path: Path, vocab_size: int = 512):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(TINY_CORPUS * 20, trainer=trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
-                                      pad_token="<pad>")
-    # A Llama-3 style chat template, so chat data trains with loss on the assistant turns only.
-    wrapped.chat_template = (
-        "{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}</s>{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
-    )
+    return tokenizer
+
+
+def build_tokenizer(path: Path, vocab_size: int = 512):
+    from transformers import PreTrainedTokenizerFast
+
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=train_tiny_tokenizer(vocab_size), bos_token="<s>",
+                                      eos_token="</s>", pad_token="<pad>")
+    wrapped.chat_template = TINY_CHAT_TEMPLATE
     wrapped.save_pretrained(path)
     return wrapped
 

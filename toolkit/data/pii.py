@@ -1,0 +1,37 @@
+"""Personal data and secrets in training text: warnings, never errors (users decide)."""
+
+from __future__ import annotations
+
+import re
+
+PATTERNS = {
+    "email": re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}"),
+    "phone": re.compile(r"(?<!\w)(?:\+\d{1,3}[ .-]?)?(?:\(\d{2,4}\)[ .-]?|\d{2,4}[ .-])\d{3,4}[ .-]\d{3,4}(?!\w)"),
+    "card_number": re.compile(r"(?<!\d)(?:\d[ -]?){13,19}(?!\d)"),
+    "cloud_key": re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b|\bghp_[A-Za-z0-9]{36}\b|\bhf_[A-Za-z0-9]{30,}\b"
+                            r"|-----BEGIN (?:RSA |EC |OPENSSH )?PRIVATE KEY-----"),
+}
+
+
+def luhn_valid(digits: str) -> bool:
+    total, parity = 0, len(digits) % 2
+    for index, char in enumerate(digits):
+        value = int(char)
+        if index % 2 == parity:
+            value = value * 2 - 9 if value * 2 > 9 else value * 2
+        total += value
+    return total % 10 == 0
+
+
+def find(text: str) -> list[str]:
+    """Kinds of personal data or secrets present in `text`."""
+    kinds = []
+    for kind, pattern in PATTERNS.items():
+        for match in pattern.finditer(text):
+            if kind == "card_number":
+                digits = re.sub(r"\D", "", match.group())
+                if not luhn_valid(digits):
+                    continue
+            kinds.append(kind)
+            break
+    return kinds

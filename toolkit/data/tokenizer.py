@@ -1,0 +1,69 @@
+"""Token counts on the login node with the `tokenizers` library alone (no torch, no transformers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+
+SPECIAL_OVERHEAD = 2  # BOS + EOS around every sequence
+
+
+class TokenizerNotFound(ValueError):
+    pass
+
+
+class LengthCounter:
+    def __init__(self, tokenizer, chat_template: str | None, identity: str):
+        self.tokenizer = tokenizer
+        self.identity = identity  # what the cache key uses: the tokenizer's own definition
+        self._template = jinja2.Environment().from_string(chat_template) if chat_template else None
+
+    def lengths(self, texts: list[str]) -> list[int]:
+        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [len(encoding.ids) + SPECIAL_OVERHEAD for encoding in encodings]
+
+    def render_chat(self, messages: list[dict]) -> str:
+        if self._template is None:
+            return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+        return self._template.render(messages=messages, add_generation_prompt=False)
+
+
+def _from_dir(folder: Path) -> LengthCounter:
+    from tokenizers import Tokenizer
+
+    file = folder / "tokenizer.json"
+    if not file.is_file():
+        raise TokenizerNotFound(f"{folder} has no tokenizer.json")
+    template = None
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    elif (folder / "tokenizer_config.json").is_file():
+        template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+    text = file.read_text()
+    return LengthCounter(Tokenizer.from_str(text), template, text + (template or ""))
+
+
+def load_length_counter(spec: str, shared_root: str = "") -> LengthCounter:
+    """A tokenizer by model name ('tiny-llama', a local folder, a model id in the cluster's model
+    cache) or by the path of a tokenizer.json."""
+    if spec == "tiny-llama":
+        from toolkit.train.tiny import TINY_CHAT_TEMPLATE, train_tiny_tokenizer
+
+        tokenizer = train_tiny_tokenizer()
+        return LengthCounter(tokenizer, TINY_CHAT_TEMPLATE, tokenizer.to_str() + TINY_CHAT_TEMPLATE)
+    path = Path(spec)
+    if path.is_file():
+        return _from_dir(path.parent)
+    if path.is_dir():
+        return _from_dir(path)
+    from toolkit.train.models import cache_dirs
+
+    name = spec.replace("/", "--")
+    for cache in cache_dirs(shared_root or "/nonexistent"):
+        for candidate in sorted(cache.glob(f"{name}*")):
+            if (candidate / "tokenizer.json").is_file():
+                return _from_dir(candidate)
+    raise TokenizerNotFound(f"no tokenizer for {spec!r}: not a folder or tokenizer.json, and not in the cluster's "
+                            "model cache")
