@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 from toolkit.train.checkpoint import CheckpointStore, tag_for, verify
 

@@ -1,0 +1,233 @@
+"""Data validation against a corpus of broken files, one per failure kind, each expected to yield
+the right problem at the right location; and clean files in every format that pass."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from toolkit.data.tokenizer import load_length_counter
+from toolkit.data.validate import Limits, validate_file
+
+
+def rows(count: int, start: int = 0) -> list[dict]:
+    return [{"prompt": f"Question {i}: what is {i} plus {i}?", "completion": f" {2 * i}"}
+            for i in range(start, start + count)]
+
+
+def write_jsonl(path: Path, records: list, raw_lines: dict[int, bytes] | None = None) -> Path:
+    lines = [json.dumps(r).encode() for r in records]
+    for number, raw in (raw_lines or {}).items():
+        lines[number - 1] = raw
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    return load_length_counter("tiny-llama")
+
+
+def only_error(report) -> tuple[str, list]:
+    assert len(report.errors) == 1, {k: v.count for k, v in report.errors.items()}
+    kind, summary = next(iter(report.errors.items()))
+    return kind, summary.examples
+
+
+def test_clean_jsonl_passes_with_statistics(tmp_path, tiny_tokenizer):
+    report = validate_file(str(write_jsonl(tmp_path / "clean.jsonl", rows(150))), counter=tiny_tokenizer,
+                           limits=Limits(max_seq_len=64))
+    assert report.ok and report.rows == 150 and report.format == "prompt_completion"
+    assert report.duplicates == 0
+    assert report.tokens["max"] >= report.tokens["p95"] >= report.tokens["p50"] > 0
+    assert report.tokens["total"] == pytest.approx(report.tokens["mean"] * 150, rel=0.01)
+
+
+def test_one_bad_line_deep_in_a_big_file_is_found_at_its_line(tmp_path):
+    path = write_jsonl(tmp_path / "deep.jsonl", rows(6000), {5000: b'{"prompt": "x", "completion": '})
+    kind, examples = only_error(validate_file(str(path)))
+    assert kind == "unparseable"
+    assert examples[0].location == f"{path}:5000"
+
+
+def test_byte_order_mark_is_reported_at_line_1(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + write_jsonl(tmp_path / "body.jsonl", rows(120)).read_bytes())
+    kind, examples = only_error(validate_file(str(path)))
+    assert kind == "bom" and examples[0].location == f"{path}:1"
+
+
+def test_invalid_utf8_is_located(tmp_path):
+    path = write_jsonl(tmp_path / "latin1.jsonl", rows(120), {42: '{"prompt": "caf\xe9", "completion": " x"}'.encode(
+        "latin-1")})
+    kind, examples = only_error(validate_file(str(path)))
+    assert kind == "encoding" and examples[0].location == f"{path}:42"
+
+
+@pytest.mark.parametrize("row,kind,field", [
+    ({"prompt": "p"}, "missing_field", "completion"),
+    ({"prompt": "p", "completion": "   "}, "empty_field", "completion"),
+    ({"prompt": "p", "completion": 5}, "wrong_type", "completion"),
+])
+def test_field_problems_name_the_field_and_line(tmp_path, row, kind, field):
+    records = rows(120)
+    records[9] = row
+    path = write_jsonl(tmp_path / "fields.jsonl", records)
+    found, examples = only_error(validate_file(str(path)))
+    assert found == kind
+    assert (examples[0].location, examples[0].field) == (f"{path}:10", field)
+
+
+def test_too_long_is_an_error_or_a_truncation_warning(tmp_path, tiny_tokenizer):
+    records = rows(120)
+    records[30] = {"prompt": "long " * 200, "completion": " yes"}
+    path = write_jsonl(tmp_path / "long.jsonl", records)
+    kind, examples = only_error(validate_file(str(path), counter=tiny_tokenizer, limits=Limits(max_seq_len=64)))
+    assert kind == "too_long" and examples[0].location == f"{path}:31"
+    assert "max_seq_len is 64" in examples[0].message
+    truncated = validate_file(str(path), counter=tiny_tokenizer, limits=Limits(max_seq_len=64, too_long="truncate"))
+    assert truncated.ok and truncated.warnings["too_long_truncated"].count == 1
+
+
+def test_minimum_number_of_examples(tmp_path):
+    short = validate_file(str(write_jsonl(tmp_path / "short.jsonl", rows(99))))
+    kind, examples = only_error(short)
+    assert kind == "too_few_rows" and "99 usable examples; at least 100" in examples[0].message
+    assert validate_file(str(write_jsonl(tmp_path / "enough.jsonl", rows(100)))).ok
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_bytes(b"")
+    kind, examples = only_error(validate_file(str(path)))
+    assert kind == "too_few_rows" and "0 usable examples" in examples[0].message
+
+
+def test_more_rows_than_the_tier_allows(tmp_path):
+    kind, _ = only_error(validate_file(str(write_jsonl(tmp_path / "big.jsonl", rows(120))),
+                                       limits=Limits(max_rows=100)))
+    assert kind == "too_many_rows"
+
+
+def test_exact_duplicates_are_warnings_pointing_at_the_first_copy(tmp_path):
+    records = rows(120)
+    records[80] = records[5]
+    report = validate_file(str(write_jsonl(tmp_path / "dups.jsonl", records)))
+    assert report.ok and report.duplicates == 1
+    (finding,) = report.warnings["duplicate"].examples
+    assert finding.location.endswith(":81") and finding.message == "exact duplicate of line 6"
+
+
+def test_personal_data_warns_and_never_blocks(tmp_path):
+    records = rows(120)
+    records[1]["prompt"] = "Mail me at jane.doe@example.com"
+    records[2]["prompt"] = "Call +1 415-555-0132 tomorrow"
+    records[3]["completion"] = " card 4111 1111 1111 1111"
+    records[4]["completion"] = " key AKIAIOSFODNN7EXAMPLE"
+    records[5]["completion"] = " order 1234 5678 9012 3456"  # not a card: fails the Luhn check
+    report = validate_file(str(write_jsonl(tmp_path / "pii.jsonl", records)))
+    assert report.ok
+    assert {k: v.count for k, v in report.warnings.items()} == {
+        "pii_email": 1, "pii_phone": 1, "pii_card_number": 1, "pii_cloud_key": 1}
+    assert report.warnings["pii_email"].examples[0].location.endswith(":2")
+
+
+def test_csv_with_embedded_newlines_and_quotes_is_clean(tmp_path):
+    path = tmp_path / "quoted.csv"
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, ["prompt", "completion"])
+        writer.writeheader()
+        for record in rows(120):
+            writer.writerow({"prompt": record["prompt"] + '\nsay "hi", then stop', "completion": record["completion"]})
+    report = validate_file(str(path))
+    assert report.ok and report.rows == 120
+
+
+def test_csv_row_with_extra_cells_is_located_by_its_first_line(tmp_path):
+    path = tmp_path / "cells.csv"
+    body = ["prompt,completion"] + [f'"p{i}\nsecond line",c{i}' for i in range(120)]
+    body[51] = 'p50,c50,surplus'
+    path.write_text("\n".join(body) + "\n")
+    kind, examples = only_error(validate_file(str(path)))
+    # Rows 1..50 take two physical lines each after the header: row 51 starts at line 2 + 50 * 2.
+    assert kind == "unparseable" and examples[0].location == f"{path}:102"
+
+
+def test_parquet_with_a_wrong_column_type(tmp_path):
+    path = tmp_path / "typed.parquet"
+    table = pa.table({"prompt": [f"p{i}" for i in range(120)], "completion": list(range(120))})
+    pq.write_table(table, path)
+    report = validate_file(str(path))
+    assert set(report.errors) == {"wrong_type", "too_few_rows"}
+    first = report.errors["wrong_type"].examples[0]
+    assert (first.location, first.field) == (f"{path}:1", "completion")
+    assert report.errors["wrong_type"].count == 120
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".jsonl.zst", ".csv", ".csv.gz", ".parquet"])
+def test_clean_files_in_every_format_pass(tmp_path, suffix):
+    records = rows(130)
+    path = tmp_path / f"clean{suffix}"
+    if suffix.startswith(".parquet"):
+        pq.write_table(pa.Table.from_pylist(records), path)
+    else:
+        if suffix.startswith(".csv"):
+            import io
+
+            buffer = io.StringIO()
+            writer = csv.DictWriter(buffer, ["prompt", "completion"])
+            writer.writeheader()
+            writer.writerows(records)
+            raw = buffer.getvalue().encode()
+        else:
+            raw = b"".join(json.dumps(r).encode() + b"\n" for r in records)
+        if suffix.endswith(".gz"):
+            raw = gzip.compress(raw)
+        elif suffix.endswith(".zst"):
+            raw = zstandard.ZstdCompressor().compress(raw)
+        path.write_bytes(raw)
+    report = validate_file(str(path))
+    assert report.ok and report.rows == 130
+
+
+@pytest.mark.parametrize("messages,kind", [
+    ([{"role": "user", "content": "hi"}, {"role": "robot", "content": "hello"}], "bad_role"),
+    ([{"role": "user", "content": "hi"}, {"role": "system", "content": "be nice"},
+      {"role": "assistant", "content": "ok"}], "bad_order"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+      {"role": "user", "content": "bye"}], "bad_order"),
+])
+def test_chat_conversations(tmp_path, messages, kind):
+    good = [{"messages": [{"role": "system", "content": "short answers"}, {"role": "user", "content": f"q{i}"},
+                          {"role": "assistant", "content": f"a{i}"}]} for i in range(120)]
+    good[7] = {"messages": messages}
+    found, examples = only_error(validate_file(str(write_jsonl(tmp_path / "chat.jsonl", good))))
+    assert found == kind and examples[0].location.endswith(":8")
+
+
+def test_preference_pairs_must_differ(tmp_path):
+    pairs = [{"prompt": f"p{i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(120)]
+    pairs[3]["rejected"] = pairs[3]["chosen"]
+    found, examples = only_error(validate_file(str(write_jsonl(tmp_path / "prefs.jsonl", pairs))))
+    assert found == "same_chosen_rejected" and examples[0].location.endswith(":4")
+
+
+def test_data_check_cli_exit_status_and_json(tmp_path):
+    bad = write_jsonl(tmp_path / "bad.jsonl", rows(120), {7: b"{oops"})
+    result = subprocess.run([sys.executable, "-m", "toolkit", "data", "check", str(bad), "--json"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    (report,) = json.loads(result.stdout)
+    assert report["errors"]["unparseable"]["examples"][0]["location"] == f"{bad}:7"
+    good = subprocess.run([sys.executable, "-m", "toolkit", "data", "check",
+                           str(write_jsonl(tmp_path / "good.jsonl", rows(120)))], capture_output=True, text=True)
+    assert good.returncode == 0 and "ok" in good.stdout
