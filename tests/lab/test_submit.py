@@ -156,3 +156,25 @@ def test_logs_follow_streams_until_the_job_ends(lab, runs_dir):
     assert followed.returncode == 0
     assert f"ft: job {run['job_id']}" in followed.stdout
     assert json.loads(ft("status", run["run_id"], "--json").stdout)["state"] == "COMPLETED"
+
+
+def test_submit_refuses_data_that_would_fail_and_submits_nothing(lab, runs_dir, shared_tmp):
+    data = shared_tmp / "broken.jsonl"
+    good = [json.dumps({"prompt": f"q{i}", "completion": f" a{i}"}) for i in range(150)]
+    good[40] = '{"prompt": "unterminated'
+    data.write_text("\n".join(good) + "\n")
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["data"]["train"] = str(data)
+    path = shared_tmp / "bad-data.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    queued_before = commands.run(["squeue", "--noheader", "--format=%i"]).stdout.split()
+
+    refused = ft("submit", str(path))
+
+    assert refused.returncode == 1
+    assert f"unparseable x1: {data}:41" in refused.stderr and "nothing was submitted" in refused.stderr
+    assert not list(runs_dir.glob("*/run.json"))
+    assert commands.run(["squeue", "--noheader", "--format=%i"]).stdout.split() == queued_before
+    forced = submit(str(path), "--skip-validation", "--preflight")
+    assert forced["created"]
+    wait_finished(forced["run_id"])

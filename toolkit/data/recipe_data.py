@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
+from toolkit.data.cache import TokenCache, cache_key, file_digest
 from toolkit.data.tokenizer import LengthCounter, TokenizerNotFound, load_length_counter
-from toolkit.data.validate import MAX_ROWS_BY_TIER, Finding, Limits, Report, validate_file
+from toolkit.data.validate import (
+    MAX_ROWS_BY_TIER,
+    CacheTarget,
+    Finding,
+    Limits,
+    Report,
+    report_from_dict,
+    validate_file,
+)
 from toolkit.recipe.resolve import ResolvedRecipe
 
 FORMATS_FOR = {"sft": {"prompt_completion", "chat"}, "dpo": {"preference"}}
@@ -19,19 +29,45 @@ def tokenizer_for(resolved: ResolvedRecipe, override: str | None = None) -> tupl
         return None, str(exc)
 
 
+def token_cache(shared_root: str) -> TokenCache:
+    return TokenCache(Path(shared_root or "~/ft").expanduser() / "cache" / "tokenized")
+
+
+def dataset_key(recipe, path: str, counter: LengthCounter, role: str) -> str:
+    fraction = recipe.data.eval_fraction if role == "train" and not recipe.data.eval else 0.0
+    return cache_key(file_digest(path), counter.identity, recipe.data.format, recipe.data.max_seq_len,
+                     recipe.data.too_long, fraction, recipe.training.seed)
+
+
 def validate_recipe_data(resolved: ResolvedRecipe, tokenizer: str | None = None,
                          progress: Callable[[str, int, int | None], None] | None = None) -> list[Report]:
+    """Validate the recipe's train and eval files. A file already validated with the same tokenizer
+    and settings is not read again: its report and tokens come from the cache."""
     recipe = resolved.recipe
     counter, missing = tokenizer_for(resolved, tokenizer)
+    cache = token_cache(resolved.profile.shared_root)
     reports = []
     for role in ("train", "eval"):
         path = getattr(recipe.data, role)
         if not path:
             continue
+        key = dataset_key(recipe, path, counter, role) if counter else None
+        cached = cache.meta(key) if key else None
+        if cached and cached.get("report"):  # a cache a worker built holds tokens but no report
+            reports.append(report_from_dict(cached["report"]))
+            continue
         limits = Limits(max_seq_len=recipe.data.max_seq_len, too_long=recipe.data.too_long,
                         min_rows=100 if role == "train" else 1, max_rows=MAX_ROWS_BY_TIER.get(recipe.resources.tier))
         on_bytes = (lambda done, total, role=role: progress(role, done, total)) if progress else None
-        report = validate_file(path, recipe.data.format, counter, limits, progress=on_bytes)
+        fraction = recipe.data.eval_fraction if role == "train" and not recipe.data.eval else 0.0
+        target = CacheTarget(cache.writer(key), fraction, recipe.training.seed) if key else None
+        report = validate_file(path, recipe.data.format, counter, limits, progress=on_bytes, cache=target)
+        if target:
+            if report.ok and report.format in ("prompt_completion", "chat"):
+                target.writer.finish({"key": key, "path": path, "format": report.format,
+                                      "report": report.to_dict()})
+            else:
+                target.writer.abort()
         if missing:
             report.add("warning", "lengths_not_checked", Finding(path, None, f"token lengths not checked: {missing}"))
         allowed = FORMATS_FOR[recipe.objective.kind]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -14,11 +15,28 @@ class TokenizerNotFound(ValueError):
     pass
 
 
+def identity(tokenizer, chat_template: str | None, bos: str, eos: str) -> str:
+    """What decides the tokens of a text: vocabulary, merges, pre-tokenization, special tokens and
+    the chat template. Not the post-processor: ft adds BOS/EOS itself."""
+    definition = json.loads(tokenizer.to_str())
+    parts = {key: definition.get(key) for key in ("normalizer", "pre_tokenizer", "model", "added_tokens")}
+    text = json.dumps([parts, chat_template, bos, eos], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 class LengthCounter:
-    def __init__(self, tokenizer, chat_template: str | None, identity: str):
+    """A tokenizer (the `tokenizers` library), its chat template and its BOS/EOS tokens: all that
+    validation and the training workers need to turn rows into tokens, the same way on both."""
+
+    def __init__(self, tokenizer, chat_template: str | None, bos: str = "<s>", eos: str = "</s>"):
         self.tokenizer = tokenizer
-        self.identity = identity  # what the cache key uses: the tokenizer's own definition
+        self.identity = identity(tokenizer, chat_template, bos, eos)
         self._template = jinja2.Environment().from_string(chat_template) if chat_template else None
+        self.bos_id = tokenizer.token_to_id(bos)
+        self.eos_id = tokenizer.token_to_id(eos)
+
+    def ids(self, texts: list[str]) -> list[list[int]]:
+        return [encoding.ids for encoding in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     def lengths(self, texts: list[str]) -> list[int]:
         encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
@@ -41,8 +59,14 @@ def _from_dir(folder: Path) -> LengthCounter:
         template = (folder / "chat_template.jinja").read_text()
     elif (folder / "tokenizer_config.json").is_file():
         template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+    special = {"bos": "<s>", "eos": "</s>"}
+    if (folder / "tokenizer_config.json").is_file():
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        for name in special:
+            token = config.get(f"{name}_token")
+            special[name] = token.get("content") if isinstance(token, dict) else token or special[name]
     text = file.read_text()
-    return LengthCounter(Tokenizer.from_str(text), template, text + (template or ""))
+    return LengthCounter(Tokenizer.from_str(text), template, **special)
 
 
 def load_length_counter(spec: str, shared_root: str = "") -> LengthCounter:
@@ -52,7 +76,7 @@ def load_length_counter(spec: str, shared_root: str = "") -> LengthCounter:
         from toolkit.train.tiny import TINY_CHAT_TEMPLATE, train_tiny_tokenizer
 
         tokenizer = train_tiny_tokenizer()
-        return LengthCounter(tokenizer, TINY_CHAT_TEMPLATE, tokenizer.to_str() + TINY_CHAT_TEMPLATE)
+        return LengthCounter(tokenizer, TINY_CHAT_TEMPLATE)
     path = Path(spec)
     if path.is_file():
         return _from_dir(path.parent)

@@ -13,8 +13,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from toolkit.data import pii
+from toolkit.data.encode import encode_rows
 from toolkit.data.readers import Row, open_rows
 from toolkit.data.schemas import FORMATS, check_row, detect_format, sequences
+from toolkit.data.split import is_eval
 from toolkit.data.tokenizer import LengthCounter
 
 BATCH_ROWS = 2048
@@ -72,12 +74,22 @@ class Limits:
     max_rows: int | None = None
 
 
+@dataclass
+class CacheTarget:
+    """Where the tokens of a clean pass go, and the split they are marked with."""
+
+    writer: object  # toolkit.data.cache.CacheWriter
+    eval_fraction: float = 0.0
+    seed: int = 0
+
+
 class _Pass:
     """State of one validation pass over a file."""
 
-    def __init__(self, path: str, fmt: str, counter: LengthCounter | None, limits: Limits):
+    def __init__(self, path: str, fmt: str, counter: LengthCounter | None, limits: Limits,
+                 cache: CacheTarget | None = None):
         self.report = Report(path, None if fmt == "auto" else fmt)
-        self.counter, self.limits = counter, limits
+        self.counter, self.limits, self.cache = counter, limits, cache
         self.hashes, self.lines, self.lengths = array("Q"), array("I"), array("I")
         self.content = hashlib.sha256()
         self.pending: list[Row] = []
@@ -111,7 +123,6 @@ class _Pass:
                 self.report.add("error", kind, Finding(self.where(row.line), field_name, message))
             if not problems:
                 good.append(row)
-        texts: list[list[str]] = []
         for row in good:
             canonical = json.dumps(row.data, sort_keys=True, ensure_ascii=False).encode()
             self.content.update(canonical)
@@ -120,16 +131,28 @@ class _Pass:
             for kind in pii.find(" ".join(_strings(row.data))):
                 self.report.add("warning", f"pii_{kind}", Finding(self.where(row.line), None,
                                                                   f"looks like it holds a {kind.replace('_', ' ')}"))
-            if self.counter:
-                texts.append(sequences(row.data, self.report.format, self.counter.render_chat))
         self.report.valid_rows += len(good)
         if self.counter and good:
-            flat = [text for group in texts for text in group]
-            lengths = iter(self.counter.lengths(flat))
+            self.measure(good)
+
+    def measure(self, good: list[Row]) -> None:
+        """Token lengths, by the same encoding training uses; the tokens go to the cache."""
+        fmt = self.report.format
+        if fmt == "preference":
+            texts = [sequences(row.data, fmt, self.counter.render_chat) for row in good]
+            lengths = iter(self.counter.lengths([text for group in texts for text in group]))
             for row, group in zip(good, texts, strict=True):
                 longest = max(next(lengths) for _ in group)
                 self.lengths.append(longest)
                 self.check_length(row, longest)
+            return
+        limit = self.limits.max_seq_len or 1 << 30
+        for row, (ids, labels, length) in zip(good, encode_rows([r.data for r in good], fmt, self.counter, limit),
+                                              strict=True):
+            self.lengths.append(length)
+            self.check_length(row, length)
+            if self.cache:
+                self.cache.writer.add(ids, labels, is_eval(row.data, self.cache.eval_fraction, self.cache.seed))
 
     def check_length(self, row: Row, length: int) -> None:
         limit = self.limits.max_seq_len
@@ -188,6 +211,15 @@ class _Pass:
                                             f"exact duplicate of line {int(lines[order[first]])}"))
 
 
+def report_from_dict(data: dict) -> Report:
+    """A report as `Report.to_dict` wrote it (the cache keeps reports)."""
+    def kinds(raw: dict) -> dict[str, KindSummary]:
+        return {kind: KindSummary(v["count"], [Finding(**f) for f in v["examples"]]) for kind, v in raw.items()}
+
+    return Report(data["path"], data["format"], data["rows"], data["valid_rows"], kinds(data["errors"]),
+                  kinds(data["warnings"]), data["tokens"], data["duplicates"], data["content_hash"])
+
+
 def _strings(value) -> list[str]:
     if isinstance(value, str):
         return [value]
@@ -199,12 +231,13 @@ def _strings(value) -> list[str]:
 
 
 def validate_file(path: str, fmt: str = "auto", counter: LengthCounter | None = None, limits: Limits | None = None,
-                  progress: Callable[[int, int | None], None] | None = None) -> Report:
+                  progress: Callable[[int, int | None], None] | None = None,
+                  cache: CacheTarget | None = None) -> Report:
     """Check one data file. `progress(bytes_read, total_bytes)` is called as the pass advances."""
     if fmt not in ("auto", *FORMATS):
         raise ValueError(f"unknown format {fmt!r}; use auto or one of {', '.join(FORMATS)}")
     rows, bytes_counter, size = open_rows(path)
-    state = _Pass(path, fmt, counter, limits or Limits())
+    state = _Pass(path, fmt, counter, limits or Limits(), cache)
     for index, row in enumerate(rows):
         state.take(row)
         if progress and index % 4096 == 0:

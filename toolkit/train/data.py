@@ -1,10 +1,8 @@
-"""Training data for the workers: read, tokenize with the loss on the right tokens, and batch in an
-order that is a pure function of (seed, step), so a resumed run sees exactly the batches an
-uninterrupted one would."""
+"""Batches for the workers, in an order that is a pure function of (seed, step), so a resumed run
+sees exactly the batches an uninterrupted one would. (Tokenization: toolkit.data.encode.)"""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 IGNORE = -100  # label of tokens that carry no loss (prompt, user turns, padding)
@@ -14,60 +12,6 @@ IGNORE = -100  # label of tokens that carry no loss (prompt, user turns, padding
 class Example:
     input_ids: list[int]
     labels: list[int]
-
-
-def read_jsonl(url: str) -> list[dict]:
-    """Rows of a JSONL file, local or s3:// (through fsspec)."""
-    import fsspec
-
-    rows = []
-    with fsspec.open(url, "rt", encoding="utf-8", compression="infer") as handle:
-        for number, line in enumerate(handle, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{url}:{number}: not JSON ({exc.msg}); run `ft validate` first") from None
-    return rows
-
-
-def detect_format(row: dict) -> str:
-    if "messages" in row:
-        return "chat"
-    if {"chosen", "rejected"} <= row.keys():
-        return "preference"
-    if {"prompt", "completion"} <= row.keys():
-        return "prompt_completion"
-    raise ValueError(f"unknown data format: a row has keys {sorted(row)}")
-
-
-def sft_example(row: dict, tokenizer, max_len: int, fmt: str) -> Example:
-    """Tokens of one SFT example; labels keep only the completion / assistant tokens."""
-    if fmt == "prompt_completion":
-        prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-        completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        ids = [tokenizer.bos_token_id, *prompt, *completion]
-        labels = [IGNORE] * (1 + len(prompt)) + completion
-    else:
-        ids, labels = [], []
-        for turn in range(len(row["messages"])):
-            # The template renders a prefix of the conversation; the new tokens belong to this turn.
-            text = tokenizer.apply_chat_template(row["messages"][: turn + 1], tokenize=False)
-            prefix = tokenizer(text, add_special_tokens=False)["input_ids"]
-            new = prefix[len(ids):]
-            ids = prefix
-            labels += new if row["messages"][turn]["role"] == "assistant" else [IGNORE] * len(new)
-    return Example(ids[:max_len], labels[:max_len])
-
-
-def preference_example(row: dict, tokenizer, max_len: int) -> tuple[Example, Example]:
-    """(chosen, rejected) sequences sharing the prompt; labels on the responses only."""
-    prompt = [tokenizer.bos_token_id, *tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]]
-    pair = []
-    for key in ("chosen", "rejected"):
-        response = tokenizer(row[key], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        pair.append(Example((prompt + response)[:max_len], ([IGNORE] * len(prompt) + response)[:max_len]))
-    return pair[0], pair[1]
 
 
 def batch_indices(step: int, seed: int, dataset_size: int, global_batch: int) -> list[int]:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from toolkit.train.checkpoint import CheckpointStore, step_of
-from toolkit.train.data import batch_indices, collate, detect_format, rank_slice, read_jsonl, sft_example
+from toolkit.train.data import Example, batch_indices, collate, rank_slice
 from toolkit.train.workers import EXIT_USER_ERROR
 
 _stop_requested = False
@@ -110,6 +110,44 @@ class Tracker:
             self.wandb.finish()
 
 
+def load_examples(recipe: dict, model_path: Path, shared_root: str, rank: int, dist) -> list[Example]:
+    """The tokenized training set, from the cache `ft validate` filled; built (by rank 0, once) when
+    the run was submitted without validation or the cache was purged."""
+    from types import SimpleNamespace
+
+    from toolkit.data.recipe_data import dataset_key, token_cache
+    from toolkit.data.tokenizer import load_length_counter
+
+    spec = json.loads(json.dumps(recipe), object_hook=lambda d: SimpleNamespace(**d))
+    counter = load_length_counter(str(model_path))
+    key = dataset_key(spec, recipe["data"]["train"], counter, "train")
+    cache = token_cache(shared_root)
+    if rank == 0 and cache.meta(key) is None:
+        build_cache(recipe, counter, cache, key)
+    dist.barrier()
+    dataset = cache.load(key)
+    if dataset is None:
+        raise RuntimeError(f"the tokenized dataset {cache.path(key)} is missing after rank 0 built it")
+    log(rank, f"{len(dataset.offsets) - 1} examples from the token cache {cache.path(key).name}")
+    return [Example(ids, labels) for ids, labels in dataset.examples(held_out=False)]
+
+
+def build_cache(recipe: dict, counter, cache, key: str) -> None:
+    from toolkit.data.encode import encode_rows
+    from toolkit.data.readers import open_rows
+    from toolkit.data.schemas import detect_format
+    from toolkit.data.split import is_eval
+
+    data = recipe["data"]
+    rows = [row.data for row in open_rows(data["train"])[0] if row.data is not None]
+    fmt = data["format"] if data["format"] != "auto" else detect_format(rows[0])
+    fraction = data["eval_fraction"] if not data["eval"] else 0.0
+    writer = cache.writer(key)
+    for row, (ids, labels, _) in zip(rows, encode_rows(rows, fmt, counter, data["max_seq_len"]), strict=True):
+        writer.add(ids, labels, is_eval(row, fraction, recipe["training"]["seed"]))
+    writer.finish({"key": key, "path": data["train"], "format": fmt, "report": None})
+
+
 def main() -> None:  # noqa: C901 - the training loop reads best in one place
     signal.signal(signal.SIGUSR2, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
@@ -142,9 +180,7 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
                                                  lora_dropout=method["dropout"],
                                                  target_modules=method["target_modules"], task_type="CAUSAL_LM"))
 
-    rows = read_jsonl(recipe["data"]["train"])
-    fmt = recipe["data"]["format"] if recipe["data"]["format"] != "auto" else detect_format(rows[0])
-    examples = [sft_example(row, tokenizer, recipe["data"]["max_seq_len"], fmt) for row in rows]
+    examples = load_examples(recipe, model_path, shared_root, rank, dist)
     steps = total_steps(recipe, len(examples))
     config = deepspeed_config(recipe, world, steps)
     accumulation = config["gradient_accumulation_steps"]

@@ -1,0 +1,90 @@
+"""Tokenize once: the cache that validation fills and training reads; the deterministic split."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from toolkit.data import recipe_data
+from toolkit.data.encode import IGNORE, encode_rows
+from toolkit.data.split import split
+from toolkit.data.tokenizer import LengthCounter, load_length_counter
+from toolkit.recipe.resolve import resolve
+
+
+def test_split_is_deterministic_order_independent_and_near_the_fraction():
+    rows = [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(4000)]
+    train, held_out = split(rows, 0.05)
+    shuffled = rows[:]
+    random.Random(1).shuffle(shuffled)
+    _, held_out_again = split(shuffled, 0.05)
+    key = lambda r: r["prompt"]  # noqa: E731
+    assert sorted(held_out, key=key) == sorted(held_out_again, key=key)
+    assert 150 <= len(held_out) <= 250 and len(train) + len(held_out) == 4000
+    assert split(rows, 0.05, seed=1)[1] != held_out  # the seed chooses another split
+
+
+def test_labels_cover_only_the_completion_and_assistant_turns():
+    tok = load_length_counter("tiny-llama")
+    (ids, labels, length), = encode_rows([{"prompt": "Translate: cat", "completion": " chat"}], "prompt_completion",
+                                         tok, 128)
+    completion = tok.ids([" chat"])[0]
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and length == len(ids)
+    assert [label for label in labels if label != IGNORE] == [*completion, tok.eos_id]
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "bye"}, {"role": "assistant", "content": "ciao"}]
+    (ids, labels, _), = encode_rows([{"messages": chat}], "chat", tok, 512)
+    learned = tok.tokenizer.decode([label for label in labels if label != IGNORE], skip_special_tokens=False)
+    assert "hello" in learned and "ciao" in learned and "hi" not in learned and "bye" not in learned
+
+
+def test_login_node_tokens_equal_the_training_tokenizer_s():
+    transformers = pytest.importorskip("transformers")
+    from toolkit.train.tiny import build_tokenizer
+
+    tok = load_length_counter("tiny-llama")
+    hf = build_tokenizer(Path(pytest.importorskip("tempfile").mkdtemp()))
+    assert isinstance(hf, transformers.PreTrainedTokenizerFast)
+    for text in ["Translate to French: cat\nAnswer:", " chien", "unicode: café ☕ 東京"]:
+        assert tok.ids([text])[0] == hf(text, add_special_tokens=False)["input_ids"]
+
+
+class CountingCounter(LengthCounter):
+    calls = 0
+
+    def ids(self, texts):
+        CountingCounter.calls += 1
+        return super().ids(texts)
+
+
+def test_second_validation_of_the_same_data_tokenizes_nothing(tmp_path, monkeypatch):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f" a{i}"}) + "\n" for i in range(150)))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "r", "model": {"base": "tiny-llama"}, "data": {"train": str(data)},
+                                      "resources": {"nodes": 1, "gpus_per_node": 1}}))
+    profile = tmp_path / "clusters.yaml"
+    profile.write_text(yaml.safe_dump({"mine": {"extends": "lab", "shared_root": str(tmp_path / "shared")}}))
+    monkeypatch.setenv("FT_CLUSTERS_FILE", str(profile))
+    tiny = load_length_counter("tiny-llama")
+    counting = CountingCounter(tiny.tokenizer, None)
+    monkeypatch.setattr(recipe_data, "tokenizer_for", lambda resolved, override=None: (counting, None))
+    resolved = resolve(recipe, "mine")
+
+    first = recipe_data.validate_recipe_data(resolved)
+    calls_after_first = CountingCounter.calls
+    second = recipe_data.validate_recipe_data(resolved)
+
+    assert calls_after_first > 0 and CountingCounter.calls == calls_after_first
+    assert first[0].to_dict() == second[0].to_dict() and first[0].ok
+    (entry,) = list((tmp_path / "shared" / "cache" / "tokenized").iterdir())
+    cached = recipe_data.token_cache(str(tmp_path / "shared")).load(entry.name)
+    assert len(cached.offsets) - 1 == 150
+    # Changing the data changes the key: the new file is validated and tokenized afresh.
+    data.write_text(data.read_text() + json.dumps({"prompt": "new", "completion": " row"}) + "\n")
+    recipe_data.validate_recipe_data(resolved)
+    assert CountingCounter.calls > calls_after_first
