@@ -2,7 +2,12 @@
 
 Started by toolkit.train.workers with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set. Resumes by
 itself from the newest valid checkpoint, so a requeue, a restart or a resubmit continues the run.
-Exit status: 0 done (or checkpointed on request), 4 user error (NaN loss), 1 anything else.
+Exit status: 0 done (or checkpointed on request), 4 user error (NaN loss), 5 out of memory,
+1 anything else.
+
+Fault injection, for tests of paths a CPU cannot reach for real (set in the recipe's env):
+  FT_FAULT_OOM_AT_STEP=N   rank 0 raises torch.OutOfMemoryError at step N (first attempt only)
+  FT_FAULT_NAN_AT_STEP=N   the step's loss is NaN at step N
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from pathlib import Path
 
 from toolkit.train.checkpoint import CheckpointStore, step_of
 from toolkit.train.data import Example, batch_indices, collate, rank_slice
-from toolkit.train.workers import EXIT_USER_ERROR
+from toolkit.train.workers import EXIT_OUT_OF_MEMORY, EXIT_USER_ERROR
 
 _stop_requested = False
 
@@ -31,9 +36,15 @@ def log(rank: int, message: str) -> None:
     print(f"[rank {rank} {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
+def micro_batch(recipe: dict) -> int:
+    """The recipe's micro batch, halved on the job's one retry after running out of memory."""
+    micro = recipe["training"]["micro_batch"]
+    return max(1, micro // 2) if os.environ.get("FT_OOM_RETRY") == "1" else micro
+
+
 def deepspeed_config(recipe: dict, world: int, total_steps: int) -> dict:
     training = recipe["training"]
-    accumulation = training["global_batch"] // (training["micro_batch"] * world)
+    accumulation = training["global_batch"] // (micro_batch(recipe) * world)
     warmup = max(1, training["warmup_steps"])  # DeepSpeed's schedulers refuse 0
     schedulers = {
         "cosine": {"type": "WarmupCosineLR", "params": {"total_num_steps": total_steps,
@@ -46,7 +57,7 @@ def deepspeed_config(recipe: dict, world: int, total_steps: int) -> dict:
     }
     config = {
         "train_batch_size": training["global_batch"],
-        "train_micro_batch_size_per_gpu": training["micro_batch"],
+        "train_micro_batch_size_per_gpu": micro_batch(recipe),
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": training["max_grad_norm"],
         # torch's AdamW: DeepSpeed's fused/CPU Adam would compile an op on first use.
@@ -213,7 +224,10 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
         last_save = time.monotonic()
         log(rank, f"checkpoint step {step} saved")
 
-    log(rank, f"training steps {start}..{steps} world={world} accumulation={accumulation} backend={backend}")
+    fault_oom = int(os.environ.get("FT_FAULT_OOM_AT_STEP", "0"))
+    fault_nan = int(os.environ.get("FT_FAULT_NAN_AT_STEP", "0"))
+    log(rank, f"training steps {start}..{steps} world={world} micro batch {config['train_micro_batch_size_per_gpu']} "
+              f"accumulation={accumulation} backend={backend}")
     step = start
     for step in range(start + 1, steps + 1):
         indices = batch_indices(step - 1, recipe["training"]["seed"], len(examples), config["train_batch_size"])
@@ -221,20 +235,27 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
         # repeats exactly what the uninterrupted one would have done.
         torch.manual_seed(recipe["training"]["seed"] * 1_000_003 + step * 4099 + rank)
         losses = []
-        for micro in range(accumulation):
-            part = [examples[i] for i in rank_slice(indices, rank, world, config["train_micro_batch_size_per_gpu"],
-                                                    micro)]
-            batch = collate(part, tokenizer.pad_token_id)
-            tokens += int(batch["attention_mask"].sum())
-            loss = engine(**batch).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach())
+        try:
+            for micro in range(accumulation):
+                part = [examples[i] for i in rank_slice(indices, rank, world,
+                                                        config["train_micro_batch_size_per_gpu"], micro)]
+                batch = collate(part, tokenizer.pad_token_id)
+                tokens += int(batch["attention_mask"].sum())
+                if rank == 0 and step == fault_oom and os.environ.get("FT_OOM_RETRY") != "1":
+                    raise torch.OutOfMemoryError(f"injected by FT_FAULT_OOM_AT_STEP={fault_oom}")
+                loss = engine(**batch).loss
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.detach())
+        except torch.OutOfMemoryError as exc:
+            log(rank, f"out of memory at step {step} with micro batch {config['train_micro_batch_size_per_gpu']}: "
+                      f"{exc}")
+            sys.exit(EXIT_OUT_OF_MEMORY)
         # One collective per step: the mean loss, whether any rank wants to stop, and the save clock.
         signals = torch.tensor([torch.stack(losses).mean().item(), float(_stop_requested),
                                 float(time.monotonic() - last_save >= every_seconds > 0)], dtype=torch.float64)
         dist.all_reduce(signals)
-        mean_loss = signals[0].item() / world
+        mean_loss = signals[0].item() / world if step != fault_nan else float("nan")
         if not math.isfinite(mean_loss):
             log(rank, f"loss is {mean_loss} at step {step}: stopping. Try a lower learning rate "
                       f"(now {recipe['training']['learning_rate']}), gradient clipping (max_grad_norm), "
