@@ -154,3 +154,39 @@ def test_a_killed_rank_stops_the_whole_job_with_a_located_error(lab, runs_env, s
     assert wait_done(run["run_id"], timeout=120) == "FAILED"
     node_log = (Path(run["run_dir"]) / "logs" / f"node-{victim_node}.log").read_text()
     assert f"rank 1 on {victim_node} exited -9" in node_log
+
+
+def faulty_recipe(shared_tmp: Path, **env: str) -> Path:
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["data"]["train"] = str(REPO / "recipes" / "data" / "tiny-sft.jsonl")
+    recipe["training"]["steps"] = 30
+    recipe["env"] = env
+    path = shared_tmp / "faulty.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_nan_loss_stops_at_once_as_a_user_error(lab, runs_env, shared_tmp):
+    run = submit(faulty_recipe(shared_tmp, FT_FAULT_NAN_AT_STEP="3"))
+
+    assert wait_done(run["run_id"]) == "FAILED"
+    rank0 = (Path(run["run_dir"]) / "logs" / "rank-0.log").read_text()
+    assert "loss is nan at step 3: stopping" in rank0 and "lower learning rate" in rank0
+    exit_code = commands.run(["sacct", "-j", run["job_id"], "--allocations", "--noheader", "--parsable2",
+                              "--format=ExitCode"]).stdout.strip()
+    assert exit_code == "4:0"  # distinct from a crash: ft does not requeue it
+    assert "not worth a requeue" in (Path(run["run_dir"]) / "logs" / f"slurm-{run['job_id']}.out").read_text()
+    assert not (Path(run["run_dir"]) / "output").exists()
+
+
+def test_out_of_memory_retries_once_with_half_the_micro_batch(lab, runs_env, shared_tmp):
+    run = submit(faulty_recipe(shared_tmp, FT_FAULT_OOM_AT_STEP="25"))
+
+    assert wait_done(run["run_id"]) == "COMPLETED"
+    batch_log = (Path(run["run_dir"]) / "logs" / f"slurm-{run['job_id']}.out").read_text()
+    assert "retrying once with half the micro batch" in batch_log
+    rank0 = (Path(run["run_dir"]) / "logs" / "rank-0.log").read_text()
+    assert "out of memory at step 25 with micro batch 4" in rank0
+    assert "resumed from checkpoint step-00000020" in rank0
+    assert "micro batch 2 accumulation=4" in rank0  # same global batch of 16 over 2 ranks
+    assert json.loads((Path(run["run_dir"]) / "summary.json").read_text())["steps"] == 30
