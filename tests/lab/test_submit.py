@@ -113,6 +113,7 @@ def test_hostile_strings_arrive_on_every_node_and_never_execute(lab, runs_dir, s
 
 def test_a_job_slurm_refuses_leaves_no_run_behind(lab, runs_dir, shared_tmp):
     recipe = yaml.safe_load(TINY.read_text())
+    recipe["data"]["train"] = str(REPO / "recipes" / "data" / "tiny-sft.jsonl")
     recipe["resources"]["account"] = "no-such-account"
     path = shared_tmp / "bad-account.yaml"
     path.write_text(yaml.safe_dump(recipe))

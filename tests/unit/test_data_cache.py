@@ -88,3 +88,14 @@ def test_second_validation_of_the_same_data_tokenizes_nothing(tmp_path, monkeypa
     data.write_text(data.read_text() + json.dumps({"prompt": "new", "completion": " row"}) + "\n")
     recipe_data.validate_recipe_data(resolved)
     assert CountingCounter.calls > calls_after_first
+
+
+def test_missing_data_file_is_a_located_error(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "r", "model": {"base": "tiny-llama"},
+                                      "data": {"train": "nowhere/train.jsonl"}}))
+    (report,) = recipe_data.validate_recipe_data(resolve(recipe, "lab"))
+    assert not report.ok
+    finding = report.errors["file_not_found"].examples[0]
+    assert finding.location == str(recipe) and finding.field == "data.train"
+    assert finding.message == f"{tmp_path / 'nowhere' / 'train.jsonl'}: no such file"

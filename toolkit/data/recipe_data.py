@@ -29,6 +29,16 @@ def tokenizer_for(resolved: ResolvedRecipe, override: str | None = None) -> tupl
         return None, str(exc)
 
 
+def exists(url: str) -> bool:
+    import fsspec
+
+    try:
+        filesystem, path = fsspec.core.url_to_fs(url)
+        return filesystem.isfile(path)
+    except Exception:  # an unreachable object store counts as missing, with the same message
+        return False
+
+
 def token_cache(shared_root: str) -> TokenCache:
     return TokenCache(Path(shared_root or "~/ft").expanduser() / "cache" / "tokenized")
 
@@ -50,6 +60,12 @@ def validate_recipe_data(resolved: ResolvedRecipe, tokenizer: str | None = None,
     for role in ("train", "eval"):
         path = getattr(recipe.data, role)
         if not path:
+            continue
+        if not exists(path):
+            report = Report(path, None)
+            report.add("error", "file_not_found", Finding(str(resolved.path), f"data.{role}",
+                                                          f"{path}: no such file"))
+            reports.append(report)
             continue
         key = dataset_key(recipe, path, counter, role) if counter else None
         cached = cache.meta(key) if key else None
