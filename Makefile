@@ -36,6 +36,7 @@ lint: setup
 bench: lab
 	$(VENV)/bin/python benchmarks/lab_up.py
 	$(VENV)/bin/python benchmarks/control_plane.py
+	$(VENV)/bin/python benchmarks/data_validation.py
 
 down:
 	$(FT) lab down
