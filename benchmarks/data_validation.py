@@ -26,7 +26,8 @@ MEASURE_PEAK = """
 import resource, sys
 from toolkit.data.tokenizer import load_length_counter
 from toolkit.data.validate import Limits, validate_file
-report = validate_file(sys.argv[1], counter=load_length_counter("tiny-llama"), limits=Limits(max_seq_len=512))
+counter = load_length_counter("tiny-llama")
+report = validate_file(sys.argv[1], counter=counter, limits=Limits(max_seq_len=512))
 print(report.rows, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
