@@ -21,7 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "model", "data", "train", "token", "batch", "node", "rank"]
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "model", "data", "train", "token",
+         "batch", "node", "rank"]
 MEASURE_PEAK = """
 import resource, sys
 from toolkit.data.tokenizer import load_length_counter
