@@ -130,9 +130,12 @@ def test_every_state_source_agrees_on_a_finished_job(lab, runs_dir):
     wait_finished(run["run_id"])
     client = CliSlurmClient()
 
-    from_sacct = wait_for("sacct to record the job", lambda: client._from_sacct(run["job_id"]), timeout=30)
-    from_jobcomp = wait_for("the completion log to record the job",
-                            lambda: client._from_jobcomp(run["job_id"]), timeout=30)
+    def finished(source):
+        return lambda: (lambda job: job if job and job.finished else None)(source(run["job_id"]))
+
+    # slurmdbd hears of a job's end a moment after the controller: wait for its final record.
+    from_sacct = wait_for("sacct to record the job's end", finished(client._from_sacct), timeout=60)
+    from_jobcomp = wait_for("the completion log to record the job", finished(client._from_jobcomp), timeout=60)
     assert from_sacct.state == from_jobcomp.state == "COMPLETED"
     assert from_sacct.exit_code == 0
     assert RunStore(runs_dir).load(run["run_id"]).latest_job == run["job_id"]

@@ -190,3 +190,37 @@ def test_out_of_memory_retries_once_with_half_the_micro_batch(lab, runs_env, sha
     assert "resumed from checkpoint step-00000020" in rank0
     assert "micro batch 2 accumulation=4" in rank0  # same global batch of 16 over 2 ranks
     assert json.loads((Path(run["run_dir"]) / "summary.json").read_text())["steps"] == 30
+
+
+def test_dpo_learns_to_prefer_the_chosen_answers(lab, runs_env):
+    run = submit(REPO / "recipes" / "tiny-dpo.yaml")
+
+    assert wait_done(run["run_id"]) == "COMPLETED", ft("logs", run["run_id"], "--rank", "0").stdout[-3000:]
+    metrics = [json.loads(line) for line in (Path(run["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    first, last = metrics[:5], metrics[-5:]
+    assert sum(m["loss"] for m in last) / 5 < sum(m["loss"] for m in first) / 5
+    assert sum(m["loss"] for m in last) / 5 < 0.6931  # better than no preference at all: log(2)
+    assert sum(m["reward_accuracy"] for m in last) / 5 >= 0.9
+    assert (Path(run["run_dir"]) / "output" / "adapter_model.safetensors").exists()
+
+
+def test_full_fine_tune_with_zero3_is_consolidated(lab, runs_env):
+    run = submit(REPO / "recipes" / "tiny-full-zero3.yaml")
+
+    assert wait_done(run["run_id"]) == "COMPLETED", ft("logs", run["run_id"], "--rank", "0").stdout[-3000:]
+    run_dir = Path(run["run_dir"])
+    # ZeRO-3 sharded the parameters: each rank wrote its own part of the model states.
+    checkpoint = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert {p.name for p in checkpoint.glob("zero_pp_rank_*_model_states.pt")} == {
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"}
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    output = run_dir / "output"
+    assert (output / "model.safetensors").exists() and not list(output.glob("adapter_*"))
+    model = AutoModelForCausalLM.from_pretrained(output)  # one consolidated model, loadable as is
+    base = AutoModelForCausalLM.from_pretrained(Path(lab.shared_dir) / "models" / "tiny-llama-h256-l2")
+    changed = [name for name, tensor in model.state_dict().items() if not torch.equal(tensor, base.state_dict()[name])]
+    assert len(changed) > 10  # the whole model trained, not adapters
+    curve = json.loads((run_dir / "summary.json").read_text())["loss_curve"]
+    assert curve[-1][1] < curve[0][1]

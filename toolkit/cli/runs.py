@@ -92,6 +92,12 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
     if job and job.reason and job.reason != "None":
         console.print(f"  reason: {job.reason}")
     console.print(f"  run directory {current.run_dir}")
+    if current.tracking:
+        console.print(f"  metrics: {current.tracking.get('wandb')} (W&B {current.tracking.get('mode')})")
+    if current.summary:
+        done = current.summary
+        console.print(f"  done: {done['steps']} steps, {done['tokens']} tokens, final loss {done['final_loss']:.4f}, "
+                      f"{done['wall_seconds']} s, {done['gpu_hours']} GPU-hours; output {done['output']}")
     table = Table(title="attempts", title_justify="left")
     for column in ("job", "restart", "nodes", "started"):
         table.add_column(column)

@@ -43,6 +43,7 @@ class CachedDataset:
     eval_flags: object
 
     def examples(self, held_out: bool = False) -> list[tuple[list[int], list[int]]]:
+        """Sequences in file order (preference data: chosen, rejected, chosen, rejected...)."""
         out = []
         for index in range(len(self.offsets) - 1):
             if bool(self.eval_flags[index]) != held_out:

@@ -24,7 +24,18 @@ def encode_rows(rows: list[dict[str, Any]], fmt: str, tok: LengthCounter,
         return out
     if fmt == "chat":
         return [_chat(row["messages"], tok, max_len) for row in rows]
-    raise ValueError(f"{fmt} data has no single-sequence encoding")
+    if fmt == "preference":  # two sequences per row, chosen then rejected, sharing the prompt
+        out = []
+        for pair in zip(*[encode_rows([{"prompt": row["prompt"], "completion": row[side]} for row in rows],
+                                      "prompt_completion", tok, max_len) for side in ("chosen", "rejected")],
+                        strict=True):
+            out.extend(pair)
+        return out
+    raise ValueError(f"unknown format {fmt}")
+
+
+def sequences_per_row(fmt: str) -> int:
+    return 2 if fmt == "preference" else 1
 
 
 def _chat(messages: list[dict], tok: LengthCounter, max_len: int) -> tuple[list[int], list[int], int]:

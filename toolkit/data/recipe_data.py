@@ -79,7 +79,7 @@ def validate_recipe_data(resolved: ResolvedRecipe, tokenizer: str | None = None,
         target = CacheTarget(cache.writer(key), fraction, recipe.training.seed) if key else None
         report = validate_file(path, recipe.data.format, counter, limits, progress=on_bytes, cache=target)
         if target:
-            if report.ok and report.format in ("prompt_completion", "chat"):
+            if report.ok:
                 target.writer.finish({"key": key, "path": path, "format": report.format,
                                       "report": report.to_dict()})
             else:

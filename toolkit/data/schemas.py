@@ -73,12 +73,3 @@ def _check_messages(messages: Any, problems: list) -> None:
     if messages[-1].get("role") != "assistant":
         problems.append(("bad_order", f"messages[{len(messages) - 1}].role",
                          "the conversation must end with an assistant turn (there is nothing to learn otherwise)"))
-
-
-def sequences(row: dict[str, Any], fmt: str, chat_template) -> list[str]:
-    """The texts whose token count must fit max_seq_len."""
-    if fmt == "prompt_completion":
-        return [row["prompt"] + row["completion"]]
-    if fmt == "preference":
-        return [row["prompt"] + row["chosen"], row["prompt"] + row["rejected"]]
-    return [chat_template(row["messages"])]

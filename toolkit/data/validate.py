@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from toolkit.data import pii
-from toolkit.data.encode import encode_rows
+from toolkit.data.encode import encode_rows, sequences_per_row
 from toolkit.data.readers import Row, open_rows
-from toolkit.data.schemas import FORMATS, check_row, detect_format, sequences
+from toolkit.data.schemas import FORMATS, check_row, detect_format
 from toolkit.data.split import is_eval
 from toolkit.data.tokenizer import LengthCounter
 
@@ -138,21 +138,18 @@ class _Pass:
     def measure(self, good: list[Row]) -> None:
         """Token lengths, by the same encoding training uses; the tokens go to the cache."""
         fmt = self.report.format
-        if fmt == "preference":
-            texts = [sequences(row.data, fmt, self.counter.render_chat) for row in good]
-            lengths = iter(self.counter.lengths([text for group in texts for text in group]))
-            for row, group in zip(good, texts, strict=True):
-                longest = max(next(lengths) for _ in group)
-                self.lengths.append(longest)
-                self.check_length(row, longest)
-            return
+        per_row = sequences_per_row(fmt)
         limit = self.limits.max_seq_len or 1 << 30
-        for row, (ids, labels, length) in zip(good, encode_rows([r.data for r in good], fmt, self.counter, limit),
-                                              strict=True):
+        encoded = encode_rows([r.data for r in good], fmt, self.counter, limit)
+        for index, row in enumerate(good):
+            parts = encoded[index * per_row:(index + 1) * per_row]
+            length = max(part[2] for part in parts)
             self.lengths.append(length)
             self.check_length(row, length)
             if self.cache:
-                self.cache.writer.add(ids, labels, is_eval(row.data, self.cache.eval_fraction, self.cache.seed))
+                held_out = is_eval(row.data, self.cache.eval_fraction, self.cache.seed)
+                for ids, labels, _ in parts:
+                    self.cache.writer.add(ids, labels, held_out)
 
     def check_length(self, row: Row, length: int) -> None:
         limit = self.limits.max_seq_len

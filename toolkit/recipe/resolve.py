@@ -193,6 +193,9 @@ class _Resolver:
             self.problem("training.global_batch",
                          f"{r.training.global_batch} is not divisible by micro_batch x ranks = "
                          f"{r.training.micro_batch} x {world}; use a multiple of {r.training.micro_batch * world}")
+        if r.objective.kind == Objective.dpo.value and method == Method.full.value:
+            self.problem("objective.kind", "dpo uses the base model without adapters as its reference: "
+                                           "train it with method lora or qlora")
         if method == Method.qlora.value and p.cpu_workers_per_node and r.resources.nodes > 1:
             self.problem("method.kind", "qlora runs on one node on CPU clusters; set resources.nodes: 1")
         return self.sources

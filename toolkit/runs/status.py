@@ -16,6 +16,8 @@ class RunStatus:
     run_dir: Path
     job: JobInfo | None
     attempts: list[dict]
+    tracking: dict | None = None  # where the run's metrics are (W&B page, or offline folder)
+    summary: dict | None = None
 
     @property
     def state(self) -> str:
@@ -26,7 +28,8 @@ class RunStatus:
                 "cluster": self.run.cluster, "recipe": self.run.recipe_name, "mode": self.run.mode,
                 "idempotency_key": self.run.idempotency_key,
                 "jobs": [asdict(job) for job in self.run.jobs],
-                "job": asdict(self.job) if self.job else None, "attempts": self.attempts}
+                "job": asdict(self.job) if self.job else None, "attempts": self.attempts,
+                "tracking": self.tracking, "summary": self.summary}
 
 
 def read_attempts(run_dir: Path) -> list[dict]:
@@ -37,10 +40,21 @@ def read_attempts(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def run_status(store: RunStore, run_id: str, client: SlurmClient) -> RunStatus:
     record = store.load(run_id)
     job = client.job(record.latest_job) if record.latest_job else None
-    return RunStatus(record, store.run_dir(run_id), job, read_attempts(store.run_dir(run_id)))
+    run_dir = store.run_dir(run_id)
+    summary = read_json(run_dir / "summary.json")
+    if summary:
+        summary = {key: value for key, value in summary.items() if key != "loss_curve"}
+    return RunStatus(record, run_dir, job, read_attempts(run_dir), read_json(run_dir / "tracking.json"), summary)
 
 
 def log_path(run_dir: Path, record: RunRecord, node: str | None = None, rank: int | None = None) -> Path:

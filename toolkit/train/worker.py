@@ -75,6 +75,34 @@ def deepspeed_config(recipe: dict, world: int, total_steps: int) -> dict:
     return config
 
 
+def sequence_logps(logits, labels):
+    """Sum of the log-probabilities of each sequence's labelled tokens."""
+    import torch
+
+    shifted_logits, shifted_labels = logits[:, :-1, :], labels[:, 1:]
+    mask = shifted_labels != -100
+    gathered = torch.gather(shifted_logits.log_softmax(-1), 2, shifted_labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (gathered * mask).sum(-1)
+
+
+def dpo_loss(engine, batch, beta: float):
+    """DPO on a batch holding the chosen sequences, then the rejected ones. The reference model is
+    the base model itself: the policy with its LoRA adapters switched off."""
+    import torch
+    import torch.nn.functional as F
+
+    logps = sequence_logps(engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                           batch["labels"])
+    with torch.no_grad(), engine.module.disable_adapter():
+        reference = sequence_logps(engine.module(input_ids=batch["input_ids"],
+                                                 attention_mask=batch["attention_mask"]).logits, batch["labels"])
+    half = logps.shape[0] // 2
+    chosen, rejected = logps[:half] - reference[:half], logps[half:] - reference[half:]
+    loss = -F.logsigmoid(beta * (chosen - rejected)).mean()
+    accuracy = (chosen > rejected).float().mean()
+    return loss, accuracy
+
+
 def total_steps(recipe: dict, dataset_size: int) -> int:
     training = recipe["training"]
     if training.get("steps"):
@@ -192,6 +220,9 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
                                                  target_modules=method["target_modules"], task_type="CAUSAL_LM"))
 
     examples = load_examples(recipe, model_path, shared_root, rank, dist)
+    dpo = recipe["objective"]["kind"] == "dpo"
+    if dpo:
+        examples = list(zip(examples[0::2], examples[1::2], strict=True))
     steps = total_steps(recipe, len(examples))
     config = deepspeed_config(recipe, world, steps)
     accumulation = config["gradient_accumulation_steps"]
@@ -234,16 +265,22 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
         # Dropout and every other random draw follow from (seed, step, rank): a resumed run
         # repeats exactly what the uninterrupted one would have done.
         torch.manual_seed(recipe["training"]["seed"] * 1_000_003 + step * 4099 + rank)
-        losses = []
+        losses, accuracies = [], []
         try:
             for micro in range(accumulation):
                 part = [examples[i] for i in rank_slice(indices, rank, world,
                                                         config["train_micro_batch_size_per_gpu"], micro)]
+                if dpo:  # examples are (chosen, rejected) pairs: chosen first, then rejected
+                    part = [pair[0] for pair in part] + [pair[1] for pair in part]
                 batch = collate(part, tokenizer.pad_token_id)
                 tokens += int(batch["attention_mask"].sum())
                 if rank == 0 and step == fault_oom and os.environ.get("FT_OOM_RETRY") != "1":
                     raise torch.OutOfMemoryError(f"injected by FT_FAULT_OOM_AT_STEP={fault_oom}")
-                loss = engine(**batch).loss
+                if dpo:
+                    loss, accuracy = dpo_loss(engine, batch, recipe["objective"]["beta"])
+                    accuracies.append(accuracy)
+                else:
+                    loss = engine(**batch).loss
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.detach())
@@ -253,7 +290,8 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
             sys.exit(EXIT_OUT_OF_MEMORY)
         # One collective per step: the mean loss, whether any rank wants to stop, and the save clock.
         signals = torch.tensor([torch.stack(losses).mean().item(), float(_stop_requested),
-                                float(time.monotonic() - last_save >= every_seconds > 0)], dtype=torch.float64)
+                                float(time.monotonic() - last_save >= every_seconds > 0),
+                                torch.stack(accuracies).mean().item() if accuracies else 0.0], dtype=torch.float64)
         dist.all_reduce(signals)
         mean_loss = signals[0].item() / world if step != fault_nan else float("nan")
         if not math.isfinite(mean_loss):
@@ -261,7 +299,10 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
                       f"(now {recipe['training']['learning_rate']}), gradient clipping (max_grad_norm), "
                       "and `ft validate` on the data.")
             sys.exit(EXIT_USER_ERROR)
-        tracker.log(step, {"loss": mean_loss, "lr": engine.get_lr()[0], "tokens": tokens * world})
+        metrics = {"loss": mean_loss, "lr": engine.get_lr()[0], "tokens": tokens * world}
+        if dpo:
+            metrics["reward_accuracy"] = signals[3].item() / world
+        tracker.log(step, metrics)
         if rank == 0 and (step % 10 == 0 or step == start + 1):
             log(rank, f"step {step}/{steps} loss {mean_loss:.4f}")
         stop_now = signals[1].item() > 0
@@ -272,16 +313,26 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
             tracker.finish()
             return
 
-    if rank == 0:
-        export(engine, tokenizer, run_dir, recipe, step, tokens * world, time.monotonic() - started, tracker)
+    export(engine, tokenizer, run_dir, recipe, step, tokens * world, time.monotonic() - started, tracker, rank)
     dist.barrier()
     tracker.finish()
 
 
-def export(engine, tokenizer, run_dir: Path, recipe: dict, step: int, tokens: int, seconds: float, tracker) -> None:
+def export(engine, tokenizer, run_dir: Path, recipe: dict, step: int, tokens: int, seconds: float, tracker,
+           rank: int) -> None:
+    """The adapter (LoRA) or the consolidated weights (full), in safetensors, with the tokenizer.
+    Under ZeRO-3 the parameters are sharded: every rank joins the gather, rank 0 writes."""
+    import deepspeed
+
     output = run_dir / "output"
-    output.mkdir(exist_ok=True)
-    engine.module.save_pretrained(output, safe_serialization=True)
+    parameters = list(engine.module.parameters())
+    sharded = engine.zero_optimization_stage() == 3
+    with deepspeed.zero.GatheredParameters(parameters, modifier_rank=None, enabled=sharded):
+        if rank == 0:
+            output.mkdir(exist_ok=True)
+            engine.module.save_pretrained(output, safe_serialization=True, is_main_process=True)
+    if rank != 0:
+        return
     tokenizer.save_pretrained(output)
     curve = []
     metrics = run_dir / "metrics.jsonl"
