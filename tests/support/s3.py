@@ -78,7 +78,8 @@ def s3_server(workdir: Path, timeout: float = 60):
                 break
             except OSError:
                 if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"SeaweedFS did not start: {(workdir / 'weed.log').read_text()[-2000:]}")
+                    log_tail = (workdir / "weed.log").read_text()[-2000:]
+                    raise RuntimeError(f"SeaweedFS did not start: {log_tail}") from None
                 time.sleep(0.2)
         yield server
     finally:
