@@ -37,6 +37,7 @@ bench: lab
 	$(VENV)/bin/python benchmarks/lab_up.py
 	$(VENV)/bin/python benchmarks/control_plane.py
 	$(VENV)/bin/python benchmarks/data_validation.py
+	$(VENV)/bin/python benchmarks/training.py
 
 down:
 	$(FT) lab down

@@ -224,3 +224,33 @@ def test_full_fine_tune_with_zero3_is_consolidated(lab, runs_env):
     assert len(changed) > 10  # the whole model trained, not adapters
     curve = json.loads((run_dir / "summary.json").read_text())["loss_curve"]
     assert curve[-1][1] < curve[0][1]
+
+
+def test_qlora_on_one_node_trains_a_4bit_base(lab, runs_env):
+    run = submit(REPO / "recipes" / "tiny-qlora.yaml")
+
+    assert wait_done(run["run_id"]) == "COMPLETED", ft("logs", run["run_id"], "--rank", "0").stdout[-3000:]
+    run_dir = Path(run["run_dir"])
+    rank0 = (run_dir / "logs" / "rank-0.log").read_text()
+    assert "QLoRA: 14 linear layers in 4-bit NF4" in rank0  # 7 projections x 2 layers
+    curve = [loss for _, loss in json.loads((run_dir / "summary.json").read_text())["loss_curve"]]
+    assert sum(curve[-5:]) / 5 < 0.7 * sum(curve[:5]) / 5
+    assert json.loads((run_dir / "output" / "adapter_config.json").read_text())["r"] == 16
+    assert len(json.loads((run_dir / "attempts.jsonl").read_text().splitlines()[0])["nodes"]) == 1
+
+
+def test_sft_on_chat_messages_learns_the_assistant_turns(lab, runs_env, shared_tmp):
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["name"] = "tiny-chat"
+    recipe["data"]["train"] = str(REPO / "recipes" / "data" / "tiny-chat.jsonl")
+    recipe["training"]["steps"] = 80
+    path = shared_tmp / "chat.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+
+    run = submit(path)
+
+    assert wait_done(run["run_id"]) == "COMPLETED", ft("logs", run["run_id"], "--rank", "0").stdout[-3000:]
+    curve = [loss for _, loss in json.loads((Path(run["run_dir"]) / "summary.json").read_text())["loss_curve"]]
+    assert sum(curve[-5:]) / 5 < 0.5 * sum(curve[:5]) / 5
+    report = json.loads((Path(run["run_dir"]) / "data-report.json").read_text())
+    assert report[0]["format"] == "chat" and report[0]["ok"]

@@ -149,6 +149,25 @@ class Tracker:
             self.wandb.finish()
 
 
+def load_base_model(model_path: Path, method: str):
+    """The base model: 4-bit NF4 with double quantization for QLoRA (bitsandbytes), else fp32 weights
+    (DeepSpeed casts for bf16/fp16 training)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if method != "qlora":
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    from peft import prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=quantization, dtype=torch.float32)
+    quantized = sum(type(module).__name__ == "Linear4bit" for module in model.modules())
+    print(f"QLoRA: {quantized} linear layers in 4-bit NF4", flush=True)
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
 def load_examples(recipe: dict, model_path: Path, shared_root: str, rank: int, dist) -> list[Example]:
     """The tokenized training set, from the cache `ft validate` filled; built (by rank 0, once) when
     the run was submitted without validation or the cache was purged."""
@@ -199,7 +218,7 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
     import deepspeed
     import torch
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from toolkit.train.models import resolve_model
 
@@ -208,10 +227,10 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
     torch.manual_seed(recipe["training"]["seed"])
     model_path = resolve_model(recipe["model"]["base"], recipe["model"]["revision"], shared_root)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    method = recipe["method"]
+    model = load_base_model(model_path, method["kind"])
     if recipe["training"]["gradient_checkpointing"]:
         model.gradient_checkpointing_enable()
-    method = recipe["method"]
     if method["kind"] in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
 
