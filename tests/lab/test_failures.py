@@ -66,8 +66,11 @@ def test_premium_job_preempts_a_free_job_by_requeue(lab, shared_tmp):
         # Requeued, not killed: the free job is back in the queue with a restart counted.
         assert free["JobState"] in {"PENDING", "REQUEUED", "CONFIGURING"}
         assert int(free["Restarts"]) >= 1
-        states = commands.run(["sacct", "-j", free_job, "--allocations", "--duplicates", "--noheader",
-                               "--parsable2", "--format=State"]).stdout.split()
-        assert "PREEMPTED" in states or "REQUEUED" in states
+        def requeue_accounted():
+            states = commands.run(["sacct", "-j", free_job, "--allocations", "--duplicates", "--noheader",
+                                   "--parsable2", "--format=State"]).stdout.split()
+            return states if {"PREEMPTED", "REQUEUED"} & set(states) else None
+
+        wait_for("sacct to record the preemption", requeue_accounted, timeout=60)
     finally:
         cancel(free_job, *([premium_job] if premium_job else []))

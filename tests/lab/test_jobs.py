@@ -37,9 +37,13 @@ def test_gpus_are_allocated_as_gres_per_node(lab, shared_tmp):
         assert visible == "0,1"
         assert on_node == "2"
     # The controller accounts 2 GPUs on each of the 2 nodes.
-    tres = commands.run(["sacct", "-j", job_id, "--allocations", "--noheader", "--parsable2",
-                         "--format=AllocTRES"]).stdout
-    assert "gres/gpu=4" in tres
+    # Accounting hears of the allocation a moment after the controller: wait for its record.
+    def accounted():
+        tres = commands.run(["sacct", "-j", job_id, "--allocations", "--noheader", "--parsable2",
+                             "--format=AllocTRES"]).stdout
+        return tres if "gres/gpu" in tres else None
+
+    assert "gres/gpu=4" in wait_for("sacct to record the GPUs", accounted, timeout=60)
 
 
 def test_sacct_json_returns_the_job(lab, shared_tmp):
