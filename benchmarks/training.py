@@ -130,11 +130,11 @@ def main() -> None:
         state_mb = sum(f.stat().st_size for f in (work / "bare-ckpt").rglob("*") if f.is_file()) / 2**20
 
     bare_rate = bare["tokens"] / bare["seconds"]
-    ft_rate = plain["tokens"] / plain["wall_seconds"]
-    # Both ft runs save once at the end; the third saves every --every steps besides.
-    extra_checkpoints = args.steps // args.every - 1
-    per_checkpoint = (checkpointed["wall_seconds"] - plain["wall_seconds"]) / max(1, extra_checkpoints)
-    step_seconds = plain["wall_seconds"] / args.steps
+    # ft's training time, without its checkpoints (the bare loop saves only after its clock stops).
+    training_seconds = plain["wall_seconds"] - plain["checkpoint_seconds"]
+    ft_rate = plain["tokens"] / training_seconds
+    per_checkpoint = checkpointed["checkpoint_seconds"] / checkpointed["checkpoints"]
+    step_seconds = training_seconds / args.steps
     share = per_checkpoint / (per_checkpoint + 100 * step_seconds)
     print(f"model {args.hidden}x{args.layers}, checkpoint state {state_mb:.0f} MB, {args.steps} steps")
     print(f"  bare loop       {bare_rate:9.0f} tokens/s")

@@ -260,8 +260,11 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
     every_seconds = (recipe["checkpoint"]["every_minutes"] or 0) * 60
     last_save, started, tokens = time.monotonic(), time.monotonic(), 0
 
+    checkpoint_seconds, checkpoints_written = 0.0, 0
+
     def save(step: int) -> None:
-        nonlocal last_save
+        nonlocal last_save, checkpoint_seconds, checkpoints_written
+        save_started = time.monotonic()
         if rank == 0:
             store.prepare()
         dist.barrier()
@@ -272,7 +275,9 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
             store.publish(step)
         dist.barrier()
         last_save = time.monotonic()
-        log(rank, f"checkpoint step {step} saved")
+        checkpoint_seconds += last_save - save_started
+        checkpoints_written += 1
+        log(rank, f"checkpoint step {step} saved in {last_save - save_started:.2f} s")
 
     fault_oom = int(os.environ.get("FT_FAULT_OOM_AT_STEP", "0"))
     fault_nan = int(os.environ.get("FT_FAULT_NAN_AT_STEP", "0"))
@@ -332,12 +337,14 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
             tracker.finish()
             return
 
-    export(engine, tokenizer, run_dir, recipe, step, tokens * world, time.monotonic() - started, tracker, rank)
+    timing = {"wall_seconds": round(time.monotonic() - started, 2), "checkpoint_seconds": round(checkpoint_seconds, 2),
+              "checkpoints": checkpoints_written}
+    export(engine, tokenizer, run_dir, recipe, step, tokens * world, timing, tracker, rank)
     dist.barrier()
     tracker.finish()
 
 
-def export(engine, tokenizer, run_dir: Path, recipe: dict, step: int, tokens: int, seconds: float, tracker,
+def export(engine, tokenizer, run_dir: Path, recipe: dict, step: int, tokens: int, timing: dict, tracker,
            rank: int) -> None:
     """The adapter (LoRA) or the consolidated weights (full), in safetensors, with the tokenizer.
     Under ZeRO-3 the parameters are sharded: every rank joins the gather, rank 0 writes."""
@@ -358,8 +365,8 @@ def export(engine, tokenizer, run_dir: Path, recipe: dict, step: int, tokens: in
     if metrics.exists():
         curve = [(m["step"], m["loss"]) for m in map(json.loads, metrics.read_text().splitlines())]
     gpus = int(os.environ.get("SLURM_GPUS_ON_NODE", "0") or 0) * int(os.environ.get("SLURM_JOB_NUM_NODES", "1"))
-    summary = {"steps": step, "tokens": tokens, "wall_seconds": round(seconds, 1),
-               "gpu_hours": round(gpus * seconds / 3600, 4), "final_loss": curve[-1][1] if curve else None,
+    summary = {"steps": step, "tokens": tokens, **timing, "gpu_hours": round(gpus * timing["wall_seconds"] / 3600, 4),
+               "final_loss": curve[-1][1] if curve else None,
                "loss_curve": curve, "output": str(output), "method": recipe["method"]["kind"]}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     tracker.artifact(output)
