@@ -64,7 +64,8 @@ def s3_server(workdir: Path, timeout: float = 60):
     argv = [binary, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={workdir / 'data'}",
             f"-master.port={master}", f"-master.port.grpc={grpc_master}", f"-volume.port={volume}",
             f"-volume.port.grpc={grpc_volume}", "-filer", f"-filer.port={filer}", f"-filer.port.grpc={grpc_filer}",
-            "-s3", f"-s3.port={s3}", f"-s3.port.grpc={grpc_s3}", f"-s3.config={config}", "-s3.port.iceberg=0",
+            "-s3", f"-s3.port={s3}", f"-s3.port.grpc={grpc_s3}", f"-s3.config={config}",
+            "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-master.telemetry=false",
             "-master.resumeState=false", "-volume.preStopSeconds=0", "-master.volumeSizeLimitMB=64",
             "-volume.max=0", f"-metricsPort={metrics}", "-metricsIp=127.0.0.1"]
