@@ -11,9 +11,7 @@ from dataclasses import dataclass
 from toolkit.errors import FtError
 from toolkit.paths import state_home
 from toolkit.slurm import commands
-
-FINISHED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-                   "BOOT_FAIL", "DEADLINE"}
+from toolkit.slurm.client import CliSlurmClient
 
 
 def describe_task() -> dict:
@@ -41,16 +39,6 @@ class SmokeResult:
         return len({task["hostname"] for task in self.tasks})
 
 
-def job_state(job_id: str) -> str:
-    """The job's state from squeue, then sacct once squeue has forgotten it."""
-    queued = commands.run(["squeue", "--noheader", "--jobs", job_id, "--format=%T"], check=False)
-    if queued.returncode == 0 and queued.stdout.strip():
-        return queued.stdout.split()[0]
-    accounted = commands.run(["sacct", "--noheader", "--parsable2", "--jobs", job_id, "--format=State",
-                              "--allocations"], check=False)
-    return accounted.stdout.split()[0].split()[0] if accounted.stdout.strip() else "UNKNOWN"
-
-
 def run_smoke(nodes: int = 2, gpus_per_node: int = 2, partition: str = "standard",
               timeout_s: float = 300) -> SmokeResult:
     import submitit  # imported here: only this command needs it
@@ -65,10 +53,11 @@ def run_smoke(nodes: int = 2, gpus_per_node: int = 2, partition: str = "standard
     os.environ.setdefault("SLURM_CONF", commands.slurm_env()["SLURM_CONF"])
     job = executor.submit(describe_task)
     # submitit polls sacct lazily; Slurm's own view says when the job is over.
-    state = "PENDING"
+    client, state = CliSlurmClient(), "PENDING"
     while time.monotonic() - started < timeout_s:
-        state = job_state(job.job_id)
-        if state in FINISHED_STATES:
+        info = client.job(job.job_id)
+        state = info.state if info else state
+        if info and info.finished:
             break
         time.sleep(0.5)
     else:
