@@ -100,3 +100,14 @@ def test_crash_of_an_unknown_node_names_the_real_ones(tmp_path):
     assert result.returncode == 2
     assert "the lab has no node 'node9'" in result.stderr
     assert "lab nodes: node1" in result.stderr
+
+
+def test_status_prices_a_finished_run_at_its_cluster_s_rate():
+    from types import SimpleNamespace
+
+    from toolkit.cli.runs import _cost
+
+    finished = SimpleNamespace(run=SimpleNamespace(cluster="hyperpod"), summary={"gpu_hours": 2.0})
+    assert _cost(finished) == " (about $24.58 at $12.29/GPU-hour)"
+    assert _cost(SimpleNamespace(run=SimpleNamespace(cluster="lab"), summary={"gpu_hours": 2.0})) == ""
+    assert _cost(SimpleNamespace(run=SimpleNamespace(cluster="gone"), summary={"gpu_hours": 2.0})) == ""

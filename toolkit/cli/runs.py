@@ -23,6 +23,17 @@ def _store(cluster: str | None):
     return RunStore.for_shared_root(load_profile(cluster).shared_root)
 
 
+def _cost(current) -> str:
+    """What the run cost at its cluster's price per GPU-hour (when the profile has one)."""
+    from toolkit.cluster.profile import ProfileError, load_profile
+
+    try:
+        price = load_profile(current.run.cluster).price_per_gpu_hour
+    except ProfileError:
+        return ""
+    return f" (about ${current.summary['gpu_hours'] * price:,.2f} at ${price}/GPU-hour)" if price else ""
+
+
 def _coloured(state: str) -> str:
     return f"[{STATE_COLOURS.get(state, 'white')}]{state}[/]"
 
@@ -97,7 +108,8 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
     if current.summary:
         done = current.summary
         console.print(f"  done: {done['steps']} steps, {done['tokens']} tokens, final loss {done['final_loss']:.4f}, "
-                      f"{done['wall_seconds']} s, {done['gpu_hours']} GPU-hours; output {done['output']}")
+                      f"{done['wall_seconds']} s, {done['gpu_hours']} GPU-hours{_cost(current)}; "
+                      f"output {done['output']}")
     table = Table(title="attempts", title_justify="left")
     for column in ("job", "restart", "nodes", "started"):
         table.add_column(column)
