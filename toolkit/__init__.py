@@ -11,11 +11,11 @@ transformers, peft or deepspeed. The training runtime lives in modules that only
 __version__ = "0.1.0"
 
 
-def submit(recipe, cluster=None, idempotency_key=None, preflight=False):
+def submit(recipe, cluster=None, idempotency_key=None, preflight=False, skip_validation=False):
     """Validate, render and submit a recipe; returns a `toolkit.api.Run` handle."""
     from toolkit.api import submit as _submit
 
-    return _submit(recipe, cluster, idempotency_key, preflight)
+    return _submit(recipe, cluster, idempotency_key, preflight, skip_validation)
 
 
 def run(run_id, cluster=None):

@@ -41,8 +41,7 @@ def check_data(resolved: ResolvedRecipe) -> list:
         lines = []
         for report in bad:
             for kind, summary in sorted(report.errors.items()):
-                first = "; ".join(f"{f.location}{' ' + f.field if f.field else ''}: {f.message}"
-                                  for f in summary.examples[:3])
+                first = "; ".join(str(finding) for finding in summary.examples[:3])
                 lines.append(f"  {kind} x{summary.count}: {first}")
         raise DataInvalid("the data would fail this run; nothing was submitted:\n" + "\n".join(lines),
                           hint=f"see every problem with `ft validate {resolved.path}`; --skip-validation "
@@ -89,16 +88,19 @@ def store_for(resolved: ResolvedRecipe) -> RunStore:
 def submit(recipe_path: Path, cluster: str | None = None, idempotency_key: str | None = None,
            mode: str = "train", skip_validation: bool = False) -> Submission:
     resolved = resolve(recipe_path, cluster)
-    reports = [] if skip_validation or mode == "preflight" else check_data(resolved)
     store = store_for(resolved)
+
+    def validated() -> list:
+        return [] if skip_validation or mode == "preflight" else check_data(resolved)
+
     if idempotency_key is None:
-        return _submit_new(resolved, store, None, mode, reports)
+        return _submit_new(resolved, store, None, mode, validated())
     validate_key(idempotency_key)
     with store.key_lock(idempotency_key):
         existing = store.run_for_key(idempotency_key)
-        if existing:
+        if existing:  # already submitted: nothing to check again
             return Submission(store.load(existing), store.run_dir(existing), created=False)
-        submission = _submit_new(resolved, store, idempotency_key, mode, reports)
+        submission = _submit_new(resolved, store, idempotency_key, mode, validated())
         store.remember_key(idempotency_key, submission.run.run_id)
         return submission
 

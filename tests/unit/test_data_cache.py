@@ -99,3 +99,52 @@ def test_missing_data_file_is_a_located_error(tmp_path):
     finding = report.errors["file_not_found"].examples[0]
     assert finding.location == str(recipe) and finding.field == "data.train"
     assert finding.message == f"{tmp_path / 'nowhere' / 'train.jsonl'}: no such file"
+
+
+def test_a_cached_report_still_gets_the_recipe_s_own_checks(tmp_path, monkeypatch):
+    """The cache holds what the file is; what the recipe asks of it is checked every time."""
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f" a{i}"}) + "\n" for i in range(150)))
+    profile = tmp_path / "clusters.yaml"
+    profile.write_text(yaml.safe_dump({"mine": {"extends": "lab", "shared_root": str(tmp_path / "shared")}}))
+    monkeypatch.setenv("FT_CLUSTERS_FILE", str(profile))
+    recipe = tmp_path / "dpo.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "r", "model": {"base": "tiny-llama"}, "objective": {"kind": "dpo"},
+                                      "data": {"train": str(data)}, "resources": {"nodes": 1, "gpus_per_node": 1}}))
+    resolved = resolve(recipe, "mine")
+    for _ in range(2):  # the second pass comes from the cache
+        (report,) = recipe_data.validate_recipe_data(resolved)
+        assert not report.ok and "format_objective_mismatch" in report.errors
+
+
+@pytest.mark.parametrize("rows,fmt", [
+    ([{"prompt": f"q{i}", "completion": f" a{i}"} for i in range(120)], "prompt_completion"),
+    ([{"prompt": f"q{i}", "chosen": f" yes{i}", "rejected": f" no{i}"} for i in range(120)], "preference"),
+])
+def test_a_worker_fills_the_cache_exactly_as_validation_does(tmp_path, monkeypatch, rows, fmt):
+    """A run submitted with --skip-validation tokenizes in the worker: same tokens, same split."""
+    from toolkit.recipe.schema import Recipe
+    from toolkit.train.worker import build_cache
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    profile = tmp_path / "clusters.yaml"
+    profile.write_text(yaml.safe_dump({"mine": {"extends": "lab", "shared_root": str(tmp_path / "shared")}}))
+    monkeypatch.setenv("FT_CLUSTERS_FILE", str(profile))
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text(yaml.safe_dump({
+        "name": "r", "model": {"base": "tiny-llama"}, "objective": {"kind": "dpo" if fmt == "preference" else "sft"},
+        "data": {"train": str(data), "eval_fraction": 0.1}, "resources": {"nodes": 1, "gpus_per_node": 1}}))
+    resolved = resolve(recipe_file, "mine")
+    recipe_data.validate_recipe_data(resolved)
+    tok = load_length_counter("tiny-llama")
+    key = recipe_data.dataset_key(resolved.recipe, str(data), tok, "train")
+    from_validation = recipe_data.token_cache(str(tmp_path / "shared")).load(key)
+
+    other = recipe_data.token_cache(str(tmp_path / "worker"))
+    build_cache(Recipe.model_validate(resolved.recipe.model_dump(mode="json")), tok, other, key)
+    from_worker = other.load(key)
+
+    assert len(from_worker.offsets) - 1 == len(rows) * (2 if fmt == "preference" else 1)
+    for held_out in (False, True):
+        assert from_worker.examples(held_out) == from_validation.examples(held_out)

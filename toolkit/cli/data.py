@@ -47,8 +47,7 @@ def show(reports, as_json: bool) -> None:
             for column in ("kind", "count", "first locations"):
                 table.add_column(column)
             for kind, summary in sorted(kinds.items()):
-                where = "\n".join(f"{f.location}{' ' + f.field if f.field else ''}: {f.message}"
-                                  for f in summary.examples)
+                where = "\n".join(str(finding) for finding in summary.examples)
                 table.add_row(kind, str(summary.count), where)
             console.print(table)
         console.print("[green]ok[/]" if report.ok else f"[red]{sum(s.count for s in report.errors.values())} "

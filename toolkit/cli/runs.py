@@ -125,7 +125,7 @@ def logs(run_id: str = typer.Argument(...), follow: bool = typer.Option(False, "
          rank: int = typer.Option(None, "--rank", help="A rank's log."),
          cluster: str = typer.Option(None, "--cluster", "-c")) -> None:
     """Print a run's log: the job's by default, one node's or one rank's on request."""
-    from toolkit.runs.status import log_path, run_status
+    from toolkit.runs.status import log_path
     from toolkit.slurm.client import default_client
 
     store = _store(cluster)
@@ -146,7 +146,8 @@ def logs(run_id: str = typer.Argument(...), follow: bool = typer.Option(False, "
             raise FtError(f"no log at {path} yet", hint="logs so far: " + (", ".join(available) or "none"))
         if not follow:
             return
-        if run_status(store, run_id, client).job and run_status(store, run_id, client).job.finished:
+        job = client.job(record.latest_job) if record.latest_job else None
+        if job and job.finished:
             follow = False  # one last read above picks up what the job wrote at the end
             continue
         time.sleep(1.0)

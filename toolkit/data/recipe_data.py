@@ -43,10 +43,34 @@ def token_cache(shared_root: str) -> TokenCache:
     return TokenCache(Path(shared_root or "~/ft").expanduser() / "cache" / "tokenized")
 
 
+def held_out_fraction(recipe, role: str) -> float:
+    """Share of the training file held out for evaluation: only when the recipe names no eval file."""
+    return recipe.data.eval_fraction if role == "train" and not recipe.data.eval else 0.0
+
+
 def dataset_key(recipe, path: str, counter: LengthCounter, role: str) -> str:
-    fraction = recipe.data.eval_fraction if role == "train" and not recipe.data.eval else 0.0
     return cache_key(file_digest(path), counter.identity, recipe.data.format, recipe.data.max_seq_len,
-                     recipe.data.too_long, fraction, recipe.training.seed)
+                     recipe.data.too_long, held_out_fraction(recipe, role), recipe.training.seed)
+
+
+def validated_file(recipe, role: str, path: str, counter: LengthCounter | None, cache: TokenCache,
+                   progress: Callable[[str, int, int | None], None] | None) -> Report:
+    """The report of one data file: from the cache when this file, tokenizer and settings were
+    validated before; else a fresh pass, whose tokens fill the cache when the file is clean."""
+    key = dataset_key(recipe, path, counter, role) if counter else None
+    cached = cache.meta(key) if key else None
+    if cached and cached.get("report"):  # a cache a worker built holds tokens but no report
+        return report_from_dict(cached["report"])
+    limits = Limits(max_seq_len=recipe.data.max_seq_len, too_long=recipe.data.too_long,
+                    min_rows=100 if role == "train" else 1, max_rows=MAX_ROWS_BY_TIER.get(recipe.resources.tier))
+    on_bytes = (lambda done, total: progress(role, done, total)) if progress else None
+    target = CacheTarget(cache.writer(key), held_out_fraction(recipe, role), recipe.training.seed) if key else None
+    report = validate_file(path, recipe.data.format, counter, limits, progress=on_bytes, cache=target)
+    if target and report.ok:
+        target.writer.finish({"key": key, "path": path, "format": report.format, "report": report.to_dict()})
+    elif target:
+        target.writer.abort()
+    return report
 
 
 def validate_recipe_data(resolved: ResolvedRecipe, tokenizer: str | None = None,
@@ -67,23 +91,8 @@ def validate_recipe_data(resolved: ResolvedRecipe, tokenizer: str | None = None,
                                                           f"{path}: no such file"))
             reports.append(report)
             continue
-        key = dataset_key(recipe, path, counter, role) if counter else None
-        cached = cache.meta(key) if key else None
-        if cached and cached.get("report"):  # a cache a worker built holds tokens but no report
-            reports.append(report_from_dict(cached["report"]))
-            continue
-        limits = Limits(max_seq_len=recipe.data.max_seq_len, too_long=recipe.data.too_long,
-                        min_rows=100 if role == "train" else 1, max_rows=MAX_ROWS_BY_TIER.get(recipe.resources.tier))
-        on_bytes = (lambda done, total, role=role: progress(role, done, total)) if progress else None
-        fraction = recipe.data.eval_fraction if role == "train" and not recipe.data.eval else 0.0
-        target = CacheTarget(cache.writer(key), fraction, recipe.training.seed) if key else None
-        report = validate_file(path, recipe.data.format, counter, limits, progress=on_bytes, cache=target)
-        if target:
-            if report.ok:
-                target.writer.finish({"key": key, "path": path, "format": report.format,
-                                      "report": report.to_dict()})
-            else:
-                target.writer.abort()
+        report = validated_file(recipe, role, path, counter, cache, progress)
+        # What the recipe asks of the data is checked on every report, cached or fresh.
         if missing:
             report.add("warning", "lengths_not_checked", Finding(path, None, f"token lengths not checked: {missing}"))
         allowed = FORMATS_FOR[recipe.objective.kind]

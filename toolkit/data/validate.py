@@ -31,6 +31,9 @@ class Finding:
     field: str | None
     message: str
 
+    def __str__(self) -> str:
+        return f"{self.location}{' ' + self.field if self.field else ''}: {self.message}"
+
 
 @dataclass
 class KindSummary:
@@ -48,7 +51,6 @@ class Report:
     warnings: dict[str, KindSummary] = field(default_factory=dict)
     tokens: dict[str, float] = field(default_factory=dict)
     duplicates: int = 0
-    content_hash: str = ""
 
     @property
     def ok(self) -> bool:
@@ -91,7 +93,6 @@ class _Pass:
         self.report = Report(path, None if fmt == "auto" else fmt)
         self.counter, self.limits, self.cache = counter, limits, cache
         self.hashes, self.lines, self.lengths = array("Q"), array("I"), array("I")
-        self.content = hashlib.sha256()
         self.pending: list[Row] = []
 
     def where(self, line: int) -> str:
@@ -125,7 +126,6 @@ class _Pass:
                 good.append(row)
         for row in good:
             canonical = json.dumps(row.data, sort_keys=True, ensure_ascii=False).encode()
-            self.content.update(canonical)
             self.hashes.append(int.from_bytes(hashlib.blake2b(canonical, digest_size=8).digest(), "little"))
             self.lines.append(row.line)
             for kind in pii.find(" ".join(_strings(row.data))):
@@ -182,7 +182,6 @@ class _Pass:
             report.add("error", "too_many_rows", Finding(
                 f"{report.path}", None,
                 f"{report.rows} rows; this tier allows {limits.max_rows} (ask for a higher tier)"))
-        report.content_hash = self.content.hexdigest()
         return report
 
     def duplicates(self) -> None:
@@ -214,7 +213,7 @@ def report_from_dict(data: dict) -> Report:
         return {kind: KindSummary(v["count"], [Finding(**f) for f in v["examples"]]) for kind, v in raw.items()}
 
     return Report(data["path"], data["format"], data["rows"], data["valid_rows"], kinds(data["errors"]),
-                  kinds(data["warnings"]), data["tokens"], data["duplicates"], data["content_hash"])
+                  kinds(data["warnings"]), data["tokens"], data["duplicates"])
 
 
 def _strings(value) -> list[str]:

@@ -3,7 +3,7 @@
 - CliSlurmClient: Slurm's command-line tools, `--json` where this Slurm has it, text otherwise;
   every call with a timeout. Works wherever the tools do.
 - PyslurmClient: pyslurm, used only when it is installed and built for this cluster's Slurm
-  (pyslurm builds against exactly one Slurm release); otherwise `unavailable_reason()` says why.
+  (pyslurm builds against exactly one Slurm release); otherwise `pyslurm_unavailable_reason()` says why.
 
 Job state comes from squeue while Slurm remembers the job, then sacct (accounting), then the
 job-completion log, so it stays right after squeue forgets a job and on sites without accounting.
@@ -117,6 +117,7 @@ class CliSlurmClient:
         return JobInfo(job_id, _state(state), "sacct", nodes, "", int(exit_code.split(":")[0] or 0),
                        len(rows) - 1, int(elapsed or 0))
 
+    @functools.cache  # noqa: B019 - the completion log does not move while ft runs
     def _jobcomp_path(self) -> str | None:
         result = commands.run(["scontrol", "show", "config"], timeout=self.timeout, check=False)
         types = re.search(r"^JobCompType\s*=\s*(\S+)", result.stdout, re.M)

@@ -171,39 +171,43 @@ def load_base_model(model_path: Path, method: str):
 def load_examples(recipe: dict, model_path: Path, shared_root: str, rank: int, dist) -> list[Example]:
     """The tokenized training set, from the cache `ft validate` filled; built (by rank 0, once) when
     the run was submitted without validation or the cache was purged."""
-    from types import SimpleNamespace
-
     from toolkit.data.recipe_data import dataset_key, token_cache
     from toolkit.data.tokenizer import load_length_counter
+    from toolkit.recipe.schema import Recipe
 
-    spec = json.loads(json.dumps(recipe), object_hook=lambda d: SimpleNamespace(**d))
+    spec = Recipe.model_validate(recipe)
     counter = load_length_counter(str(model_path))
-    key = dataset_key(spec, recipe["data"]["train"], counter, "train")
+    key = dataset_key(spec, spec.data.train, counter, "train")
     cache = token_cache(shared_root)
     if rank == 0 and cache.meta(key) is None:
-        build_cache(recipe, counter, cache, key)
+        build_cache(spec, counter, cache, key)
     dist.barrier()
     dataset = cache.load(key)
     if dataset is None:
         raise RuntimeError(f"the tokenized dataset {cache.path(key)} is missing after rank 0 built it")
-    log(rank, f"{len(dataset.offsets) - 1} examples from the token cache {cache.path(key).name}")
+    log(rank, f"{len(dataset.offsets) - 1} sequences from the token cache {cache.path(key).name}")
     return [Example(ids, labels) for ids, labels in dataset.examples(held_out=False)]
 
 
-def build_cache(recipe: dict, counter, cache, key: str) -> None:
-    from toolkit.data.encode import encode_rows
+def build_cache(recipe, counter, cache, key: str) -> None:
+    """Tokenize the training file the way validation does (a run submitted with --skip-validation)."""
+    from toolkit.data.encode import encode_rows, sequences_per_row
     from toolkit.data.readers import open_rows
+    from toolkit.data.recipe_data import held_out_fraction
     from toolkit.data.schemas import detect_format
     from toolkit.data.split import is_eval
 
-    data = recipe["data"]
-    rows = [row.data for row in open_rows(data["train"])[0] if row.data is not None]
-    fmt = data["format"] if data["format"] != "auto" else detect_format(rows[0])
-    fraction = data["eval_fraction"] if not data["eval"] else 0.0
+    data = recipe.data
+    rows = [row.data for row in open_rows(data.train)[0] if row.data is not None]
+    fmt = data.format if data.format != "auto" else detect_format(rows[0])
+    fraction, per_row = held_out_fraction(recipe, "train"), sequences_per_row(fmt)
+    encoded = encode_rows(rows, fmt, counter, data.max_seq_len)
     writer = cache.writer(key)
-    for row, (ids, labels, _) in zip(rows, encode_rows(rows, fmt, counter, data["max_seq_len"]), strict=True):
-        writer.add(ids, labels, is_eval(row, fraction, recipe["training"]["seed"]))
-    writer.finish({"key": key, "path": data["train"], "format": fmt, "report": None})
+    for index, row in enumerate(rows):
+        held_out = is_eval(row, fraction, recipe.training.seed)
+        for ids, labels, _ in encoded[index * per_row:(index + 1) * per_row]:
+            writer.add(ids, labels, held_out)
+    writer.finish({"key": key, "path": data.train, "format": fmt, "report": None})
 
 
 def main() -> None:  # noqa: C901 - the training loop reads best in one place
