@@ -32,6 +32,13 @@ def request_stop(_signum, _frame) -> None:
     _stop_requested = True
 
 
+def leave_exit_status(run_dir: Path, status: int) -> None:
+    """The job script reads this back: srun alone would report the ranks it stopped (15) instead."""
+    staged = run_dir / f".exit-status.{os.getpid()}"
+    staged.write_text(f"{status}\n")
+    staged.replace(run_dir / "exit-status")
+
+
 def log(rank: int, message: str) -> None:
     print(f"[rank {rank} {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
@@ -315,6 +322,7 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
         except torch.OutOfMemoryError as exc:
             log(rank, f"out of memory at step {step} with micro batch {config['train_micro_batch_size_per_gpu']}: "
                       f"{exc}")
+            leave_exit_status(run_dir, EXIT_OUT_OF_MEMORY)
             sys.exit(EXIT_OUT_OF_MEMORY)
         # One collective per step: the mean loss, whether any rank wants to stop, and the save clock.
         signals = torch.tensor([torch.stack(losses).mean().item(), float(_stop_requested),
@@ -326,6 +334,7 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
             log(rank, f"loss is {mean_loss} at step {step}: stopping. Try a lower learning rate "
                       f"(now {recipe['training']['learning_rate']}), gradient clipping (max_grad_norm), "
                       "and `ft validate` on the data.")
+            leave_exit_status(run_dir, EXIT_USER_ERROR)  # every rank: whichever srun stops last
             sys.exit(EXIT_USER_ERROR)
         metrics = {"loss": mean_loss, "lr": engine.get_lr()[0], "tokens": tokens * world}
         if dpo:
