@@ -6,7 +6,11 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$repo/scripts/setup.sh"
 ft="$repo/.venv/bin/ft"
 "$ft" lab up
-run_id="$("$ft" submit "$repo/recipes/tiny-lora-sft.yaml" --json | "$repo/.venv/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["run_id"])')"
+submitted="$("$ft" submit "$repo/recipes/tiny-lora-sft.yaml" --json)" || {
+    echo "[demo] ft submit failed (its message is above)" >&2
+    exit 1
+}
+run_id="$("$repo/.venv/bin/python" -c 'import json,sys; print(json.loads(sys.argv[1])["run_id"])' "$submitted")"
 echo "[demo] run $run_id submitted; following rank 0"
 # The rank log appears once the job starts; until then, wait.
 until "$ft" logs "$run_id" --rank 0 >/dev/null 2>&1; do sleep 1; done

@@ -48,3 +48,21 @@ def shared_tmp(lab) -> Path:
     path = Path(lab.shared_dir) / "tests" / uuid.uuid4().hex[:12]
     path.mkdir(parents=True)
     return path
+
+
+@pytest.fixture
+def heal_lab(lab):
+    """Bring crashed or ft-drained nodes back after the test, through `ft lab up` as a user would."""
+    from toolkit.lab import lifecycle
+
+    yield
+    outcome = lifecycle.up()
+    assert outcome.status.healthy, outcome.status.problems
+
+
+@pytest.fixture(autouse=True)
+def no_traffic_off_this_machine(monkeypatch):
+    """Every test: sockets reach only loopback and the lab; S3 clients default to loopback."""
+    from tests.support import network_guard
+
+    network_guard.install(monkeypatch)

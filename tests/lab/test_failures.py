@@ -9,20 +9,13 @@ from toolkit.lab import lifecycle
 from toolkit.slurm import commands
 
 
-@pytest.fixture
-def heal_lab(lab):
-    """Bring crashed nodes back after the test, through `ft lab up` as a user would."""
-    yield
-    outcome = lifecycle.up()
-    assert outcome.status.healthy, outcome.status.problems
-
-
 @pytest.mark.slow
 def test_node_crash_requeues_the_job_elsewhere(lab, shared_tmp, heal_lab):
     # Every start of the batch script leaves a line: restart count and the nodes it got.
+    # Every start of the batch script leaves a line; every task of the step a file once it runs.
     script = write_script(shared_tmp / "long.sh", (
         f'echo "${{SLURM_RESTART_COUNT:-0}} $SLURM_JOB_NODELIST" >> {shared_tmp}/starts\n'
-        "srun sleep 600\n"
+        f'srun bash -c \'touch {shared_tmp}/running-${{SLURM_RESTART_COUNT:-0}}-$SLURMD_NODENAME; exec sleep 600\'\n'
     ))
     job_id = sbatch(script, "--nodes=2", "--requeue", "--time=15", f"--output={shared_tmp}/out-%j-%s")
     try:
@@ -30,6 +23,10 @@ def test_node_crash_requeues_the_job_elsewhere(lab, shared_tmp, heal_lab):
         assert running
         first_nodes = hostnames(job_fields(job_id)["NodeList"])
         victim = first_nodes[1]  # not the batch host: its loss is the common case
+        # Crash the node only once the step runs on it: a node lost before the step starts is
+        # another case (the job script's, tested in test_training.py).
+        wait_for("the step to run on every node",
+                 lambda: all((shared_tmp / f"running-0-{node}").exists() for node in first_nodes), timeout=60)
         killed = lifecycle.crash(victim)
         assert killed, f"nothing ran in {victim}'s namespace"
 

@@ -254,3 +254,53 @@ def test_sft_on_chat_messages_learns_the_assistant_turns(lab, runs_env, shared_t
     assert sum(curve[-5:]) / 5 < 0.5 * sum(curve[:5]) / 5
     report = json.loads((Path(run["run_dir"]) / "data-report.json").read_text())
     assert report[0]["format"] == "chat" and report[0]["ok"]
+
+
+def test_a_node_lost_before_the_step_starts_is_drained_and_the_run_requeued(lab, runs_env, shared_tmp, heal_lab):
+    """Slurm allocates a node whose slurmd just died (it still looks idle): the step cannot start
+    there. A platform fault, not the run's: the job drains the node and requeues itself, and the
+    run completes on other nodes."""
+    from tests.support.slurm import cancel, hostnames, sbatch, write_script
+    from toolkit.lab import lifecycle
+
+    names = [node.name for node in lab.nodes]
+    filler = sbatch(write_script(shared_tmp / "filler.sh", "srun sleep 600\n"), f"--nodes={len(names) - 2}",
+                    f"--nodelist={','.join(names[2:])}", f"--output={shared_tmp}/filler-%j")
+    job_id = None
+    try:
+        wait_for("the filler job to hold all but two nodes",
+                 lambda: job_fields(filler).get("JobState") == "RUNNING", timeout=60)
+        recipe = yaml.safe_load(TINY.read_text())
+        recipe["training"]["steps"] = 30
+        recipe["data"]["train"] = str(REPO / "recipes" / "data" / "tiny-sft.jsonl")
+        (shared_tmp / "short.yaml").write_text(yaml.safe_dump(recipe))
+        run_id = f"lost-at-launch-{shared_tmp.name}"
+        rendered = ft("render", str(shared_tmp / "short.yaml"), "--run-id", run_id,
+                      "-o", str(shared_tmp / "job.sbatch"))
+        assert rendered.returncode == 0, rendered.stderr
+        # Held until its second node is dead, then released: Slurm gives it the two free nodes.
+        job_id = sbatch(shared_tmp / "job.sbatch", "--hold")
+        victim = names[1]
+        assert lifecycle.crash(victim), f"nothing ran in {victim}'s namespace"
+        commands.run(["scontrol", "release", job_id])
+
+        run_dir = runs_env / run_id
+        failures = wait_for("the job to see its lost node", lambda: (run_dir / "launch-failures").exists()
+                            and (run_dir / "launch-failures").read_text(), timeout=90)
+        assert failures.split() == [job_id, victim]
+        reason = commands.run(["sinfo", "--noheader", "--Node", "--nodes", victim, "--format=%E"]).stdout
+        assert f"ft: lost before job {job_id} (run {run_id}) started on it" in reason
+        cancel(filler)
+
+        final = wait_for("the requeued run to finish", lambda: (lambda f: f if f.get("JobState") in {
+            "COMPLETED", "FAILED", "CANCELLED"} else None)(job_fields(job_id)), timeout=400, interval=2)
+        batch_log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+        assert final["JobState"] == "COMPLETED", batch_log[-3000:]
+        assert int(final["Restarts"]) == 1
+        assert f"node {victim} was lost before the step started on it: drained" in batch_log
+        attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
+        assert len(attempts) == 1 and victim not in attempts[0]["nodes"]  # the failed start never trained
+        assert victim not in hostnames(final["NodeList"])
+        assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30
+    finally:
+        cancel(filler, *([job_id] if job_id else []))

@@ -15,6 +15,8 @@ from toolkit.data.split import split
 from toolkit.data.tokenizer import LengthCounter, load_length_counter
 from toolkit.recipe.resolve import resolve
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def test_split_is_deterministic_order_independent_and_near_the_fraction():
     rows = [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(4000)]
@@ -98,7 +100,34 @@ def test_missing_data_file_is_a_located_error(tmp_path):
     assert not report.ok
     finding = report.errors["file_not_found"].examples[0]
     assert finding.location == str(recipe) and finding.field == "data.train"
-    assert finding.message == f"{tmp_path / 'nowhere' / 'train.jsonl'}: no such file"
+    assert finding.message == f"{tmp_path / 'nowhere' / 'train.jsonl'}: no such file (the local filesystem)"
+
+
+@pytest.mark.parametrize("recipe", ["llama3-8b-lora-sft", "llama3-8b-dpo", "llama3-70b-qlora", "llama3-8b-full-32gpu"])
+def test_an_unreachable_object_store_is_one_located_line_and_stays_on_this_machine(tmp_path, monkeypatch, recipe):
+    """The shipped recipes' s3://example-... data, validated against a site profile whose endpoint is on
+    loopback (nothing listening): that endpoint is asked, never a public one, and the answer says so."""
+    import socket
+    import time
+
+    with socket.socket() as probe:  # a loopback port with nothing behind it
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    clusters = tmp_path / "clusters.yaml"
+    clusters.write_text(yaml.safe_dump({"site-s3": {"extends": "hyperpod", "s3_endpoint": f"http://127.0.0.1:{port}",
+                                                   "shared_root": str(tmp_path / "shared")}}))
+    monkeypatch.setenv("FT_CLUSTERS_FILE", str(clusters))
+    monkeypatch.delenv("AWS_ENDPOINT_URL")  # the profile's endpoint decides
+    path = REPO / "recipes" / f"{recipe}.yaml"
+    started = time.monotonic()
+    reports = recipe_data.validate_recipe_data(resolve(path, "site-s3"), tokenizer="tiny-llama")
+    assert time.monotonic() - started < 60  # bounded retries, not botocore's minutes
+    for report, role in zip(reports, ("train", "eval"), strict=False):
+        assert not report.ok and list(report.errors) == ["object_store_unreachable"]
+        finding = report.errors["object_store_unreachable"].examples[0]
+        assert finding.location == str(path) and finding.field == f"data.{role}"
+        assert f"the object store at http://127.0.0.1:{port} could not be reached" in finding.message
+        assert "s3_endpoint in the site-s3 cluster profile" in finding.message and "\n" not in finding.message
 
 
 def test_a_cached_report_still_gets_the_recipe_s_own_checks(tmp_path, monkeypatch):

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from toolkit.train.models import ModelNotFound, resolve_model
+from tests.support.model_folders import write_model_folder
+from toolkit.train.models import ModelFolderBroken, ModelNotFound, resolve_model
+
+ENTRY = "meta-llama--Llama-3.1-8B@abc123"
 
 
 def test_local_folder_is_used_as_is(tmp_path):
@@ -16,12 +19,39 @@ def test_local_folder_is_used_as_is(tmp_path):
 def test_node_local_cache_comes_before_the_shared_one(tmp_path, monkeypatch):
     local, shared = tmp_path / "local", tmp_path / "shared"
     for cache in (local, shared / "models"):
-        (cache / "meta-llama--Llama-3.1-8B@abc123").mkdir(parents=True)
-        (cache / "meta-llama--Llama-3.1-8B@abc123" / "config.json").write_text("{}")
+        write_model_folder(cache / ENTRY)
     monkeypatch.setenv("FT_MODEL_CACHE_LOCAL", str(local))
-    assert resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(shared)) == local / "meta-llama--Llama-3.1-8B@abc123"
-    (local / "meta-llama--Llama-3.1-8B@abc123" / "config.json").unlink()
+    assert resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(shared)) == local / ENTRY
+    (local / ENTRY).rename(tmp_path / "moved-away")
     assert resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(shared)).parent == shared / "models"
+
+
+@pytest.mark.parametrize("damage", ["no config", "no weights", "truncated weights", "missing shard", "no tokenizer"])
+def test_a_cached_model_that_is_not_whole_is_refused_naming_the_folder_and_the_fix(tmp_path, monkeypatch, damage):
+    local = tmp_path / "local"
+    entry = write_model_folder(local / ENTRY, shards=3 if damage == "missing shard" else 1)
+    write_model_folder(tmp_path / "shared" / "models" / ENTRY)  # a whole copy in the next tier is not used
+    if damage == "no config":
+        (entry / "config.json").unlink()
+    elif damage == "no weights":
+        (entry / "model.safetensors").unlink()
+    elif damage == "truncated weights":
+        data = (entry / "model.safetensors").read_bytes()
+        (entry / "model.safetensors").write_bytes(data[:-5])
+    elif damage == "missing shard":
+        (entry / "model-00002-of-00003.safetensors").unlink()
+    else:
+        (entry / "tokenizer.json").unlink()
+    monkeypatch.setenv("FT_MODEL_CACHE_LOCAL", str(local))
+    with pytest.raises(ModelFolderBroken) as raised:
+        resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(tmp_path / "shared"))
+    message = str(raised.value)
+    assert f"the cached model {entry} is not whole" in message
+    assert {"no config": "config.json is missing", "no weights": "it has no weights",
+            "truncated weights": "model.safetensors is truncated",
+            "missing shard": "weight shard model-00002-of-00003.safetensors is missing",
+            "no tokenizer": "the tokenizer is missing"}[damage] in message
+    assert f"delete {entry}" in message
 
 
 def test_missing_model_names_every_place_looked_and_never_calls_the_hub(tmp_path, monkeypatch):

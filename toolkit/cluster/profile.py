@@ -44,6 +44,9 @@ class ClusterProfile(BaseModel):
     tiers: dict[str, TierTarget]
     shared_root: str = ""
     s3_prefix: str = ""
+    # An S3-compatible endpoint (MinIO, SeaweedFS, a site's gateway); empty: AWS S3 itself.
+    # AWS_ENDPOINT_URL in the environment overrides it.
+    s3_endpoint: str = ""
     container_runtime: str = ""
     container_image: str = ""
     modules: list[str] = []

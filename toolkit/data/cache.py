@@ -3,29 +3,67 @@ data's bytes, the tokenizer, max_seq_len, the format and the split. Validation w
 training workers read it; a second validation or run of the same data tokenizes nothing.
 
 <root>/<key>/  tokens.bin (int32), labels.bin (int32), offsets.bin (int64), eval.bin (uint8), meta.json
+
+An entry is written into a staging folder and renamed into place whole; meta.json (written last)
+records its key and each file's size and SHA-256. An entry is trusted only when all of these
+match: a half-written, truncated or foreign entry reads as missing (and is built again).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import sys
 import uuid
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 FLUSH_EVERY = 1 << 20  # values buffered before they go to disk: memory stays bounded
+FILES = {"tokens": "i", "labels": "i", "offsets": "q", "eval": "B"}  # name -> array typecode
 
 
 def file_digest(url: str) -> str:
     import fsspec
 
-    digest = hashlib.sha256()
     with fsspec.open(url, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
+        return stream_digest(handle)
+
+
+def stream_digest(handle) -> str:
+    digest = hashlib.sha256()
+    for block in iter(lambda: handle.read(1 << 22), b""):
+        digest.update(block)
     return digest.hexdigest()
+
+
+def describe_files(folder: Path) -> dict:
+    """Size and SHA-256 of each data file of an entry: what meta.json vouches for."""
+    described = {}
+    for name in FILES:
+        with open(folder / f"{name}.bin", "rb") as handle:
+            described[name] = {"bytes": os.fstat(handle.fileno()).st_size, "sha256": stream_digest(handle)}
+    return described
+
+
+def entry_problem(folder: Path, key: str, meta: dict) -> str | None:
+    """Why an entry is not to be trusted, or None."""
+    if meta.get("key") != key:
+        return f"meta.json names key {meta.get('key')!r}, not its folder's"
+    files = meta.get("files")
+    if not isinstance(files, dict) or set(files) != set(FILES):
+        return "meta.json does not describe the entry's files"
+    try:
+        actual = describe_files(folder)
+    except OSError as exc:
+        return f"a file is missing or unreadable: {exc}"
+    changed = [name for name in FILES if actual[name] != files[name]]
+    if changed:
+        return f"{', '.join(name + '.bin' for name in changed)} differ from meta.json (truncated or changed)"
+    return None
 
 
 def cache_key(data_digest: str, tokenizer_identity: str, fmt: str, max_seq_len: int, too_long: str,
@@ -58,7 +96,8 @@ class CacheWriter:
         self.final = final
         self.staging = final.parent / f".{final.name}.{uuid.uuid4().hex[:8]}"
         self.staging.mkdir(parents=True)
-        self.buffers = {"tokens": array("i"), "labels": array("i"), "offsets": array("q", [0]), "eval": array("B")}
+        self.buffers = {name: array(code) for name, code in FILES.items()}
+        self.buffers["offsets"].append(0)
         self.position = 0
 
     def add(self, ids: list[int], labels: list[int], held_out: bool) -> None:
@@ -78,28 +117,53 @@ class CacheWriter:
 
     def finish(self, meta: dict) -> None:
         self.flush()
+        meta = {**meta, "key": self.final.name, "files": describe_files(self.staging)}
         (self.staging / "meta.json").write_text(json.dumps(meta) + "\n")
-        if self.final.exists():  # another process finished the same work first: keep theirs
+        if self.final.exists():
+            try:
+                whole = entry_problem(self.final, self.final.name,
+                                      json.loads((self.final / "meta.json").read_text())) is None
+            except (OSError, ValueError, AttributeError):
+                whole = False
+            if whole:  # another process finished the same work first: keep theirs
+                shutil.rmtree(self.staging, ignore_errors=True)
+                return
+            # A broken or foreign entry: moved aside (atomically), replaced, then deleted.
+            doomed = self.final.with_name(f".discarded-{self.final.name}-{uuid.uuid4().hex[:8]}")
+            self.final.rename(doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+        try:
+            self.staging.rename(self.final)
+        except OSError:  # another writer renamed its entry into place first
             shutil.rmtree(self.staging, ignore_errors=True)
-            return
-        self.staging.rename(self.final)
 
     def abort(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
 
 
 class TokenCache:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, warn: Callable[[str], None] | None = None):
         self.root = root
+        self.warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
 
     def path(self, key: str) -> Path:
         return self.root / key
 
     def meta(self, key: str) -> dict | None:
+        """The entry's meta.json when the entry is whole and is the one its key names, else None."""
+        folder = self.path(key)
         try:
-            return json.loads((self.path(key) / "meta.json").read_text())
-        except (OSError, ValueError):
+            meta = json.loads((folder / "meta.json").read_text())
+        except FileNotFoundError:
             return None
+        except (OSError, ValueError) as exc:
+            self.warn(f"token cache entry {folder} ignored: meta.json is unreadable ({exc})")
+            return None
+        problem = entry_problem(folder, key, meta) if isinstance(meta, dict) else "meta.json is not an object"
+        if problem:
+            self.warn(f"token cache entry {folder} ignored: {problem}")
+            return None
+        return meta
 
     def load(self, key: str) -> CachedDataset | None:
         import numpy as np

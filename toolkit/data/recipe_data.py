@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from toolkit.data import object_store
 from toolkit.data.cache import TokenCache, cache_key, file_digest
 from toolkit.data.tokenizer import LengthCounter, TokenizerNotFound, load_length_counter
 from toolkit.data.validate import (
@@ -27,16 +28,6 @@ def tokenizer_for(resolved: ResolvedRecipe, override: str | None = None) -> tupl
         return load_length_counter(override or resolved.recipe.model.base, resolved.profile.shared_root), None
     except TokenizerNotFound as exc:
         return None, str(exc)
-
-
-def exists(url: str) -> bool:
-    import fsspec
-
-    try:
-        filesystem, path = fsspec.core.url_to_fs(url)
-        return filesystem.isfile(path)
-    except Exception:  # an unreachable object store counts as missing, with the same message
-        return False
 
 
 def token_cache(shared_root: str) -> TokenCache:
@@ -73,11 +64,26 @@ def validated_file(recipe, role: str, path: str, counter: LengthCounter | None, 
     return report
 
 
+def missing_file_report(resolved: ResolvedRecipe, role: str, path: str, unreachable: str | None) -> Report:
+    report = Report(path, None)
+    where = object_store.where(path, resolved.profile.s3_endpoint)
+    if unreachable:
+        report.add("error", "object_store_unreachable", Finding(
+            str(resolved.path), f"data.{role}",
+            f"{path}: {where} could not be reached ({unreachable}); check the endpoint (AWS_ENDPOINT_URL, or "
+            f"s3_endpoint in the {resolved.profile.name} cluster profile), the network and the credentials"))
+    else:
+        report.add("error", "file_not_found", Finding(str(resolved.path), f"data.{role}",
+                                                      f"{path}: no such file ({where})"))
+    return report
+
+
 def validate_recipe_data(resolved: ResolvedRecipe, tokenizer: str | None = None,
                          progress: Callable[[str, int, int | None], None] | None = None) -> list[Report]:
     """Validate the recipe's train and eval files. A file already validated with the same tokenizer
     and settings is not read again: its report and tokens come from the cache."""
     recipe = resolved.recipe
+    object_store.configure(resolved.profile.s3_endpoint)
     counter, missing = tokenizer_for(resolved, tokenizer)
     cache = token_cache(resolved.profile.shared_root)
     reports = []
@@ -85,11 +91,9 @@ def validate_recipe_data(resolved: ResolvedRecipe, tokenizer: str | None = None,
         path = getattr(recipe.data, role)
         if not path:
             continue
-        if not exists(path):
-            report = Report(path, None)
-            report.add("error", "file_not_found", Finding(str(resolved.path), f"data.{role}",
-                                                          f"{path}: no such file"))
-            reports.append(report)
+        found = object_store.presence(path)
+        if not found.found:
+            reports.append(missing_file_report(resolved, role, path, found.unreachable))
             continue
         report = validated_file(recipe, role, path, counter, cache, progress)
         # What the recipe asks of the data is checked on every report, cached or fresh.

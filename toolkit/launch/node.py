@@ -70,7 +70,17 @@ def train(run_dir: Path) -> int:
     return run_workers(run_dir)
 
 
+def leave_launch_mark() -> None:
+    """Say this node's launcher started: the job script tells a node lost before the step ran on it
+    (no mark) from a failure of the run itself."""
+    marks = os.environ.get("FT_LAUNCH_MARKS")
+    if marks:
+        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        (Path(marks) / node).touch()
+
+
 def main() -> None:
+    leave_launch_mark()
     run_dir = Path(os.environ["FT_RUN_DIR"])
     mode = os.environ.get("FT_MODE", "train")
     node_rank = int(os.environ.get("SLURM_NODEID", "0"))

@@ -6,11 +6,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from toolkit.model_folder import model_folder_problems
 from toolkit.train.tiny import ensure_tiny_llama
 
 
 class ModelNotFound(RuntimeError):
     pass
+
+
+class ModelFolderBroken(RuntimeError):
+    """A model in the cache that is not whole: never loaded, and never repaired behind the user's back
+    (a real model is not ft's to rebuild)."""
 
 
 def cache_dirs(shared_root: str) -> list[Path]:
@@ -28,7 +34,13 @@ def resolve_model(base: str, revision: str | None, shared_root: str) -> Path:
     for cache in cache_dirs(shared_root):
         candidate = cache / name
         tried.append(str(candidate))
-        if (candidate / "config.json").is_file():
+        if candidate.exists():
+            problems = model_folder_problems(candidate)
+            if problems:
+                raise ModelFolderBroken(
+                    f"the cached model {candidate} is not whole: {'; '.join(problems)}. Copy the model there "
+                    f"again (to a new folder, then rename it into place), or delete {candidate} to use the next "
+                    "cache tier")
             return candidate
     if os.environ.get("FT_ALLOW_HUB") != "1":
         raise ModelNotFound(
@@ -37,6 +49,13 @@ def resolve_model(base: str, revision: str | None, shared_root: str) -> Path:
             "(FT_ALLOW_HUB is not 1). Put the model in the shared cache first.")
     from huggingface_hub import snapshot_download
 
+    # Downloaded next to the cache entry and renamed into place once whole: a download cut short
+    # never becomes an entry.
     target = cache_dirs(shared_root)[1] / name
-    snapshot_download(base, revision=revision, local_dir=target)
+    staging = target.with_name(f".download-{name}-{os.getpid()}")
+    snapshot_download(base, revision=revision, local_dir=staging)
+    problems = model_folder_problems(staging)
+    if problems:
+        raise ModelFolderBroken(f"the download of {base} into {staging} is not whole: {'; '.join(problems)}")
+    staging.rename(target)
     return target

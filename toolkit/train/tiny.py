@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+
+from toolkit.model_folder import model_folder_problems
+
+COMPLETE = ".complete"  # written last, after the folder was seen to load
 
 TINY_CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -56,22 +66,74 @@ def build_model(path: Path, vocab_size: int, seed: int = 0, hidden: int = 256, l
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
                          max_position_embeddings=1024, bos_token_id=0, eos_token_id=1, pad_token_id=2,
                          tie_word_embeddings=False)
-    # is_main_process: under torch.distributed, transformers would otherwise write only on rank 0.
-    LlamaForCausalLM(config).save_pretrained(path, is_main_process=True)
+    LlamaForCausalLM(config).save_pretrained(path)
 
 
-def ensure_tiny_llama(cache_dir: Path, hidden: int = 256, layers: int = 2) -> Path:
-    """Build the tiny model once per cache (ranks on every node may ask at the same time)."""
+def build_and_check(path: Path, hidden: int, layers: int) -> None:
+    """Build into `path` and load it back: what is marked complete has been seen to load."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = build_tokenizer(path)
+    build_model(path, len(tokenizer), hidden=hidden, layers=layers)
+    problems = model_folder_problems(path)
+    if problems:
+        raise RuntimeError(f"the tiny model built in {path} is not whole: {'; '.join(problems)}")
+    AutoModelForCausalLM.from_pretrained(path)
+    AutoTokenizer.from_pretrained(path)
+
+
+# Variables that make a process part of a distributed job. The builder runs without them: under an
+# initialised torch.distributed group, transformers writes weights on global rank 0 only, so a
+# build by any other rank would leave a folder without weights.
+DISTRIBUTED_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
+                         "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def build_in_subprocess(path: Path, hidden: int, layers: int) -> None:
+    env = {name: value for name, value in os.environ.items() if name not in DISTRIBUTED_VARIABLES}
+    result = subprocess.run([sys.executable, "-m", "toolkit.train.tiny", str(path), str(hidden), str(layers)],
+                            env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"building the tiny model in {path} failed (exit {result.returncode}):\n"
+                           f"{result.stderr[-4000:]}")
+
+
+def is_whole(path: Path) -> bool:
+    return (path / COMPLETE).is_file() and not model_folder_problems(path)
+
+
+def ensure_tiny_llama(cache_dir: Path, hidden: int = 256, layers: int = 2,
+                      warn: Callable[[str], None] = print) -> Path:
+    """The tiny model in the cache, built once per cache. Any rank of any node may ask first and at
+    the same time; an entry is trusted only when whole, and one that is not is rebuilt."""
     path = cache_dir / f"tiny-llama-h{hidden}-l{layers}"
-    if (path / ".complete").exists():
+    if is_whole(path):
         return path
     cache_dir.mkdir(parents=True, exist_ok=True)
     with open(cache_dir / ".tiny-llama.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (path / ".complete").exists():
-            staging = cache_dir / f".building-{os.getpid()}"
-            tokenizer = build_tokenizer(staging)
-            build_model(staging, len(tokenizer), hidden=hidden, layers=layers)
-            (staging / ".complete").write_text("ok\n")
-            staging.rename(path)
+        if is_whole(path):
+            return path
+        if path.exists():
+            problems = model_folder_problems(path) or [f"{COMPLETE} is missing"]
+            warn(f"warning: the cached tiny model {path} is not whole ({'; '.join(problems)}): rebuilding it")
+            discard(path)
+        staging = cache_dir / f".building-{socket.gethostname()}-{os.getpid()}"
+        discard(staging)
+        build_in_subprocess(staging, hidden, layers)
+        (staging / COMPLETE).write_text("ok\n")
+        staging.rename(path)
     return path
+
+
+def discard(path: Path) -> None:
+    """Move a folder out of the way first (a rename is atomic), then delete it."""
+    if not path.exists():
+        return
+    doomed = path.with_name(f".discarded-{path.name}-{os.getpid()}-{time.time_ns()}")
+    path.rename(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+if __name__ == "__main__":  # the builder: python -m toolkit.train.tiny FOLDER HIDDEN LAYERS
+    build_and_check(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

@@ -1,0 +1,71 @@
+"""Where data files live and how to reach them: local paths, or s3:// through fsspec + s3fs.
+
+The endpoint of an s3:// URL comes from AWS_ENDPOINT_URL when set, else from the cluster profile's
+`s3_endpoint`, else AWS's own. Calls are bounded in time: an object store that does not answer is
+reported as unreachable within seconds, never as a missing file, and never waited on forever.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# Bounded connection attempts: botocore's default (60 s connect, legacy retries) would let an
+# unreachable endpoint hold `ft validate` for minutes.
+S3_CLIENT_CONFIG = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 3, "mode": "standard"}}
+
+
+def s3_endpoint(profile_endpoint: str = "") -> str:
+    return os.environ.get("AWS_ENDPOINT_URL") or profile_endpoint
+
+
+def configure(profile_endpoint: str = "") -> None:
+    """Make every s3:// access of this process (readers, digests, checks) use the cluster's endpoint
+    and bounded timeouts: fsspec applies its per-protocol config to each filesystem it creates."""
+    import fsspec.config
+
+    fsspec.config.conf["s3"] = s3_options(profile_endpoint)
+
+
+def s3_options(profile_endpoint: str = "") -> dict:
+    options: dict = {"config_kwargs": dict(S3_CLIENT_CONFIG)}
+    endpoint = s3_endpoint(profile_endpoint)
+    if endpoint:
+        options["endpoint_url"] = endpoint
+        if "amazonaws.com" not in endpoint:
+            # Instance roles are AWS's: asking EC2's metadata address for credentials of another
+            # store would only send traffic off the machine and wait for it.
+            os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    return options
+
+
+@dataclass(frozen=True)
+class Presence:
+    """A data file is there, is missing, or cannot be asked about (and why)."""
+
+    found: bool
+    unreachable: str | None = None
+
+
+def where(url: str, profile_endpoint: str = "") -> str:
+    """The store a URL is read from, in words, for messages."""
+    if not url.startswith("s3://"):
+        return "the local filesystem"
+    endpoint = s3_endpoint(profile_endpoint)
+    return f"the object store at {endpoint}" if endpoint else "AWS S3"
+
+
+def presence(url: str) -> Presence:
+    """Whether a data file is there, asked of the store configured by `configure`."""
+    import fsspec
+
+    try:
+        filesystem, path = fsspec.core.url_to_fs(url)
+        info = filesystem.info(path)
+    except FileNotFoundError:
+        return Presence(False)
+    except PermissionError as exc:
+        return Presence(False, f"access denied: {exc}")
+    except Exception as exc:  # connection refused, DNS, TLS, credentials, timeouts: the store's fault
+        return Presence(False, f"{type(exc).__name__}: {exc}")
+    return Presence(info.get("type") == "file")
