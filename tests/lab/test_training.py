@@ -256,10 +256,10 @@ def test_sft_on_chat_messages_learns_the_assistant_turns(lab, runs_env, shared_t
     assert report[0]["format"] == "chat" and report[0]["ok"]
 
 
-def test_a_node_lost_before_the_step_starts_is_drained_and_the_run_requeued(lab, runs_env, shared_tmp, heal_lab):
+def test_a_node_lost_before_the_step_starts_is_marked_down_and_the_run_requeued(lab, runs_env, shared_tmp, heal_lab):
     """Slurm allocates a node whose slurmd just died (it still looks idle): the step cannot start
-    there. A platform fault, not the run's: the job drains the node and requeues itself, and the
-    run completes on other nodes."""
+    there. A platform fault, not the run's: the job marks the node down, Slurm requeues it at once
+    (long before it would notice the node itself), and the run completes on other nodes."""
     from tests.support.slurm import cancel, hostnames, sbatch, write_script
     from toolkit.lab import lifecycle
 
@@ -288,8 +288,9 @@ def test_a_node_lost_before_the_step_starts_is_drained_and_the_run_requeued(lab,
         failures = wait_for("the job to see its lost node", lambda: (run_dir / "launch-failures").exists()
                             and (run_dir / "launch-failures").read_text(), timeout=90)
         assert failures.split() == [job_id, victim]
-        reason = commands.run(["sinfo", "--noheader", "--Node", "--nodes", victim, "--format=%E"]).stdout
-        assert f"ft: lost before job {job_id} (run {run_id}) started on it" in reason
+        expected_reason = f"ft: lost before job {job_id} (run {run_id}) started on it"
+        wait_for("the lost node to be marked down with its reason", lambda: expected_reason in commands.run(
+            ["sinfo", "--noheader", "--Node", "--nodes", victim, "--format=%E"]).stdout, timeout=30)
         cancel(filler)
 
         final = wait_for("the requeued run to finish", lambda: (lambda f: f if f.get("JobState") in {
@@ -297,7 +298,7 @@ def test_a_node_lost_before_the_step_starts_is_drained_and_the_run_requeued(lab,
         batch_log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
         assert final["JobState"] == "COMPLETED", batch_log[-3000:]
         assert int(final["Restarts"]) == 1
-        assert f"node {victim} was lost before the step started on it: drained" in batch_log
+        assert f"node {victim} was lost before the step started on it: marked down" in batch_log
         attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
         assert len(attempts) == 1 and victim not in attempts[0]["nodes"]  # the failed start never trained
         assert victim not in hostnames(final["NodeList"])

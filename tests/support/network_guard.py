@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from pathlib import Path
 
 LAB_SUBNET = ipaddress.ip_network("10.213.7.0/24")  # ansible/inventories/lab: lab_subnet
 # Nothing listens on the discard port: an S3 client a test forgot to point at the test server
@@ -32,7 +33,7 @@ def allowed_address(host: str) -> bool:
 def local_names() -> set[str]:
     names = {"localhost"}
     try:
-        lines = open("/etc/hosts").read().splitlines()
+        lines = Path("/etc/hosts").read_text().splitlines()
     except OSError:
         return names
     for line in lines:

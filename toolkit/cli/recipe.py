@@ -75,6 +75,8 @@ def render_command(
                     slurm_version=local_slurm_version(resolved.profile.name))
     if output is None:
         typer.echo(script, nl=False)
-    else:
-        write_atomically(output, script, mode=0o755)
-        console.print(f"wrote {output}: sbatch it as is, or edit it first")
+        return
+    # Slurm opens the job's log file before the script runs: its folder must exist at sbatch time.
+    (Path(run_dir) / "logs").mkdir(parents=True, exist_ok=True)
+    write_atomically(output, script, mode=0o755)
+    console.print(f"wrote {output}: sbatch it as is, or edit it first (its logs go to {run_dir}/logs)", markup=False)

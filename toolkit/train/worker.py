@@ -233,6 +233,10 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
 
     from toolkit.train.models import resolve_model
 
+    if backend == "nccl":
+        # Each rank takes the GPU its LOCAL_RANK names before the first collective (the barrier in
+        # load_examples); otherwise torch guesses one from the global rank, which can hang.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(recipe["training"]["seed"])
@@ -309,6 +313,7 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
                     part = [pair[0] for pair in part] + [pair[1] for pair in part]
                 batch = collate(part, tokenizer.pad_token_id)
                 tokens += int(batch["attention_mask"].sum())
+                batch = {key: value.to(engine.device) for key, value in batch.items()}  # DeepSpeed moves no inputs
                 if rank == 0 and step == fault_oom and os.environ.get("FT_OOM_RETRY") != "1":
                     raise torch.OutOfMemoryError(f"injected by FT_FAULT_OOM_AT_STEP={fault_oom}")
                 if dpo:
@@ -327,7 +332,8 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
         # One collective per step: the mean loss, whether any rank wants to stop, and the save clock.
         signals = torch.tensor([torch.stack(losses).mean().item(), float(_stop_requested),
                                 float(time.monotonic() - last_save >= every_seconds > 0),
-                                torch.stack(accuracies).mean().item() if accuracies else 0.0], dtype=torch.float64)
+                                torch.stack(accuracies).mean().item() if accuracies else 0.0], dtype=torch.float64,
+                               device=engine.device)  # NCCL reduces only GPU tensors
         dist.all_reduce(signals)
         mean_loss = signals[0].item() / world if step != fault_nan else float("nan")
         if not math.isfinite(mean_loss):

@@ -1,0 +1,542 @@
+"""LoRA fine-tuning throughput of a Llama-3-8B-shaped model (random weights, random tokens) on one GPU.
+
+Three ways to train the same shape, each timed after warm-up steps (torch.cuda.synchronize around the
+timed steps):
+
+  peft       the bare loop: transformers + peft + torch AdamW, nothing else (the reference)
+  deepspeed  ft's runtime path in this process: deepspeed.init_distributed (NCCL on a GPU) and
+             deepspeed.initialize with toolkit.train.worker.deepspeed_config (bf16, ZeRO-2), batches from the
+             worker's collate, engine forward/backward/step. Then probes of the worker's own statements
+             on this backend (a CPU batch into the engine, an all_reduce of a CPU tensor, flash attention
+             with the attention mask the worker passes)
+  worker     the real ft worker (python -m toolkit.train.worker) on a saved random model, a token cache
+             built from generated text and a recipe.json; timed from the metrics.jsonl line it writes per step
+
+Every configuration prints one line `RESULT {json}`: tokens/s/GPU, peak GPU memory, model TFLOP/s, MFU,
+and the ratio to NeMo's published Llama2-7B LoRA figure (24,824 tokens/s/GPU: NeMo 24.07, DGX-H100, FP8,
+8 GPUs, GBS 32, MBS 1, packed sequence length 4096; docs/source/performance/performance_summary.md).
+
+FLOPs per token (LoRA): the frozen base costs 4*N (forward 2N, backward to the activations 2N, no weight
+gradients), N = the weights of every matmul (projections and lm_head); the adapters cost 6*N_lora; causal
+attention costs 6*s*h*L (forward 2*s*h per layer, backward twice that). 'model TFLOP/s (4N)' counts 4*N
+alone, the convention NeMo's 663 TFLOP/s/GPU for its 24,824 tokens/s matches (24,824 * 4 * 6.6e9).
+
+  python benchmarks/gpu_lora.py                                  # H100: 8B shape, seq 4096, peft + deepspeed
+  python benchmarks/gpu_lora.py --modes worker                   # the real worker at the same shape
+  python benchmarks/gpu_lora.py --configs mb1,gc+mb4,compile+mb1 # gradient checkpointing, torch.compile
+  python benchmarks/gpu_lora.py --tiny                           # CPU smoke test of every mode (gloo, fp32)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+NEMO_LLAMA2_7B_LORA = 24_824  # tokens/s/GPU, H100, FP8
+H100_BF16_DENSE_TFLOPS = 989.4
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "vocab_size": 128256}
+LLAMA2_7B = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 32, "vocab_size": 32000}
+TINY = {"hidden_size": 64, "intermediate_size": 224, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512}
+
+
+# --- arithmetic ------------------------------------------------------------------------------------
+
+def module_shapes(shape: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each projection of one decoder layer."""
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
+    return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def matmul_params(shape: dict) -> int:
+    layer = sum(a * b for a, b in module_shapes(shape).values())
+    return shape["num_hidden_layers"] * layer + shape["vocab_size"] * shape["hidden_size"]
+
+
+def lora_params(shape: dict, rank: int, targets: list[str]) -> int:
+    layer = sum(rank * (a + b) for name, (a, b) in module_shapes(shape).items() if name in targets)
+    return shape["num_hidden_layers"] * layer
+
+
+def flops_per_token(shape: dict, seq: int, rank: int, targets: list[str]) -> dict[str, float]:
+    base = 4 * matmul_params(shape)
+    adapters = 6 * lora_params(shape, rank, targets)
+    attention = 6 * seq * shape["hidden_size"] * shape["num_hidden_layers"]
+    return {"base_4n": base, "total": base + adapters + attention}
+
+
+def figures(tokens: int, seconds: float, shape: dict, seq: int, rank: int, targets: list[str],
+            peak_tflops: float) -> dict:
+    rate = tokens / seconds
+    ours = flops_per_token(shape, seq, rank, targets)
+    theirs = flops_per_token(LLAMA2_7B, 4096, rank, targets)
+    equivalent = rate * ours["total"] / theirs["total"]  # Llama2-7B tokens/s at the same FLOP/s
+    return {"tokens_per_s_gpu": round(rate, 1),
+            "model_tflops_4n": round(rate * ours["base_4n"] / 1e12, 1),
+            "model_tflops_total": round(rate * ours["total"] / 1e12, 1),
+            "mfu": round(rate * ours["total"] / (peak_tflops * 1e12), 4),
+            "ratio_to_nemo_24824": round(rate / NEMO_LLAMA2_7B_LORA, 3),
+            "llama2_7b_equivalent_tokens_per_s": round(equivalent, 1),
+            "llama2_7b_equivalent_ratio_to_nemo": round(equivalent / NEMO_LLAMA2_7B_LORA, 3)}
+
+
+def report(result: dict) -> None:
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def parse_config(token: str) -> dict:
+    """'mb2', 'gc+mb4', 'compile+mb1', 'gc+compile+mb2'."""
+    parts = token.split("+")
+    micro = [p for p in parts if p.startswith("mb")]
+    if len(micro) != 1 or not set(parts) - set(micro) <= {"gc", "compile"}:
+        raise SystemExit(f"bad configuration {token!r}: use mbN with optional gc+ and compile+ prefixes")
+    return {"name": token, "micro_batch": int(micro[0][2:]), "gc": "gc" in parts, "compile": "compile" in parts}
+
+
+# --- model ------------------------------------------------------------------------------------------
+
+def llama_config(shape: dict, seq: int):
+    from transformers import LlamaConfig
+
+    # Token ids 0/1/2 are the bos/eos/pad of toolkit.train.tiny's tokenizer (the worker mode uses it).
+    return LlamaConfig(**shape, max_position_embeddings=max(8192, seq), rms_norm_eps=1e-5, bos_token_id=0,
+                       eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
+
+
+def build_model(shape: dict, seq: int, device: str, dtype):
+    """Random weights, created on the device in the training dtype (no fp32 copy on the host)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(llama_config(shape, seq), dtype=dtype, attn_implementation="sdpa")
+    print(f"model built on {device} in {dtype} in {time.perf_counter() - started:.1f} s: "
+          f"{sum(p.numel() for p in model.parameters()) / 1e9:.3f} B parameters", flush=True)
+    return model
+
+
+def add_lora(model, rank: int, alpha: float, targets: list[str], adapter_dtype: str = "base"):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
+    # 'base': adapters in the base model's dtype, what ft's DeepSpeed path ends with (it casts the whole
+    # module); 'fp32': peft's default (adapters kept in fp32 under a bf16 base).
+    model = get_peft_model(model, config, autocast_adapter_dtype=adapter_dtype == "fp32")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"LoRA r={rank} alpha={alpha} on {','.join(targets)}: {trainable / 1e6:.1f} M trainable", flush=True)
+    return model
+
+
+def set_checkpointing(model, enabled: bool) -> None:
+    if enabled:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def compile_layers(model) -> None:
+    """Regional compilation: each decoder layer (they share one compiled graph)."""
+    for layer in model.base_model.model.model.layers:
+        layer.compile()
+
+
+def flash_available(model, device: str, vocab: int, with_mask: bool) -> str:
+    """Whether a forward runs with SDPA restricted to the flash kernel (the mask as the worker passes it)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if device != "cuda":
+        return "n/a (cpu)"
+    ids = torch.randint(0, vocab, (1, 256), device=device)
+    kwargs = {"attention_mask": torch.ones_like(ids)} if with_mask else {}
+    try:
+        with torch.no_grad(), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            model(input_ids=ids, **kwargs)
+        return "yes"
+    except RuntimeError as exc:
+        return f"no ({str(exc).splitlines()[0][:160]})"
+
+
+def memory_fields(device: str) -> dict:
+    import torch
+
+    if device != "cuda":
+        return {}
+    return {"peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)}
+
+
+def timed(step, warmup: int, steps: int, sync) -> float:
+    for _ in range(warmup):
+        step()
+    sync()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return time.perf_counter() - started
+
+
+def free(device: str) -> None:
+    import torch
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+# --- peft: the bare loop ---------------------------------------------------------------------------
+
+def run_peft(model, args, config: dict, compiled: bool) -> None:
+    import torch
+
+    device = args.device
+    set_checkpointing(model, config["gc"])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0)
+    batches = [torch.randint(0, args.shape["vocab_size"], (config["micro_batch"], args.seq), device=device)
+               for _ in range(2)]
+    state = {"i": 0}
+
+    def step():
+        ids = batches[state["i"] % 2]
+        state["i"] += 1
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # no KV cache (compile recompiles)
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    result = {"mode": "peft", "config": config["name"], "micro_batch": config["micro_batch"], "seq": args.seq,
+              "adapter_dtype": args.adapter_dtype, "gradient_checkpointing": config["gc"], "compile": compiled,
+              "layers": args.shape["num_hidden_layers"]}
+    free(device)
+    try:
+        seconds = timed(step, args.warmup, args.steps, args.sync)
+    except torch.OutOfMemoryError as exc:
+        result["error"] = f"OutOfMemoryError: {str(exc).splitlines()[0][:200]}"
+    else:
+        tokens = args.steps * config["micro_batch"] * args.seq
+        result.update(step_s=round(seconds / args.steps, 4), **memory_fields(device),
+                      **figures(tokens, seconds, args.shape, args.seq, args.rank, args.targets, args.peak_tflops))
+    optimizer.state.clear()
+    batches.clear()
+    model.zero_grad(set_to_none=True)
+    free(device)
+    report(result)
+
+
+# --- deepspeed: ft's runtime path in this process --------------------------------------------------
+
+def recipe_for(model_path: str, data_path: str, args, config: dict, steps: int) -> dict:
+    """A recipe as toolkit.train.worker reads it (recipe.json): LoRA, bf16 (fp32 on a CPU), ZeRO-2."""
+    return {
+        "name": "gpu-lora-bench", "model": {"base": model_path, "revision": None, "params_b": None},
+        "method": {"kind": "lora", "rank": args.rank, "alpha": args.alpha, "dropout": 0.0,
+                   "target_modules": args.targets},
+        "objective": {"kind": "sft", "beta": None},
+        "data": {"train": data_path, "eval": None, "format": "prompt_completion", "max_seq_len": args.seq,
+                 "eval_fraction": 0.0, "too_long": "truncate"},
+        "training": {"steps": steps, "epochs": None, "learning_rate": 1e-4, "lr_schedule": "constant",
+                     "warmup_steps": 0, "micro_batch": config["micro_batch"], "global_batch": config["micro_batch"],
+                     "precision": "bf16" if args.device == "cuda" else "fp32", "seed": 42,
+                     "zero_stage": args.zero_stage,
+                     "gradient_checkpointing": config["gc"], "max_grad_norm": 1.0},
+        "checkpoint": {"every_steps": None, "every_minutes": None, "keep_last": 1, "staging": None,
+                       "s3_mirror": None},
+        "tracking": {"wandb": {"project": None, "entity": None, "mode": "disabled", "tags": []}},
+        "env": {},
+    }
+
+
+def distributed_env(args) -> dict:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "FT_DIST_BACKEND": "nccl" if args.device == "cuda" else "gloo"}
+    if args.device != "cuda":
+        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    return env
+
+
+def run_deepspeed(model, args, config: dict) -> None:
+    import torch
+
+    os.environ.update(distributed_env(args))
+    import deepspeed
+    import torch.distributed as dist
+
+    from toolkit.train.data import Example, collate
+    from toolkit.train.worker import deepspeed_config
+
+    backend = os.environ["FT_DIST_BACKEND"]
+    deepspeed.init_distributed(dist_backend=backend)  # as the worker does
+    set_checkpointing(model, config["gc"])
+    total = args.warmup + args.steps
+    ds_config = deepspeed_config(recipe_for("unused", "unused", args, config, total), dist.get_world_size(), total)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
+                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
+    micro = ds_config["train_micro_batch_size_per_gpu"]
+    generator = random.Random(0)
+    examples = [Example([generator.randrange(3, args.shape["vocab_size"]) for _ in range(args.seq)], [])
+                for _ in range(2 * micro)]
+    examples = [Example(e.input_ids, list(e.input_ids)) for e in examples]
+    pad = 2
+    state = {"i": 0, "tokens": 0}
+
+    def step():
+        part = examples[(state["i"] % 2) * micro:(state["i"] % 2 + 1) * micro]
+        state["i"] += 1
+        batch = collate(part, pad)
+        state["tokens"] += int(batch["attention_mask"].sum())
+        batch = {key: value.to(engine.device) for key, value in batch.items()}
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+
+    base_param = next(p for n, p in engine.module.named_parameters() if "lora_" not in n)
+    lora_param = next(p for n, p in engine.module.named_parameters() if "lora_" in n)
+    result = {"mode": "deepspeed", "config": config["name"], "micro_batch": micro, "seq": args.seq,
+              "gradient_checkpointing": config["gc"], "compile": False, "layers": args.shape["num_hidden_layers"],
+              "backend": backend, "zero_stage": ds_config["zero_optimization"]["stage"],
+              "bf16": "bf16" in ds_config, "engine_device": str(engine.device),
+              "local_rank_env": os.environ.get("LOCAL_RANK"), "base_param": f"{base_param.dtype}@{base_param.device}",
+              "lora_param": f"{lora_param.dtype}@{lora_param.device}"}
+    free(args.device)
+    try:
+        seconds = timed(step, args.warmup, args.steps, args.sync)
+    except torch.OutOfMemoryError as exc:
+        result["error"] = f"OutOfMemoryError: {str(exc).splitlines()[0][:200]}"
+    else:
+        tokens = args.steps * micro * args.seq
+        result.update(step_s=round(seconds / args.steps, 4), **memory_fields(args.device),
+                      **figures(tokens, seconds, args.shape, args.seq, args.rank, args.targets, args.peak_tflops))
+    report(result)
+
+    # The worker's own statements as they stood before the fix, on this backend.
+    probes = {}
+    try:
+        engine(**collate(examples[:1], pad))  # a batch left on the host, as collate makes it
+        probes["cpu_batch_into_engine"] = "ok"
+    except Exception as exc:  # noqa: BLE001 - reported, not handled
+        probes["cpu_batch_into_engine"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    try:
+        signals = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)  # the worker's per-step collective
+        dist.all_reduce(signals)
+        probes["all_reduce_cpu_float64"] = "ok"
+    except Exception as exc:  # noqa: BLE001
+        probes["all_reduce_cpu_float64"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    probes["flash_with_attention_mask"] = flash_available(engine.module, args.device, args.shape["vocab_size"], True)
+    probes["flash_without_mask"] = flash_available(engine.module, args.device, args.shape["vocab_size"], False)
+    report({"mode": "deepspeed-probes", **probes})
+
+
+# --- worker: the real ft worker ---------------------------------------------------------------------
+
+def write_worker_inputs(work: Path, args) -> tuple[Path, Path]:
+    """A model folder (random weights saved in the training dtype, tiny tokenizer) and a JSONL of
+    prompt/completion rows longer than the sequence length (truncated to it by the recipe)."""
+    import torch
+
+    from toolkit.train.tiny import TINY_CORPUS, build_tokenizer
+
+    model_dir = work / "model"
+    tokenizer = build_tokenizer(model_dir)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = build_model(args.shape, args.seq, args.device, dtype)
+    started = time.perf_counter()
+    model.save_pretrained(model_dir)
+    print(f"model saved in {time.perf_counter() - started:.1f} s "
+          f"({sum(f.stat().st_size for f in model_dir.glob('*.safetensors')) / 2**30:.2f} GiB)", flush=True)
+    del model
+    free(args.device)
+
+    generator = random.Random(0)
+    rows = []
+    for _ in range(max(8, 2 * args.worker_config["micro_batch"])):
+        words = []
+        while True:
+            words.extend(generator.choice(TINY_CORPUS) for _ in range(200))
+            text = " " + " ".join(words)
+            if len(tokenizer(text)["input_ids"]) > args.seq + 8:
+                break
+        rows.append({"prompt": "Continue:", "completion": text})
+    data = work / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return model_dir, data
+
+
+def run_worker(args) -> None:
+    import torch
+
+    config = args.worker_config
+    total = args.warmup + args.steps
+    with tempfile.TemporaryDirectory(prefix="ft-gpu-lora-", dir=args.workdir) as tmp:
+        work = Path(tmp)
+        model_dir, data = write_worker_inputs(work, args)
+        run_dir = work / "shared" / "runs" / "bench"
+        (run_dir / "logs").mkdir(parents=True)
+        (run_dir / "recipe.json").write_text(json.dumps(recipe_for(str(model_dir), str(data), args, config, total)))
+        env = dict(os.environ, **distributed_env(args), FT_RUN_DIR=str(run_dir), FT_RUN_ID="bench",
+                   FT_SHARED_ROOT=str(work / "shared"), PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        metrics = run_dir / "metrics.jsonl"
+        seen: list[tuple[float, dict]] = []
+        device_peak = {"used": 0}
+        done = threading.Event()
+
+        def watch():  # the time each step's metrics line appears, and the GPU's memory in use
+            while not done.is_set():
+                if metrics.exists():
+                    lines = metrics.read_text().splitlines()
+                    now = time.perf_counter()
+                    for line in lines[len(seen):]:
+                        if line.endswith("}"):
+                            seen.append((now, json.loads(line)))
+                if args.device == "cuda":
+                    free_bytes, total_bytes = torch.cuda.mem_get_info()
+                    device_peak["used"] = max(device_peak["used"], total_bytes - free_bytes)
+                time.sleep(0.005)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        started = time.perf_counter()
+        log_path = run_dir / "logs" / "rank-0.log"
+        with open(log_path, "w") as log:
+            watcher.start()
+            code = subprocess.run([sys.executable, "-u", "-m", "toolkit.train.worker"], env=env, cwd=REPO,
+                                  stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  timeout=args.worker_timeout).returncode
+            done.set()
+            watcher.join()
+        wall = time.perf_counter() - started
+        log_lines = log_path.read_text(errors="replace").splitlines()
+        print("--- worker log (rank 0), last lines ---")
+        print("\n".join(line[:300] for line in log_lines[-args.log_lines:]))
+        print("---", flush=True)
+        result = {"mode": "worker", "config": config["name"], "micro_batch": config["micro_batch"], "seq": args.seq,
+                  "gradient_checkpointing": config["gc"], "compile": False, "layers": args.shape["num_hidden_layers"],
+                  "backend": env["FT_DIST_BACKEND"], "exit": code, "wall_s": round(wall, 1),
+                  "worker_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2)}
+        if args.device == "cuda":
+            result["device_peak_used_gib"] = round(device_peak["used"] / 2**30, 2)
+        summary = run_dir / "summary.json"
+        if summary.exists():
+            result["summary"] = {k: v for k, v in json.loads(summary.read_text()).items() if k != "loss_curve"}
+        if len(seen) >= args.warmup + args.steps and code == 0:
+            (t0, first), (t1, last) = seen[args.warmup - 1], seen[args.warmup + args.steps - 1]
+            tokens = last["tokens"] - first["tokens"]
+            result.update(timed_steps=args.steps, tokens=tokens, step_s=round((t1 - t0) / args.steps, 4),
+                          **figures(tokens, t1 - t0, args.shape, args.seq, args.rank, args.targets, args.peak_tflops))
+        else:
+            result["error"] = f"worker exit {code}, {len(seen)} metrics lines"
+        report(result)
+
+
+# --- main -------------------------------------------------------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU (smoke test)")
+    parser.add_argument("--modes", default="peft,deepspeed", help="comma list of peft, deepspeed, worker")
+    parser.add_argument("--configs", default="mb1,mb2,gc+mb4,gc+mb8", help="peft configurations, e.g. gc+mb4")
+    parser.add_argument("--ds-config", default="mb1", help="the deepspeed mode's configuration")
+    parser.add_argument("--worker-config", default="mb1", help="the worker mode's configuration")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (4096; tiny: 64)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (32; tiny: 2)")
+    parser.add_argument("--rank", type=int, default=32, help="LoRA rank (NeMo's default: 32)")
+    parser.add_argument("--alpha", type=float, default=32.0, help="LoRA alpha (NeMo's default: 32)")
+    parser.add_argument("--targets", default=",".join(ALL_LINEAR), help="LoRA target modules")
+    parser.add_argument("--adapter-dtype", choices=["base", "fp32"], default="base",
+                        help="peft mode: adapters in the base dtype (as ft's DeepSpeed path) or fp32 (peft's default)")
+    parser.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage of the deepspeed and worker modes")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS, help="for MFU (H100 SXM bf16)")
+    parser.add_argument("--workdir", default=None, help="where the worker mode writes its model and run")
+    parser.add_argument("--worker-timeout", type=int, default=1800)
+    parser.add_argument("--log-lines", type=int, default=25)
+    args = parser.parse_args()
+
+    import torch
+
+    args.device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    if args.device != "cuda" and not args.tiny:
+        raise SystemExit("no CUDA device: use --tiny for the CPU smoke test")
+    args.shape = dict(TINY if args.tiny else LLAMA3_8B)
+    if args.layers:
+        args.shape["num_hidden_layers"] = args.layers
+    args.seq = args.seq or (64 if args.tiny else 4096)
+    if args.tiny:
+        args.warmup, args.steps = min(args.warmup, 1), min(args.steps, 2)
+        if args.configs == parser.get_default("configs"):
+            args.configs = "mb1,gc+mb2"
+    args.targets = args.targets.split(",")
+    args.sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    args.worker_config = parse_config(args.worker_config)
+    modes = args.modes.split(",")
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+
+    import deepspeed
+    import peft
+    import transformers
+
+    environment = {"mode": "environment", "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                   "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+                   "peft": peft.__version__, "deepspeed": deepspeed.__version__, "shape": args.shape, "seq": args.seq,
+                   "dtype": str(dtype), "lora": {"rank": args.rank, "alpha": args.alpha, "targets": args.targets},
+                   "matmul_params_b": round(matmul_params(args.shape) / 1e9, 3),
+                   "lora_params_m": round(lora_params(args.shape, args.rank, args.targets) / 1e6, 2),
+                   "flops_per_token_g": {k: round(v / 1e9, 2) for k, v in
+                                         flops_per_token(args.shape, args.seq, args.rank, args.targets).items()},
+                   "warmup": args.warmup, "steps": args.steps, "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    report(environment)
+
+    if "peft" in modes or "deepspeed" in modes:
+        model = add_lora(build_model(args.shape, args.seq, args.device, dtype), args.rank, args.alpha, args.targets,
+                         args.adapter_dtype)
+        if args.device == "cuda":
+            report({"mode": "attention", "flash_only_forward": flash_available(model, args.device,
+                                                                                args.shape["vocab_size"], False)})
+        if "peft" in modes:
+            configs = sorted((parse_config(c) for c in args.configs.split(",")), key=lambda c: c["compile"])
+            compiled = False
+            for config in configs:
+                if config["compile"] and not compiled:
+                    compile_layers(model)
+                    compiled = True
+                run_peft(model, args, config, compiled)
+            if compiled and "deepspeed" in modes:
+                raise SystemExit("run the deepspeed mode in a process without compile+ configurations")
+        if "deepspeed" in modes:
+            run_deepspeed(model, args, parse_config(args.ds_config))
+        del model
+        free(args.device)
+    if "worker" in modes:
+        run_worker(args)
+
+
+if __name__ == "__main__":
+    main()
