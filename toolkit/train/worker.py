@@ -222,7 +222,6 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
     signal.signal(signal.SIGTERM, request_stop)
     run_dir = Path(os.environ["FT_RUN_DIR"])
     shared_root = os.environ.get("FT_SHARED_ROOT", str(run_dir.parent.parent))
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(shared_root) / "cache" / "torch_extensions"))
     recipe = json.loads((run_dir / "recipe.json").read_text())
     backend = os.environ.get("FT_DIST_BACKEND", "nccl")
 
@@ -231,8 +230,10 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
+    from toolkit.train import compiled_ops
     from toolkit.train.models import resolve_model
 
+    compiled_ops.prepare(shared_root, lambda message: print(f"warning: {message}", flush=True))
     if backend == "nccl":
         # Each rank takes the GPU its LOCAL_RANK names before the first collective (the barrier in
         # load_examples); otherwise torch guesses one from the global rank, which can hang.

@@ -1,0 +1,47 @@
+"""DeepSpeed's compiled op cache (the CPU accelerator's shared-memory collective, a real build with
+torch's JIT): a dead build's lock file never blocks, a truncated library is rebuilt, never loaded
+(loading one kills the process with SIGBUS)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="the training stack (ft[train]) is not installed")
+
+PREPARE = ("import sys\n"
+           "from toolkit.train import compiled_ops\n"
+           "root = compiled_ops.prepare(sys.argv[1], lambda m: print('WARN', m, flush=True))\n"
+           "print('ROOT', root)\n")
+
+
+def prepare(shared_root: Path) -> subprocess.CompletedProcess:
+    env = {name: value for name, value in os.environ.items() if name != "TORCH_EXTENSIONS_DIR"}
+    env |= {"DS_ACCELERATOR": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    # A hang (torch waiting on a dead build's lock) fails the test instead of stalling the suite.
+    return subprocess.run([sys.executable, "-c", PREPARE, str(shared_root)], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_a_dead_builds_lock_does_not_block_the_next_build(tmp_path):
+    shared = tmp_path / "shared"
+    first = prepare(shared)
+    assert first.returncode == 0, first.stderr[-3000:]
+    root = Path(first.stdout.split("ROOT ", 1)[1].strip())
+    assert root.parent == shared / "cache" / "torch_extensions" and "-torch" in root.name and "-ds" in root.name
+    library = next(root.glob("deepspeed_shm_comm/*.so"))
+    (library.parent / "lock").touch()  # what a build killed mid-way leaves
+    library.write_bytes(library.read_bytes()[:4096])  # ...and its library, cut short while linking
+
+    second = prepare(shared)
+
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "removing" in second.stdout and "left by a build that did not finish" in second.stdout
+    assert "is not the one ft saw load" in second.stdout and "rebuilding it" in second.stdout
+    assert library.stat().st_size > 4096 and not (library.parent / "lock").exists()
+    third = prepare(shared)  # the rebuilt op is trusted as is
+    assert third.returncode == 0 and "WARN" not in third.stdout, third.stdout + third.stderr[-2000:]

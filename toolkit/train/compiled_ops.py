@@ -1,0 +1,94 @@
+"""DeepSpeed's just-in-time compiled ops, cached on the shared filesystem: one build per cluster and
+software stack, trusted only when it loads.
+
+On the lab's CPU accelerator that is the shared-memory collective (about 40 s to compile). torch
+guards a build folder with a `lock` file that a killed build leaves behind, and every later build
+then waits on it forever; a build killed while linking leaves a truncated library, and loading
+one kills the process (SIGBUS), every time. So ft builds under its own lock (a flock: the kernel
+releases it when its holder dies), removes a `lock` left by a dead build, and records the SHA-256
+of each library once it has loaded; a library that does not match its record is rebuilt, never
+loaded.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+TORCH_BATON = "lock"  # torch.utils.cpp_extension's FileBaton in each build folder
+VERIFIED = ".ft-verified"  # {library: sha256} of the libraries seen to load
+
+
+def extensions_dir(shared_root: str) -> Path:
+    """Per Python, torch and DeepSpeed version: a build from another stack is never picked up."""
+    import deepspeed
+    import torch
+
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}-ds{deepspeed.__version__}"
+    return Path(shared_root) / "cache" / "torch_extensions" / tag.replace("+", "_")
+
+
+def jit_builders() -> list:
+    """The ops this accelerator compiles on first use that ft's runtime needs (DeepSpeed's own rule
+    in deepspeed.comm.torch.build_shm_op); ft's optimizer is torch's AdamW, which needs none."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return []
+    return [builder]
+
+
+def prepare(shared_root: str, warn: Callable[[str], None]) -> Path:
+    """Point torch at ft's extension cache and make sure each op there loads, building or rebuilding
+    it under ft's lock. TORCH_EXTENSIONS_DIR set by the user wins."""
+    root = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir(shared_root))))
+    builders = jit_builders()
+    if not builders:
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".ft-build.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for builder in builders:
+            load_or_rebuild(builder, root / builder.name, warn)
+    return root
+
+
+def load_or_rebuild(builder, folder: Path, warn: Callable[[str], None]) -> None:
+    baton = folder / TORCH_BATON
+    if baton.exists():  # every ft build holds the flock: a baton seen under it is a dead build's
+        warn(f"removing {baton}, left by a build that did not finish (torch would wait on it forever)")
+        baton.unlink(missing_ok=True)
+    if folder.exists() and not verified(folder):
+        warn(f"the compiled op in {folder} is not the one ft saw load (a build cut short, or changed "
+             "since): rebuilding it")
+        discard(folder)
+    builder.load(verbose=False)
+    if not verified(folder):
+        (folder / VERIFIED).write_text(json.dumps(libraries(folder)) + "\n")
+
+
+def libraries(folder: Path) -> dict[str, str]:
+    return {library.name: hashlib.sha256(library.read_bytes()).hexdigest() for library in sorted(folder.glob("*.so"))}
+
+
+def verified(folder: Path) -> bool:
+    try:
+        recorded = json.loads((folder / VERIFIED).read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(recorded) and recorded == libraries(folder)
+
+
+def discard(folder: Path) -> None:
+    doomed = folder.with_name(f".discarded-{folder.name}-{os.getpid()}-{time.time_ns()}")
+    folder.rename(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
