@@ -60,9 +60,16 @@ def heal_lab(lab):
     assert outcome.status.healthy, outcome.status.problems
 
 
-@pytest.fixture(autouse=True)
-def no_traffic_off_this_machine(monkeypatch):
-    """Every test: sockets reach only loopback and the lab; S3 clients default to loopback."""
+def pytest_configure(config):
+    """Before any fixture runs: sockets reach only loopback and the lab, and processes the tests
+    start send S3 traffic to loopback unless a test names the lab's own S3 server."""
     from tests.support import network_guard
 
-    network_guard.install(monkeypatch)
+    network_guard.install()
+
+
+@pytest.fixture(autouse=True)
+def s3_config_per_test(monkeypatch):
+    from tests.support import network_guard
+
+    network_guard.isolate_s3_config(monkeypatch)

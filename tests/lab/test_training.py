@@ -305,3 +305,22 @@ def test_a_node_lost_before_the_step_starts_is_marked_down_and_the_run_requeued(
         assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30
     finally:
         cancel(filler, *([job_id] if job_id else []))
+
+
+def test_a_poisoned_model_cache_entry_is_rebuilt_and_the_run_completes(lab, runs_env, shared_tmp):
+    """What once broke every run on a machine: the tiny model's folder marked complete, its
+    config and weights missing. The run rebuilds it (saying so) instead of failing to load it."""
+    entry = Path(lab.shared_dir) / "models" / "tiny-llama-h256-l2"
+    if not (entry / "model.safetensors").exists():  # the first run on a purged lab builds it
+        first = submit(faulty_recipe(shared_tmp))
+        assert wait_done(first["run_id"]) == "COMPLETED"
+    (entry / "model.safetensors").unlink()
+    (entry / "config.json").unlink()
+    assert (entry / ".complete").exists()
+
+    run = submit(faulty_recipe(shared_tmp))
+
+    assert wait_done(run["run_id"]) == "COMPLETED", ft("logs", run["run_id"], "--rank", "0").stdout[-3000:]
+    logs = "".join(p.read_text() for p in (Path(run["run_dir"]) / "logs").glob("rank-*.log"))
+    assert f"the cached tiny model {entry} is not whole" in logs and "rebuilding it" in logs
+    assert (entry / "model.safetensors").is_file() and (entry / "config.json").is_file()

@@ -20,7 +20,7 @@ def write_safetensors(path: Path, tensors: dict[str, int]) -> None:
 def write_model_folder(folder: Path, shards: int = 1) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    (folder / "tokenizer.json").write_text("{}")
+    (folder / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": {}, "merges": []}}))
     if shards == 1:
         write_safetensors(folder / "model.safetensors", {"a": 4, "b": 8})
         return folder

@@ -9,13 +9,16 @@ test's mistake, instead of sending a packet (a DNS query included) off the machi
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
+import sys
 from pathlib import Path
 
 LAB_SUBNET = ipaddress.ip_network("10.213.7.0/24")  # ansible/inventories/lab: lab_subnet
 # Nothing listens on the discard port: an S3 client a test forgot to point at the test server
 # fails on loopback instead of asking a public endpoint.
-SAFE_ENVIRONMENT = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_EC2_METADATA_DISABLED": "true"}
+SAFE_ENVIRONMENT = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_EC2_METADATA_DISABLED": "true",
+                    "HF_HUB_OFFLINE": "1"}
 
 
 class OffMachineTraffic(ConnectionError):
@@ -43,36 +46,57 @@ def local_names() -> set[str]:
     return names
 
 
-def install(monkeypatch) -> None:
-    names = local_names()
-    real_getaddrinfo, real_connect, real_connect_ex = socket.getaddrinfo, socket.socket.connect, \
-        socket.socket.connect_ex
+# Socket events (PEP 578 audit events) and where their host argument is.
+AUDITED = {"socket.getaddrinfo": 0, "socket.gethostbyname": 0, "socket.gethostbyaddr": 0, "socket.connect": 1,
+           "socket.sendto": 1, "socket.sendmsg": 1}
 
-    def check_host(host) -> None:
-        if host is None:
+
+def install() -> None:
+    """Guard the whole test process, fixtures of every scope included: an audit hook sees every
+    name lookup, connection and datagram, whichever library makes it. Idempotent."""
+    if getattr(install, "done", False):
+        return
+    names = local_names() | {socket.gethostname()}
+
+    def check(host) -> None:
+        if host is None or host == "" or host == b"":
             return
         text = host.decode() if isinstance(host, bytes) else str(host)
         if not (allowed_address(text) or text in names):
             raise OffMachineTraffic(f"test network guard: {text!r} is not on this machine (loopback or the lab's "
                                     f"{LAB_SUBNET}); point the test at a local server")
 
-    def getaddrinfo(host, *args, **kwargs):
-        check_host(host)
-        return real_getaddrinfo(host, *args, **kwargs)
+    def hook(event: str, args: tuple) -> None:
+        position = AUDITED.get(event)
+        if position is None:
+            return
+        target = args[position]
+        if position == 1:  # (socket, address): only IP sockets leave the machine
+            if args[0].family not in (socket.AF_INET, socket.AF_INET6) or not isinstance(target, tuple):
+                return
+            target = target[0]
+        check(target)
 
-    def checked(real):
-        def connect(self, address):
-            if self.family in (socket.AF_INET, socket.AF_INET6):
-                check_host(address[0])
-            return real(self, address)
-        return connect
-
-    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
-    monkeypatch.setattr(socket.socket, "connect", checked(real_connect))
-    monkeypatch.setattr(socket.socket, "connect_ex", checked(real_connect_ex))
+    sys.addaudithook(hook)
+    # connect() and sendto() resolve a host name before their audit event fires: check it first.
+    for method in ("connect", "connect_ex", "sendto"):
+        setattr(socket.socket, method, checked_method(getattr(socket.socket, method), check))
     for name, value in SAFE_ENVIRONMENT.items():
-        monkeypatch.setenv(name, value)
-    # An endpoint one test configured (toolkit.data.object_store.configure) never leaks into the next.
+        os.environ.setdefault(name, value)
+    install.done = True
+
+
+def checked_method(real, check):
+    def method(self, *args):
+        address = args[-1]
+        if self.family in (socket.AF_INET, socket.AF_INET6) and isinstance(address, tuple):
+            check(address[0])
+        return real(self, *args)
+    return method
+
+
+def isolate_s3_config(monkeypatch) -> None:
+    """An endpoint one test configured (toolkit.data.object_store.configure) never leaks into the next."""
     import fsspec.config
 
     monkeypatch.setattr(fsspec.config, "conf", {})

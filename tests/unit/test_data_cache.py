@@ -83,7 +83,7 @@ def test_second_validation_of_the_same_data_tokenizes_nothing(tmp_path, monkeypa
 
     assert calls_after_first > 0 and CountingCounter.calls == calls_after_first
     assert first[0].to_dict() == second[0].to_dict() and first[0].ok
-    (entry,) = list((tmp_path / "shared" / "cache" / "tokenized").iterdir())
+    (entry,) = [p for p in (tmp_path / "shared" / "cache" / "tokenized").iterdir() if not p.name.startswith(".")]
     cached = recipe_data.token_cache(str(tmp_path / "shared")).load(entry.name)
     assert len(cached.offsets) - 1 == 150
     # Changing the data changes the key: the new file is validated and tokenized afresh.
@@ -177,3 +177,23 @@ def test_a_worker_fills_the_cache_exactly_as_validation_does(tmp_path, monkeypat
     assert len(from_worker.offsets) - 1 == len(rows) * (2 if fmt == "preference" else 1)
     for held_out in (False, True):
         assert from_worker.examples(held_out) == from_validation.examples(held_out)
+
+
+def test_an_object_store_that_never_answers_is_reported_within_the_deadline(monkeypatch):
+    """A loopback server that accepts connections and then says nothing: the check gives up in time."""
+    import socket
+    import time
+
+    from toolkit.data import object_store
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+        object_store.configure()
+        started = time.monotonic()
+        found = object_store.presence("s3://bucket/train.jsonl", deadline_s=3)
+        assert time.monotonic() - started < 10
+    assert not found.found and found.unreachable == "no answer within 3 s"

@@ -64,3 +64,48 @@ def test_missing_model_names_every_place_looked_and_never_calls_the_hub(tmp_path
     assert str(tmp_path / "local" / "meta-llama--Llama-3.1-70B") in message
     assert str(tmp_path / "shared" / "models" / "meta-llama--Llama-3.1-70B") in message
     assert "FT_ALLOW_HUB" in message
+
+
+def raw_safetensors(header: object) -> bytes:
+    import json
+    import struct
+
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + b"\0" * 64
+
+
+HOSTILE = {
+    "header is a list": lambda e: (e / "model.safetensors").write_bytes(raw_safetensors([1, 2])),
+    "offsets are strings": lambda e: (e / "model.safetensors").write_bytes(
+        raw_safetensors({"a": {"dtype": "F32", "shape": [1], "data_offsets": ["0", "4"]}})),
+    "offsets run backwards": lambda e: (e / "model.safetensors").write_bytes(
+        raw_safetensors({"a": {"dtype": "F32", "shape": [1], "data_offsets": [10, -5]}})),
+    "offsets missing": lambda e: (e / "model.safetensors").write_bytes(raw_safetensors({"a": {"dtype": "F32"}})),
+    "deeply nested header": lambda e: (e / "model.safetensors").write_bytes(
+        __import__("struct").pack("<Q", 200_000) + b"[" * 200_000),
+    "weights are a folder": lambda e: ((e / "model.safetensors").unlink(), (e / "model.safetensors").mkdir()),
+    "config is a FIFO": lambda e: ((e / "config.json").unlink(), __import__("os").mkfifo(e / "config.json")),
+    "config is deeply nested": lambda e: (e / "config.json").write_text("[" * 200_000),
+    "empty weight map": lambda e: (e / "model.safetensors.index.json").write_text('{"weight_map": {}}'),
+    "shard outside the folder": lambda e: (e / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "../../etc/hostname"}}'),
+    "shard name not a string": lambda e: (e / "model.safetensors.index.json").write_text('{"weight_map": {"a": 1}}'),
+    "empty tokenizer": lambda e: (e / "tokenizer.json").write_text(""),
+    "tokenizer without a model": lambda e: (e / "tokenizer.json").write_text("{}"),
+    "symlink loop as config": lambda e: ((e / "config.json").unlink(),
+                                         (e / "config.json").symlink_to(e / "config.json")),
+}
+
+
+@pytest.mark.timeout(30)  # a FIFO read would block forever
+@pytest.mark.parametrize("damage", sorted(HOSTILE))
+def test_hostile_model_folders_are_named_broken_never_crash_or_hang(tmp_path, monkeypatch, damage):
+    from toolkit.model_folder import model_folder_problems
+
+    entry = write_model_folder(tmp_path / "local" / ENTRY)
+    HOSTILE[damage](entry)
+    problems = model_folder_problems(entry)
+    assert problems and all(isinstance(problem, str) and problem for problem in problems)
+    monkeypatch.setenv("FT_MODEL_CACHE_LOCAL", str(tmp_path / "local"))
+    with pytest.raises(ModelFolderBroken, match="is not whole"):
+        resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(tmp_path / "shared"))

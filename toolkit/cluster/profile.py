@@ -56,6 +56,13 @@ class ClusterProfile(BaseModel):
     # Python that runs ft on the compute nodes; empty: `python3` from the job's PATH.
     python: str = ""
 
+    @field_validator("s3_endpoint")
+    @classmethod
+    def endpoint_url(cls, value: str) -> str:
+        if value and not re.fullmatch(r"https?://[A-Za-z0-9.:\[\]_-]+(/[A-Za-z0-9._~/-]*)?", value):
+            raise ValueError(f"{value!r} is not an http(s):// endpoint URL (scheme, host, optional port and path)")
+        return value
+
     @field_validator("nccl_env")
     @classmethod
     def env_names(cls, value: dict[str, str]) -> dict[str, str]:

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.cache_entries import discard, exclusive
+
 FLUSH_EVERY = 1 << 20  # values buffered before they go to disk: memory stays bounded
 FILES = {"tokens": "i", "labels": "i", "offsets": "q", "eval": "B"}  # name -> array typecode
 
@@ -40,16 +42,26 @@ def stream_digest(handle) -> str:
     return digest.hexdigest()
 
 
-def describe_files(folder: Path) -> dict:
+def describe_files(folder: Path, digests: bool = True) -> dict:
     """Size and SHA-256 of each data file of an entry: what meta.json vouches for."""
     described = {}
     for name in FILES:
         with open(folder / f"{name}.bin", "rb") as handle:
-            described[name] = {"bytes": os.fstat(handle.fileno()).st_size, "sha256": stream_digest(handle)}
+            described[name] = {"bytes": os.fstat(handle.fileno()).st_size}
+            if digests:
+                described[name]["sha256"] = stream_digest(handle)
     return described
 
 
-def entry_problem(folder: Path, key: str, meta: dict) -> str | None:
+def entry_problem_or_missing(folder: Path) -> str | None:
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError) as exc:
+        return f"meta.json is missing or unreadable ({exc})"
+    return entry_problem(folder, folder.name, meta) if isinstance(meta, dict) else "meta.json is not an object"
+
+
+def entry_problem(folder: Path, key: str, meta: dict, digests: bool = True) -> str | None:
     """Why an entry is not to be trusted, or None."""
     if meta.get("key") != key:
         return f"meta.json names key {meta.get('key')!r}, not its folder's"
@@ -57,10 +69,12 @@ def entry_problem(folder: Path, key: str, meta: dict) -> str | None:
     if not isinstance(files, dict) or set(files) != set(FILES):
         return "meta.json does not describe the entry's files"
     try:
-        actual = describe_files(folder)
+        actual = describe_files(folder, digests)
     except OSError as exc:
         return f"a file is missing or unreadable: {exc}"
-    changed = [name for name in FILES if actual[name] != files[name]]
+    fields = ("bytes", "sha256") if digests else ("bytes",)
+    changed = [name for name in FILES if not isinstance(files[name], dict)
+               or any(actual[name][field] != files[name].get(field) for field in fields)]
     if changed:
         return f"{', '.join(name + '.bin' for name in changed)} differ from meta.json (truncated or changed)"
     return None
@@ -119,23 +133,12 @@ class CacheWriter:
         self.flush()
         meta = {**meta, "key": self.final.name, "files": describe_files(self.staging)}
         (self.staging / "meta.json").write_text(json.dumps(meta) + "\n")
-        if self.final.exists():
-            try:
-                whole = entry_problem(self.final, self.final.name,
-                                      json.loads((self.final / "meta.json").read_text())) is None
-            except (OSError, ValueError, AttributeError):
-                whole = False
-            if whole:  # another process finished the same work first: keep theirs
+        with exclusive(self.final.parent / ".publish.lock"):  # short: a check and a rename
+            if entry_problem_or_missing(self.final) is None:  # another writer finished first: keep theirs
                 shutil.rmtree(self.staging, ignore_errors=True)
                 return
-            # A broken or foreign entry: moved aside (atomically), replaced, then deleted.
-            doomed = self.final.with_name(f".discarded-{self.final.name}-{uuid.uuid4().hex[:8]}")
-            self.final.rename(doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
-        try:
+            discard(self.final)  # a broken or foreign entry
             self.staging.rename(self.final)
-        except OSError:  # another writer renamed its entry into place first
-            shutil.rmtree(self.staging, ignore_errors=True)
 
     def abort(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
@@ -149,8 +152,9 @@ class TokenCache:
     def path(self, key: str) -> Path:
         return self.root / key
 
-    def meta(self, key: str) -> dict | None:
-        """The entry's meta.json when the entry is whole and is the one its key names, else None."""
+    def meta(self, key: str, digests: bool = True) -> dict | None:
+        """The entry's meta.json when the entry is whole and is the one its key names, else None.
+        digests=False checks sizes only: for readers after one process has checked the digests."""
         folder = self.path(key)
         try:
             meta = json.loads((folder / "meta.json").read_text())
@@ -159,16 +163,16 @@ class TokenCache:
         except (OSError, ValueError) as exc:
             self.warn(f"token cache entry {folder} ignored: meta.json is unreadable ({exc})")
             return None
-        problem = entry_problem(folder, key, meta) if isinstance(meta, dict) else "meta.json is not an object"
+        problem = entry_problem(folder, key, meta, digests) if isinstance(meta, dict) else "meta.json is not an object"
         if problem:
             self.warn(f"token cache entry {folder} ignored: {problem}")
             return None
         return meta
 
-    def load(self, key: str) -> CachedDataset | None:
+    def load(self, key: str, digests: bool = True) -> CachedDataset | None:
         import numpy as np
 
-        meta = self.meta(key)
+        meta = self.meta(key, digests)
         if meta is None:
             return None
         folder = self.path(key)

@@ -8,11 +8,15 @@ reported as unreachable within seconds, never as a missing file, and never waite
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 # Bounded connection attempts: botocore's default (60 s connect, legacy retries) would let an
 # unreachable endpoint hold `ft validate` for minutes.
 S3_CLIENT_CONFIG = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 3, "mode": "standard"}}
+# A store that accepts connections and never answers: the existence check gives up after this
+# (s3fs retries timeouts itself, on top of botocore's attempts: minutes, left alone).
+PRESENCE_DEADLINE_S = 30.0
 
 
 def s3_endpoint(profile_endpoint: str = "") -> str:
@@ -55,8 +59,19 @@ def where(url: str, profile_endpoint: str = "") -> str:
     return f"the object store at {endpoint}" if endpoint else "AWS S3"
 
 
-def presence(url: str) -> Presence:
-    """Whether a data file is there, asked of the store configured by `configure`."""
+def presence(url: str, deadline_s: float = PRESENCE_DEADLINE_S) -> Presence:
+    """Whether a data file is there, asked of the store configured by `configure`, within a deadline
+    (the question runs in a daemon thread: one left waiting never holds the process)."""
+    answer: list[Presence] = []
+    thread = threading.Thread(target=lambda: answer.append(ask_presence(url)), daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    if not answer:
+        return Presence(False, f"no answer within {deadline_s:.0f} s")
+    return answer[0]
+
+
+def ask_presence(url: str) -> Presence:
     import fsspec
 
     try:

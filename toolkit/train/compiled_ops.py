@@ -12,15 +12,14 @@ loaded.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
-import shutil
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
+
+from toolkit.cache_entries import discard, exclusive
 
 TORCH_BATON = "lock"  # torch.utils.cpp_extension's FileBaton in each build folder
 VERIFIED = ".ft-verified"  # {library: sha256} of the libraries seen to load
@@ -54,9 +53,7 @@ def prepare(shared_root: str, warn: Callable[[str], None]) -> Path:
     builders = jit_builders()
     if not builders:
         return root
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".ft-build.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive(root / ".ft-build.lock"):
         for builder in builders:
             load_or_rebuild(builder, root / builder.name, warn)
     return root
@@ -72,7 +69,8 @@ def load_or_rebuild(builder, folder: Path, warn: Callable[[str], None]) -> None:
              "since): rebuilding it")
         discard(folder)
     builder.load(verbose=False)
-    if not verified(folder):
+    # An op installed with DeepSpeed (DS_BUILD_OPS) loads without a build folder: nothing to record.
+    if folder.is_dir() and not verified(folder):
         (folder / VERIFIED).write_text(json.dumps(libraries(folder)) + "\n")
 
 
@@ -86,9 +84,3 @@ def verified(folder: Path) -> bool:
     except (OSError, ValueError):
         return False
     return bool(recorded) and recorded == libraries(folder)
-
-
-def discard(folder: Path) -> None:
-    doomed = folder.with_name(f".discarded-{folder.name}-{os.getpid()}-{time.time_ns()}")
-    folder.rename(doomed)
-    shutil.rmtree(doomed, ignore_errors=True)

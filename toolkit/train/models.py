@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from toolkit.cache_entries import discard, exclusive, staging_path
 from toolkit.model_folder import model_folder_problems
 from toolkit.train.tiny import ensure_tiny_llama
 
@@ -49,13 +50,18 @@ def resolve_model(base: str, revision: str | None, shared_root: str) -> Path:
             "(FT_ALLOW_HUB is not 1). Put the model in the shared cache first.")
     from huggingface_hub import snapshot_download
 
-    # Downloaded next to the cache entry and renamed into place once whole: a download cut short
-    # never becomes an entry.
+    # One download per cluster (the other ranks wait and reuse it), into a staging folder renamed
+    # into place once whole: a download cut short never becomes an entry.
     target = cache_dirs(shared_root)[1] / name
-    staging = target.with_name(f".download-{name}-{os.getpid()}")
-    snapshot_download(base, revision=revision, local_dir=staging)
-    problems = model_folder_problems(staging)
-    if problems:
-        raise ModelFolderBroken(f"the download of {base} into {staging} is not whole: {'; '.join(problems)}")
-    staging.rename(target)
+    with exclusive(target.with_name(f".{name}.lock")):
+        if not model_folder_problems(target):
+            return target
+        discard(target)
+        staging = staging_path(target, "download")
+        snapshot_download(base, revision=revision, local_dir=staging)
+        problems = model_folder_problems(staging)
+        if problems:
+            discard(staging)
+            raise ModelFolderBroken(f"the download of {base} is not whole: {'; '.join(problems)}")
+        staging.rename(target)
     return target

@@ -3,16 +3,13 @@ of the tests. Deterministic: the same seed builds the same weights and vocabular
 
 from __future__ import annotations
 
-import fcntl
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
+from toolkit.cache_entries import discard, exclusive, staging_path
 from toolkit.model_folder import model_folder_problems
 
 COMPLETE = ".complete"  # written last, after the folder was seen to load
@@ -109,30 +106,20 @@ def ensure_tiny_llama(cache_dir: Path, hidden: int = 256, layers: int = 2,
     path = cache_dir / f"tiny-llama-h{hidden}-l{layers}"
     if is_whole(path):
         return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / ".tiny-llama.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive(cache_dir / ".tiny-llama.lock"):
         if is_whole(path):
             return path
-        if path.exists():
+        if os.path.lexists(path):  # a dangling symlink too
             problems = model_folder_problems(path) or [f"{COMPLETE} is missing"]
             warn(f"warning: the cached tiny model {path} is not whole ({'; '.join(problems)}): rebuilding it")
             discard(path)
-        staging = cache_dir / f".building-{socket.gethostname()}-{os.getpid()}"
-        discard(staging)
+        for stale in cache_dir.glob(f".building-{path.name}-*"):  # only a builder holding this lock makes these
+            discard(stale)
+        staging = staging_path(path)
         build_in_subprocess(staging, hidden, layers)
         (staging / COMPLETE).write_text("ok\n")
         staging.rename(path)
     return path
-
-
-def discard(path: Path) -> None:
-    """Move a folder out of the way first (a rename is atomic), then delete it."""
-    if not path.exists():
-        return
-    doomed = path.with_name(f".discarded-{path.name}-{os.getpid()}-{time.time_ns()}")
-    path.rename(doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
 
 
 if __name__ == "__main__":  # the builder: python -m toolkit.train.tiny FOLDER HIDDEN LAYERS

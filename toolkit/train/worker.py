@@ -178,18 +178,20 @@ def load_base_model(model_path: Path, method: str):
 def load_examples(recipe: dict, model_path: Path, shared_root: str, rank: int, dist) -> list[Example]:
     """The tokenized training set, from the cache `ft validate` filled; built (by rank 0, once) when
     the run was submitted without validation or the cache was purged."""
+    from toolkit.data import object_store
     from toolkit.data.recipe_data import dataset_key, token_cache
     from toolkit.data.tokenizer import load_length_counter
     from toolkit.recipe.schema import Recipe
 
+    object_store.configure()  # s3:// data: the job's AWS_ENDPOINT_URL (from the profile), bounded timeouts
     spec = Recipe.model_validate(recipe)
     counter = load_length_counter(str(model_path))
     key = dataset_key(spec, spec.data.train, counter, "train")
     cache = token_cache(shared_root)
-    if rank == 0 and cache.meta(key) is None:
+    if rank == 0 and cache.meta(key) is None:  # the digests, checked once for every rank
         build_cache(spec, counter, cache, key)
     dist.barrier()
-    dataset = cache.load(key)
+    dataset = cache.load(key, digests=False)
     if dataset is None:
         raise RuntimeError(f"the tokenized dataset {cache.path(key)} is missing after rank 0 built it")
     log(rank, f"{len(dataset.offsets) - 1} sequences from the token cache {cache.path(key).name}")

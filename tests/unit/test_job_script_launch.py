@@ -1,0 +1,86 @@
+"""The job script's decision after a failed step launch, run for real in bash with stand-ins for
+srun, scontrol and sleep (the only mocks: the lab test in tests/lab/test_training.py does it with
+real Slurm). Only a node srun could not reach, and whose launcher never started, is marked down."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from toolkit.recipe.resolve import resolve
+from toolkit.render.sbatch import RunPlacement, render
+
+REPO = Path(__file__).resolve().parents[2]
+COMMUNICATION = "Communication connection failure"
+
+# srun: leaves the launch marks of $STARTED nodes, prints $SRUN_ERROR for every $UNREACHED node.
+FAKE_SRUN = """#!/bin/bash
+for node in $STARTED; do touch "$FT_LAUNCH_MARKS/$node"; done
+for node in $UNREACHED; do
+    echo "srun: error: Task launch for StepId=$SLURM_JOB_ID.0 failed on node $node: $SRUN_ERROR" >&2
+done
+exit 1
+"""
+FAKE_SCONTROL = """#!/bin/bash
+case "$1 $2" in
+    "show hostnames") echo "$ALL_NODES" | tr ' ' '\\n' ;;
+    "show config") echo "SlurmdTimeout           = 10 sec" ;;
+    *) echo "$*" >> "$CALLS" ;;
+esac
+"""
+
+
+def run_script(tmp_path: Path, started: str, unreached: str, error: str = COMMUNICATION,
+               earlier_failures: int = 0) -> tuple[subprocess.CompletedProcess, list[str], Path]:
+    run_dir = tmp_path / "run"
+    script = render(resolve(REPO / "recipes" / "tiny-lora-sft.yaml", "lab"), RunPlacement("r1", str(run_dir)),
+                    python="python3")
+    (tmp_path / "job.sh").write_text(script)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {"srun": FAKE_SRUN, "scontrol": FAKE_SCONTROL, "sleep": "#!/bin/bash\nexit 0\n"}.items():
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    run_dir.mkdir()
+    if earlier_failures:
+        (run_dir / "launch-failures").write_text("".join(f"{n} node9\n" for n in range(earlier_failures)))
+    calls = tmp_path / "calls"
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-3]",
+           "SLURM_JOB_NUM_NODES": "3", "ALL_NODES": "node1 node2 node3", "STARTED": started,
+           "UNREACHED": unreached, "SRUN_ERROR": error, "CALLS": str(calls)}
+    result = subprocess.run(["bash", str(tmp_path / "job.sh")], capture_output=True, text=True, env=env, timeout=60)
+    return result, calls.read_text().splitlines() if calls.exists() else [], run_dir
+
+
+def test_an_unreachable_node_is_marked_down_with_the_run_named(tmp_path):
+    result, calls, run_dir = run_script(tmp_path, started="node1 node3", unreached="node2")
+    assert calls == ["update NodeName=node2 State=DOWN Reason=ft: lost before job 7 (run r1) started on it"]
+    assert (run_dir / "launch-failures").read_text() == "7 node2\n"
+    assert "node node2 was lost before the step started on it: marked down" in result.stdout
+    # Slurm requeues the job once the node is down; here (no Slurm) the wait ends and the job fails.
+    assert result.returncode != 0 and "did not requeue job 7" in result.stdout
+
+
+@pytest.mark.parametrize("error", ["Invalid job credential", "Prolog failed", "Zero Bytes were transmitted"])
+def test_a_node_that_refused_the_step_is_not_marked_down(tmp_path, error):
+    result, calls, run_dir = run_script(tmp_path, started="node1 node3", unreached="node2", error=error)
+    assert calls == [] and not (run_dir / "launch-failures").exists()
+    assert result.returncode == 1
+
+
+def test_a_node_whose_launcher_started_is_not_lost(tmp_path):
+    result, calls, _ = run_script(tmp_path, started="node1 node2 node3", unreached="node2")
+    assert calls == [] and result.returncode == 1
+
+
+def test_when_every_node_seems_lost_nothing_is_marked_down(tmp_path):
+    result, calls, _ = run_script(tmp_path, started="", unreached="node1 node2 node3")
+    assert calls == [] and "not a lost node" in result.stdout and result.returncode == 1
+
+
+def test_requeues_stop_after_the_runs_budget(tmp_path):
+    result, calls, _ = run_script(tmp_path, started="node1 node3", unreached="node2", earlier_failures=3)
+    assert calls == [] and "not requeueing again" in result.stdout and result.returncode == 1
