@@ -111,3 +111,19 @@ def test_status_prices_a_finished_run_at_its_cluster_s_rate():
     assert _cost(finished) == " (about $24.58 at $12.29/GPU-hour)"
     assert _cost(SimpleNamespace(run=SimpleNamespace(cluster="lab"), summary={"gpu_hours": 2.0})) == ""
     assert _cost(SimpleNamespace(run=SimpleNamespace(cluster="gone"), summary={"gpu_hours": 2.0})) == ""
+
+
+@pytest.mark.parametrize("hostile", ["x[red]y[/red]", "a[/]b", "tab\x1b[31mred\x1b[0m"])
+def test_user_text_is_printed_as_written_never_as_markup_or_escapes(tmp_path, hostile):
+    """A value from a recipe reaches the terminal as written: rich markup is not interpreted and
+    escape sequences are made visible."""
+    import yaml
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "r", "model": {"base": "tiny-llama"}, "data": {"train": "t.jsonl"},
+                                      "env": {"MY_NOTE": hostile}}))
+    result = ft("recipe", "explain", str(recipe), "--cluster", "lab", env={"COLUMNS": "300"})
+    assert result.returncode == 0, result.stderr
+    assert "\x1b" not in result.stdout
+    shown = hostile.replace("\x1b", "\\x1b")
+    assert shown in result.stdout

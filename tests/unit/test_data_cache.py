@@ -197,3 +197,37 @@ def test_an_object_store_that_never_answers_is_reported_within_the_deadline(monk
         found = object_store.presence("s3://bucket/train.jsonl", deadline_s=3)
         assert time.monotonic() - started < 10
     assert not found.found and found.unreachable == "no answer within 3 s"
+
+
+@pytest.mark.parametrize("template", [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ messages.__class__.__init__.__globals__ }}",
+    "{% set x = messages.append({'role': 'x'}) %}{{ messages }}",
+])
+def test_a_chat_template_cannot_reach_python(tmp_path, template):
+    """A model folder's chat template renders in jinja2's immutable sandbox, as in transformers."""
+    from jinja2.exceptions import SecurityError
+
+    from toolkit.data.tokenizer import LengthCounter
+
+    counter = LengthCounter(load_length_counter("tiny-llama").tokenizer, template)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(SecurityError):
+        counter.render_chat(messages)
+    assert messages == [{"role": "user", "content": "hi"}]
+
+
+def test_an_unwritable_token_cache_degrades_to_no_cache_with_a_warning(tmp_path, monkeypatch):
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f" a{i}"}) + "\n" for i in range(150)))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "r", "model": {"base": "tiny-llama"}, "data": {"train": str(data)}}))
+    clusters = tmp_path / "clusters.yaml"
+    # A file where the cache folder should be: no user, root included, can create the cache there.
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "cache").write_text("not a folder")
+    clusters.write_text(yaml.safe_dump({"ro": {"extends": "lab", "shared_root": str(tmp_path / "shared")}}))
+    monkeypatch.setenv("FT_CLUSTERS_FILE", str(clusters))
+    (report,) = recipe_data.validate_recipe_data(resolve(recipe, "ro"))
+    assert report.ok and "token_cache_unwritable" in report.warnings
+    assert "cannot be written" in report.warnings["token_cache_unwritable"].examples[0].message

@@ -109,3 +109,24 @@ def test_hostile_model_folders_are_named_broken_never_crash_or_hang(tmp_path, mo
     monkeypatch.setenv("FT_MODEL_CACHE_LOCAL", str(tmp_path / "local"))
     with pytest.raises(ModelFolderBroken, match="is not whole"):
         resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(tmp_path / "shared"))
+
+
+def test_a_cache_folder_others_may_write_to_is_not_read(tmp_path, monkeypatch):
+    local = tmp_path / "local"
+    write_model_folder(local / ENTRY)
+    local.chmod(0o777)  # anyone could have planted that model
+    monkeypatch.setenv("FT_MODEL_CACHE_LOCAL", str(local))
+    with pytest.raises(ModelNotFound):
+        resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(tmp_path / "shared"))
+    local.chmod(0o755)
+    assert resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(tmp_path / "shared")) == local / ENTRY
+
+
+def test_a_tokenizer_is_never_taken_from_another_model_with_the_same_prefix(tmp_path, monkeypatch):
+    from toolkit.data.tokenizer import TokenizerNotFound, load_length_counter
+
+    local = tmp_path / "local"
+    write_model_folder(local / "org--model-evil")
+    monkeypatch.setenv("FT_MODEL_CACHE_LOCAL", str(local))
+    with pytest.raises(TokenizerNotFound):
+        load_length_counter("org/model", str(tmp_path / "shared"))

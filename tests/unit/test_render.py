@@ -92,7 +92,7 @@ HOSTILE = [
 
 
 def hostile_recipe(tmp_path: Path, marker: Path) -> Path:
-    env = {f"FT_TEST_{i}": value.format(marker=marker) for i, value in enumerate(HOSTILE)}
+    env = {f"HOSTILE_TEST_{i}": value.format(marker=marker) for i, value in enumerate(HOSTILE)}
     recipe = yaml.safe_load((REPO / "recipes" / "tiny-lora-sft.yaml").read_text())
     recipe["env"] = env
     recipe["data"]["train"] = f"/data/it's a \"path\"; $(touch {marker})\n`touch {marker}`.jsonl"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from toolkit.cli.output import console, err_console, print_json
+from toolkit.cli.output import console, err_console, plain, print_json
 
 app = typer.Typer(help="Data files: check one on its own.", no_args_is_help=True)
 
@@ -36,7 +36,7 @@ def show(reports, as_json: bool) -> None:
         return
     for report in reports:
         stats = report.tokens
-        console.print(f"[bold]{report.path}[/]: {report.rows} rows, format {report.format or '?'}, "
+        console.print(f"[bold]{plain(report.path)}[/]: {report.rows} rows, format {plain(report.format or '?')}, "
                       f"{report.duplicates} exact duplicates"
                       + (f", tokens total {stats['total']} mean {stats['mean']} p50 {stats['p50']:.0f} "
                          f"p95 {stats['p95']:.0f} max {stats['max']}" if stats else ""))
@@ -47,7 +47,7 @@ def show(reports, as_json: bool) -> None:
             for column in ("kind", "count", "first locations"):
                 table.add_column(column)
             for kind, summary in sorted(kinds.items()):
-                where = "\n".join(str(finding) for finding in summary.examples)
+                where = "\n".join(plain(finding) for finding in summary.examples)
                 table.add_row(kind, str(summary.count), where)
             console.print(table)
         console.print("[green]ok[/]" if report.ok else f"[red]{sum(s.count for s in report.errors.values())} "

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.table import Table
 
-from toolkit.cli.output import console, print_json, task_spinner
+from toolkit.cli.output import console, plain, print_json, task_spinner
 from toolkit.errors import FtError
 
 if TYPE_CHECKING:
@@ -30,7 +30,8 @@ def status_tables(status: LabStatus) -> list[Table]:
     for node in status.nodes:
         colour = "green" if node.serving else "red"
         state = node.state + ("+" + "+".join(f.lower() for f in node.flags) if node.flags else "")
-        nodes.add_row(node.name, node.address, f"[{colour}]{state}[/]", node.gpus, node.reason)
+        nodes.add_row(plain(node.name), plain(node.address), f"[{colour}]{plain(state)}[/]", plain(node.gpus),
+                      plain(node.reason))
     return [daemons, nodes]
 
 
@@ -40,7 +41,7 @@ def print_status(status: LabStatus) -> None:
     if status.problems:
         console.print("[red]problems:[/]")
         for problem in status.problems:
-            console.print(f"  - {problem}")
+            console.print(f"  - {plain(problem)}")
     else:
         console.print(f"[green]lab is up[/]: {len(status.nodes)} nodes serving jobs")
 

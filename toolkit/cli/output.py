@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from contextlib import contextmanager
 
 from rich.console import Console
+from rich.markup import escape
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
+
+# C0 and C1 control characters but newline and tab: an escape sequence in a recipe value, a path
+# or a Slurm reason must not reach the terminal.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def plain(value: object) -> str:
+    """Text from users, files or Slurm, safe to put in rich output: shown as written, never read as
+    markup ([red], [/]), control characters made visible."""
+    text = _CONTROL.sub(lambda match: repr(match.group())[1:-1], str(value))
+    return escape(text)
 
 
 def print_json(data) -> None:
@@ -17,9 +30,9 @@ def print_json(data) -> None:
 
 
 def print_error(message: str, hint: str | None = None) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {plain(message)}", soft_wrap=True)
     if hint:
-        err_console.print(f"[yellow]hint:[/] {hint}", soft_wrap=True)
+        err_console.print(f"[yellow]hint:[/] {plain(hint)}", soft_wrap=True)
 
 
 @contextmanager

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from toolkit.cli.output import console, print_json
+from toolkit.cli.output import console, plain, print_json
 
 app = typer.Typer(help="Recipes: check them and see every resolved value.", no_args_is_help=True)
 
@@ -29,15 +29,15 @@ def explain(recipe: Path = RECIPE, cluster: str = CLUSTER,
     if as_json:
         print_json({"values": values | derived, "sources": resolved.sources})
         return
-    table = Table(title=f"{recipe} on {resolved.profile.name}", title_justify="left")
+    table = Table(title=f"{plain(recipe)} on {plain(resolved.profile.name)}", title_justify="left")
     for column in ("field", "value", "from"):
         table.add_column(column)
     for dotted, value in values.items():
         origin = resolved.sources.get(dotted, "")
         style = "" if origin == "recipe" else "dim"
-        table.add_row(dotted, str(value), origin, style=style)
+        table.add_row(plain(dotted), plain(value), plain(origin), style=style)
     for dotted, value in derived.items():
-        table.add_row(dotted, str(value), "computed", style="cyan")
+        table.add_row(plain(dotted), plain(value), "computed", style="cyan")
     console.print(table)
 
 
@@ -79,4 +79,4 @@ def render_command(
     # Slurm opens the job's log file before the script runs: its folder must exist at sbatch time.
     (Path(run_dir) / "logs").mkdir(parents=True, exist_ok=True)
     write_atomically(output, script, mode=0o755)
-    console.print(f"wrote {output}: sbatch it as is, or edit it first (its logs go to {run_dir}/logs)", markup=False)
+    console.print(f"wrote {plain(output)}: sbatch it as is, or edit it first (its logs go to {plain(run_dir)}/logs)")

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from toolkit.cli.output import console, print_json, task_spinner
+from toolkit.cli.output import console, plain, print_json, task_spinner
 from toolkit.errors import FtError
 
 STATE_COLOURS = {"RUNNING": "green", "COMPLETED": "green", "PENDING": "yellow", "REQUEUED": "yellow",
@@ -62,9 +62,9 @@ def submit(
                     "created": submission.created})
         return
     verb = "submitted" if submission.created else "already submitted (same idempotency key)"
-    console.print(f"run [bold]{run.run_id}[/] {verb}: job {run.latest_job}")
-    console.print(f"  run directory {submission.run_dir}")
-    console.print(f"  follow it with: ft status {run.run_id}   ft logs {run.run_id} -f")
+    console.print(f"run [bold]{plain(run.run_id)}[/] {verb}: job {plain(run.latest_job)}")
+    console.print(f"  run directory {plain(submission.run_dir)}")
+    console.print(f"  follow it with: ft status {plain(run.run_id)}   ft logs {plain(run.run_id)} -f")
 
 
 def ls(cluster: str = typer.Option(None, "--cluster", "-c"), limit: int = typer.Option(20, "--limit", "-n"),
@@ -78,12 +78,12 @@ def ls(cluster: str = typer.Option(None, "--cluster", "-c"), limit: int = typer.
     if as_json:
         print_json([status.to_dict() for status in statuses])
         return
-    table = Table(title=f"runs in {store.root}", title_justify="left")
+    table = Table(title=f"runs in {plain(store.root)}", title_justify="left")
     for column in ("run", "state", "job", "mode", "submitted"):
         table.add_column(column)
     for status in statuses:
-        table.add_row(status.run.run_id, _coloured(status.state), status.run.latest_job or "-", status.run.mode,
-                      datetime.fromtimestamp(status.run.created).strftime("%Y-%m-%d %H:%M"))
+        table.add_row(plain(status.run.run_id), _coloured(status.state), plain(status.run.latest_job or "-"),
+                      plain(status.run.mode), datetime.fromtimestamp(status.run.created).strftime("%Y-%m-%d %H:%M"))
     console.print(table)
 
 
@@ -98,23 +98,23 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
         print_json(current.to_dict())
         return
     job = current.job
-    console.print(f"run [bold]{run_id}[/]: {_coloured(current.state)}"
-                  + (f" (from {job.source}, nodes {job.nodes or '-'})" if job else ""))
+    console.print(f"run [bold]{plain(run_id)}[/]: {_coloured(current.state)}"
+                  + (f" (from {job.source}, nodes {plain(job.nodes or '-')})" if job else ""))
     if job and job.reason and job.reason != "None":
-        console.print(f"  reason: {job.reason}")
-    console.print(f"  run directory {current.run_dir}")
+        console.print(f"  reason: {plain(job.reason)}")
+    console.print(f"  run directory {plain(current.run_dir)}")
     if current.tracking:
-        console.print(f"  metrics: {current.tracking.get('wandb')} (W&B {current.tracking.get('mode')})")
+        console.print(f"  metrics: {plain(current.tracking.get('wandb'))} (W&B {plain(current.tracking.get('mode'))})")
     if current.summary:
         done = current.summary
         console.print(f"  done: {done['steps']} steps, {done['tokens']} tokens, final loss {done['final_loss']:.4f}, "
                       f"{done['wall_seconds']} s, {done['gpu_hours']} GPU-hours{_cost(current)}; "
-                      f"output {done['output']}")
+                      f"output {plain(done['output'])}")
     table = Table(title="attempts", title_justify="left")
     for column in ("job", "restart", "nodes", "started"):
         table.add_column(column)
     for attempt in current.attempts:
-        table.add_row(str(attempt["job_id"]), str(attempt["restart"]), ",".join(attempt["nodes"]),
+        table.add_row(plain(attempt["job_id"]), plain(attempt["restart"]), plain(",".join(map(str, attempt["nodes"]))),
                       datetime.fromtimestamp(attempt["started"]).strftime("%H:%M:%S"))
     if current.attempts:
         console.print(table)
@@ -161,4 +161,4 @@ def cancel(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
     if not record.latest_job:
         raise FtError(f"run {run_id} has no Slurm job")
     default_client().cancel([record.latest_job])
-    console.print(f"cancelled job {record.latest_job} of run {run_id}")
+    console.print(f"cancelled job {plain(record.latest_job)} of run {plain(run_id)}")

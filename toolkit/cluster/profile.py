@@ -7,13 +7,10 @@ import os
 import re
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from toolkit.errors import FtError
-
-# libyaml's loader when PyYAML was built with it: several times faster on the login node.
-SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+from toolkit.recipe.yaml_source import YamlError, load_trusted_yaml, load_yaml
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 
@@ -95,9 +92,9 @@ def _parse(data: dict, origin: str) -> ClusterProfile:
 
 def _read(path: Path) -> object:
     try:
-        return yaml.load(path.read_text(), Loader=SafeLoader)
-    except yaml.YAMLError as exc:
-        raise ProfileError(f"{path}: invalid YAML: {exc}") from None
+        return load_yaml(path, "cluster profile")[0]
+    except YamlError as exc:
+        raise ProfileError(exc.message, hint=exc.hint) from None
 
 
 def user_profiles_path() -> Path:
@@ -109,7 +106,7 @@ def available_profiles() -> dict[str, ClusterProfile]:
     """Every profile by name; later sources override earlier: built in, site, user."""
     profiles: dict[str, ClusterProfile] = {}
     for path in sorted(BUILTIN_DIR.glob("*.yaml")):
-        profile = _parse(_read(path), str(path))
+        profile = _parse(load_trusted_yaml(path), str(path))
         profiles[profile.name] = profile
     site_path = site_profile_path()
     if site_path.is_file():

@@ -55,8 +55,15 @@ def validated_file(recipe, role: str, path: str, counter: LengthCounter | None, 
     limits = Limits(max_seq_len=recipe.data.max_seq_len, too_long=recipe.data.too_long,
                     min_rows=100 if role == "train" else 1, max_rows=MAX_ROWS_BY_TIER.get(recipe.resources.tier))
     on_bytes = (lambda done, total: progress(role, done, total)) if progress else None
-    target = CacheTarget(cache.writer(key), held_out_fraction(recipe, role), recipe.training.seed) if key else None
+    target, unwritable = None, None
+    if key:
+        try:
+            target = CacheTarget(cache.writer(key), held_out_fraction(recipe, role), recipe.training.seed)
+        except OSError as exc:  # a read-only or full cache: validation goes on without it
+            unwritable = f"the token cache {cache.root} cannot be written ({exc.strerror or exc}): tokens are not kept"
     report = validate_file(path, recipe.data.format, counter, limits, progress=on_bytes, cache=target)
+    if unwritable:
+        report.add("warning", "token_cache_unwritable", Finding(path, None, unwritable))
     if target and report.ok:
         target.writer.finish({"key": key, "path": path, "format": report.format, "report": report.to_dict()})
     elif target:

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 from pathlib import Path
 
-import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 SPECIAL_OVERHEAD = 2  # BOS + EOS around every sequence
+# The environment transformers renders chat templates in (trim_blocks, lstrip_blocks, loop
+# controls): the same text, token for token. Part of the tokenizer's identity (cache keys).
+CHAT_TEMPLATES = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                               extensions=["jinja2.ext.loopcontrols"])
+CHAT_RENDERING = "immutable-sandbox/trim_blocks/lstrip_blocks"
 
 
 class TokenizerNotFound(ValueError):
@@ -20,7 +26,7 @@ def identity(tokenizer, chat_template: str | None, bos: str, eos: str) -> str:
     the chat template. Not the post-processor: ft adds BOS/EOS itself."""
     definition = json.loads(tokenizer.to_str())
     parts = {key: definition.get(key) for key in ("normalizer", "pre_tokenizer", "model", "added_tokens")}
-    text = json.dumps([parts, chat_template, bos, eos], sort_keys=True)
+    text = json.dumps([parts, chat_template, bos, eos, CHAT_RENDERING], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -31,7 +37,9 @@ class LengthCounter:
     def __init__(self, tokenizer, chat_template: str | None, bos: str = "<s>", eos: str = "</s>"):
         self.tokenizer = tokenizer
         self.identity = identity(tokenizer, chat_template, bos, eos)
-        self._template = jinja2.Environment().from_string(chat_template) if chat_template else None
+        # A model folder's chat template is code from whoever wrote the folder: it renders in
+        # jinja2's immutable sandbox (as transformers does), so it can read its inputs and nothing else.
+        self._template = CHAT_TEMPLATES.from_string(chat_template) if chat_template else None
         self.bos_id = tokenizer.token_to_id(bos)
         self.eos_id = tokenizer.token_to_id(eos)
 
@@ -91,7 +99,10 @@ def load_length_counter(spec: str, shared_root: str = "") -> LengthCounter:
 
     name = spec.replace("/", "--")
     for cache in cache_dirs(shared_root or "/nonexistent"):
-        for candidate in sorted(cache.glob(f"{name}*")):
+        # The model's own entry, or one of its revisions (name@revision): never another model whose
+        # name merely starts the same way.
+        candidates = [cache / name, *sorted(cache.glob(f"{glob.escape(name)}@*"))] if cache.is_dir() else []
+        for candidate in candidates:
             if (candidate / "tokenizer.json").is_file():
                 return _from_dir(candidate)
     raise TokenizerNotFound(f"no tokenizer for {spec!r}: not a folder or tokenizer.json, and not in the cluster's "

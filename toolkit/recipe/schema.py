@@ -11,8 +11,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
-# Environment names that carry secrets: passed from the submitting environment, never written.
-SECRET_ENV_NAMES = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL)", re.IGNORECASE)
+# Environment names that carry secrets (a word of the name, so TOKENIZERS_PARALLELISM is not one):
+# passed from the submitting environment by name, never written into a script.
+SECRET_ENV_WORDS = {"KEY", "APIKEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASS", "CREDENTIAL", "CREDENTIALS"}
+# Values that are secrets whatever their name: tokens of well-known services, passwords in URLs.
+SECRET_VALUES = re.compile(r"\bhf_[A-Za-z0-9]{20,}|\b(AKIA|ASIA)[A-Z0-9]{16}\b|\bgh[pousr]_[A-Za-z0-9]{30,}|"
+                           r"\bsk-[A-Za-z0-9_-]{20,}|://[^/\s:@]+:[^/\s@]+@")
+# Names the job script, Slurm, the launcher or the shell set or rely on: a recipe may not change them.
+RESERVED_ENV = re.compile(r"(SLURM|SLURMD|PMI|PMIX|OMPI|TORCHELASTIC)_.*|FT_(?!FAULT_).*|"
+                          r"RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|NODE_RANK|MASTER_ADDR|MASTER_PORT|"
+                          r"CUDA_VISIBLE_DEVICES|SHELLOPTS|BASHOPTS|BASH_ENV|ENV|IFS|PS4|PATH|HOME|PWD|OLDPWD|"
+                          r"CDPATH|GLOBIGNORE|LD_PRELOAD|LD_LIBRARY_PATH|PYTHONPATH|PYTHONHOME|PYTHONSTARTUP")
+MAX_ENV_VALUE_BYTES = 128 * 1024 - 1  # Linux refuses a longer single string when the job starts
 
 
 class Strict(BaseModel):
@@ -117,7 +127,7 @@ class ResourceSpec(Strict):
     @field_validator("time")
     @classmethod
     def slurm_time(cls, value: str) -> str:
-        if not re.fullmatch(r"(\d+-)?\d{1,2}:\d{2}:\d{2}|\d+", value):
+        if not re.fullmatch(r"([0-9]+-)?[0-9]{1,2}:[0-9]{2}:[0-9]{2}|[0-9]+", value, re.ASCII):
             raise ValueError("use Slurm's format: [D-]HH:MM:SS, or minutes (e.g. 04:00:00, 1-12:00:00, 90)")
         return value
 
@@ -179,11 +189,20 @@ class Recipe(Strict):
 
     @field_validator("env")
     @classmethod
-    def env_names(cls, value: dict[str, str]) -> dict[str, str]:
-        for name in value:
-            if not re.fullmatch(ENV_NAME_PATTERN, name):
+    def env_entries(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, text in value.items():
+            if not re.fullmatch(ENV_NAME_PATTERN, name, re.ASCII):
                 raise ValueError(f"{name!r} is not a valid environment variable name")
-            if SECRET_ENV_NAMES.search(name):
+            if RESERVED_ENV.fullmatch(name):
+                raise ValueError(f"{name} is set by Slurm, the shell or ft itself; a recipe cannot change it")
+            if SECRET_ENV_WORDS & set(name.upper().split("_")):
                 raise ValueError(f"{name} looks like a secret: never put secrets in a recipe; export it in "
                                  "the shell you submit from and ft passes it by name")
+            if "\0" in text:
+                raise ValueError(f"the value of {name} holds a NUL character, which no environment can carry")
+            if len(text.encode()) + len(name) + 1 > MAX_ENV_VALUE_BYTES:
+                raise ValueError(f"the value of {name} is longer than 128 KiB, which Linux refuses at job start")
+            if SECRET_VALUES.search(text):
+                raise ValueError(f"the value of {name} holds what looks like a secret (a token, or a password in "
+                                 "a URL): export it in the shell you submit from instead")
         return value

@@ -52,10 +52,11 @@ def shell_quote(value: object) -> str:
 
 
 def sbatch_path(path: str) -> str:
-    """A path for an #SBATCH line, which sbatch reads without a shell: it must stand alone."""
-    if any(ch in path for ch in "\n\r\"'\\ \t"):
-        raise RenderError(f"the run directory {path!r} holds a space, quote or newline, which an #SBATCH line "
-                          "cannot carry", hint="choose a run directory (shared_root) without them")
+    """A folder for an #SBATCH line, which sbatch reads without a shell: it must stand alone, and
+    hold no '%' (sbatch would expand %j, %u... there, while the run directory keeps them literally)."""
+    if any(ch in path for ch in "\n\r\"'\\ \t%"):
+        raise RenderError(f"the run directory {path!r} holds a space, quote, newline or '%', which an #SBATCH "
+                          "line cannot carry as is", hint="choose a run directory (shared_root) without them")
     return path
 
 

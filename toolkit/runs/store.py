@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from toolkit.errors import FtError, UsageError
-from toolkit.render.sbatch import write_atomically
+from toolkit.render.sbatch import RUN_ID_PATTERN, write_atomically
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 _ID_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"  # no 0/o/1/l/i: ids are typed by people
@@ -76,6 +76,11 @@ class RunStore:
         return cls(Path(root))
 
     def run_dir(self, run_id: str) -> Path:
+        """The folder of a run. The id is checked first: one typed on a command line or read from
+        disk never leads outside the runs root (`ft status ../x`)."""
+        if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id) or run_id in (".", ".."):
+            raise UsageError(f"{run_id!r} is not a run id",
+                             hint="run ids are letters, digits, '.', '_' and '-' (see `ft ls`)")
         return self.root / run_id
 
     def save(self, record: RunRecord) -> None:
@@ -89,14 +94,23 @@ class RunStore:
             known = [r.run_id for r in self.list()][:5]
             raise RunNotFound(f"no run {run_id!r} in {self.root}",
                               hint=("recent runs: " + ", ".join(known)) if known else "see `ft ls`") from None
-        raw["jobs"] = [JobRecord(**job) for job in raw.get("jobs", [])]
-        return RunRecord(**raw)
+        except (OSError, ValueError) as exc:
+            raise RunNotFound(f"{path} is unreadable ({exc})", hint="the run's record is damaged") from None
+        try:
+            raw["jobs"] = [JobRecord(**job) for job in raw.get("jobs", [])]
+            record = RunRecord(**raw)
+        except (TypeError, AttributeError) as exc:
+            raise RunNotFound(f"{path} is not a run record ({exc})", hint="the run's record is damaged") from None
+        if record.run_id != run_id:
+            raise RunNotFound(f"{path} names run {record.run_id!r}, not {run_id!r}",
+                              hint="the run's record was copied or changed by hand")
+        return record
 
     def list(self) -> list[RunRecord]:
         records = []
         if self.root.is_dir():
             for path in self.root.glob("*/run.json"):
-                with contextlib.suppress(OSError, ValueError, TypeError):
+                with contextlib.suppress(FtError, OSError, ValueError, TypeError):
                     records.append(self.load(path.parent.name))
         return sorted(records, key=lambda record: record.created, reverse=True)
 
@@ -119,9 +133,14 @@ class RunStore:
 
     def run_for_key(self, key: str) -> str | None:
         try:
-            return json.loads(self._key_path(key, "json").read_text())["run_id"]
-        except (OSError, ValueError, KeyError):
+            entry = json.loads(self._key_path(key, "json").read_text())
+            run_id = entry["run_id"]
+        except (OSError, ValueError, KeyError, TypeError):
             return None
+        # An index entry is only a pointer: one that is malformed or names another key is ignored.
+        if entry.get("key") != key or not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id):
+            return None
+        return run_id
 
     def remember_key(self, key: str, run_id: str) -> None:
         write_atomically(self._key_path(key, "json"), json.dumps({"key": key, "run_id": run_id}) + "\n")

@@ -1,0 +1,48 @@
+"""Run ids and records read from the command line or from disk are checked before use."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from toolkit.errors import FtError
+from toolkit.runs.store import RunNotFound, RunStore
+
+
+@pytest.mark.parametrize("run_id", ["../x", "a/b", "..", ".hidden", "", "x\ny", "-rf"])
+def test_a_run_id_that_could_leave_the_runs_root_is_refused(tmp_path, run_id):
+    with pytest.raises(FtError, match="is not a run id"):
+        RunStore(tmp_path).run_dir(run_id)
+
+
+def test_ft_status_of_a_path_like_id_reads_nothing_outside(tmp_path):
+    outside = tmp_path / "x"
+    outside.mkdir()
+    (outside / "run.json").write_text(json.dumps({"run_id": "x", "jobs": [{"job_id": "1"}]}))
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    result = subprocess.run([sys.executable, "-m", "toolkit", "status", "../x", "--json"], capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "FT_RUNS_DIR": str(runs)})
+    assert result.returncode == 2 and "is not a run id" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("content", ["{torn", "[]", '{"run_id": "other"}', '{"run_id": "r1", "jobs": 5}'])
+def test_a_damaged_run_record_is_a_clear_error(tmp_path, content):
+    (tmp_path / "r1").mkdir()
+    (tmp_path / "r1" / "run.json").write_text(content)
+    with pytest.raises(RunNotFound):
+        RunStore(tmp_path).load("r1")
+    assert RunStore(tmp_path).list() == []  # one damaged record never breaks the listing
+
+
+@pytest.mark.parametrize("entry", [{"key": "other-key", "run_id": "r1"}, {"key": "k1", "run_id": "../../etc"},
+                                   {"key": "k1", "run_id": 7}, ["k1"]])
+def test_a_key_index_entry_that_does_not_fit_is_ignored(tmp_path, entry):
+    store = RunStore(tmp_path)
+    store.remember_key("k1", "r1")
+    store._key_path("k1", "json").write_text(json.dumps(entry))
+    assert store.run_for_key("k1") is None
