@@ -48,3 +48,16 @@ def test_bad_user_profile_is_located(tmp_path, monkeypatch):
     monkeypatch.setenv("FT_CLUSTERS_FILE", str(user))
     with pytest.raises(ProfileError, match=r"clusters.yaml \(x\): cluster profile field gpus_per_node"):
         load_profile("x")
+
+
+@pytest.mark.parametrize("field,value", [("name", "lab\n#SBATCH --wrap=id"), ("fabric", "efa$(id)"),
+                                         ("default_account", "a b"), ("tiers", {"standard": {"partition": "p\nx"}}),
+                                         ("tiers", {"standard": {"partition": "p", "qos": "q;id"}})])
+def test_profile_strings_that_would_reach_an_sbatch_line_are_checked(tmp_path, monkeypatch, field, value):
+    clusters = tmp_path / "clusters.yaml"
+    name = value if field == "name" else "mine"  # a user profile's name is its key
+    clusters.write_text(yaml.safe_dump({name: {"extends": "lab"} | ({} if field == "name" else {field: value})}))
+    monkeypatch.setenv("FT_CLUSTERS_FILE", str(clusters))
+    with pytest.raises(ProfileError) as raised:
+        load_profile(name)
+    assert str(clusters) in str(raised.value)

@@ -20,10 +20,23 @@ def site_profile_path() -> Path:
     return Path(os.environ.get("FT_SITE_PROFILE", "/etc/ft/cluster.yaml"))
 
 
+# Slurm names (partitions, QOS, accounts, clusters) and ft's own: they reach #SBATCH lines, which
+# sbatch reads without a shell, so they are checked, not quoted.
+SLURM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", re.ASCII)
+
+
+def slurm_name(value: str | None) -> str | None:
+    if value is not None and not SLURM_NAME.fullmatch(value):
+        raise ValueError(f"{value!r} is not a usable name: 1-63 letters, digits, '.', '_' or '-'")
+    return value
+
+
 class TierTarget(BaseModel):
     model_config = ConfigDict(extra="forbid")
     partition: str
     qos: str | None = None
+
+    _names = field_validator("partition", "qos")(slurm_name)
 
 
 class ClusterProfile(BaseModel):
@@ -52,6 +65,15 @@ class ClusterProfile(BaseModel):
     default_account: str | None = None
     # Python that runs ft on the compute nodes; empty: `python3` from the job's PATH.
     python: str = ""
+
+    _names = field_validator("name", "slurm_cluster", "default_account")(slurm_name)
+
+    @field_validator("fabric")
+    @classmethod
+    def fabric_name(cls, value: str) -> str:
+        if not re.fullmatch(r"[a-z0-9_-]{1,32}", value):
+            raise ValueError(f"{value!r} is not a fabric name (efa, infiniband, roce, none...)")
+        return value
 
     @field_validator("s3_endpoint")
     @classmethod
@@ -122,6 +144,8 @@ def available_profiles() -> dict[str, ClusterProfile]:
         if not isinstance(entries, dict):
             raise ProfileError(f"{user_file}: expected a mapping of profile name to profile")
         for name, body in entries.items():
+            if not isinstance(body or {}, dict):
+                raise ProfileError(f"{user_file}: profile {name!r} is not a mapping of fields")
             body = dict(body or {})
             parent = body.pop("extends", None)
             base = profiles.get(parent).model_dump() if parent in profiles else {}

@@ -14,6 +14,8 @@ from typing import Any
 
 KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet"}
 COMPRESSIONS = {".gz": "gzip", ".gzip": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+JSON_VALUES = (str, int, float, bool, type(None), list, dict)
+MAX_ROW_BYTES = 16 << 20  # one example; a longer line is an error, never a memory blow-up
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,23 @@ class Row:
 
 class UnsupportedFile(ValueError):
     pass
+
+
+def check_local_file(path: str) -> None:
+    """A local data file must be a regular file: a folder fails late and a FIFO blocks forever."""
+    import os
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise UnsupportedFile(f"{path}: no such file") from None
+    except OSError as exc:  # a symlink loop, permissions
+        raise UnsupportedFile(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(mode):
+        raise UnsupportedFile(f"{path}: is a folder; name a data file")
+    if not stat.S_ISREG(mode):
+        raise UnsupportedFile(f"{path}: not a regular file (a FIFO or device?); name a data file")
 
 
 def file_kind(url: str) -> tuple[str, str | None]:
@@ -64,8 +83,26 @@ class CountingReader(io.RawIOBase):
         return len(data)
 
 
+def bounded_lines(stream, limit: int = MAX_ROW_BYTES) -> Iterator[bytes | None]:
+    """The file's lines, each read with a bound: a line longer than `limit` comes out as None (and
+    is skipped in pieces), so memory stays bounded whatever the file holds."""
+    while True:
+        line = stream.readline(limit + 1)
+        if not line:
+            return
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):  # the rest of the overlong line
+            line = stream.readline(1 << 20)
+        yield None
+
+
 def read_jsonl(stream) -> Iterator[Row]:
-    for number, raw in enumerate(stream, 1):
+    for number, raw in enumerate(bounded_lines(stream), 1):
+        if raw is None:
+            yield Row(number, None, Problem("too_large", f"the line is longer than {MAX_ROW_BYTES >> 20} MiB"))
+            continue
         if number == 1 and raw.startswith(codecs.BOM_UTF8):
             yield Row(1, None, Problem("bom", "the file starts with a UTF-8 byte-order mark; save it without one"))
             raw = raw[len(codecs.BOM_UTF8):]
@@ -80,6 +117,9 @@ def read_jsonl(stream) -> Iterator[Row]:
             value = json.loads(text)
         except json.JSONDecodeError as exc:
             yield Row(number, None, Problem("unparseable", f"not JSON: {exc.msg} at column {exc.colno}"))
+            continue
+        except (ValueError, RecursionError) as exc:  # a 5000-digit number, nesting deeper than Python's stack
+            yield Row(number, None, Problem("unparseable", f"not usable JSON: {str(exc)[:120]}"))
             continue
         if not isinstance(value, dict):
             yield Row(number, None, Problem("wrong_type", f"a row must be a JSON object, not {type(value).__name__}"))
@@ -125,10 +165,85 @@ def read_parquet(stream, batch_rows: int = 8192) -> Iterator[Row]:
         yield Row(1, None, Problem("unparseable", f"not a Parquet file: {exc}"))
         return
     number = 0
-    for batch in parquet.iter_batches(batch_size=batch_rows):
+    batches = parquet.iter_batches(batch_size=batch_rows)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as exc:  # a corrupt page: pyarrow's ArrowInvalid, OSError...
+            yield Row(number + 1, None, Problem("corrupt", f"unreadable from row {number + 1} on: {str(exc)[:200]}"))
+            return
         for record in batch.to_pylist():
             number += 1
+            odd = [name for name, value in record.items() if not isinstance(value, JSON_VALUES)]
+            if odd:
+                yield Row(number, None, Problem("wrong_type", f"column {odd[0]} holds "
+                                                f"{type(record[odd[0]]).__name__} values; store text as strings",
+                                                odd[0]))
+                continue
             yield Row(number, record)
+
+
+class TruncatedFile(OSError):
+    pass
+
+
+class ZstdStream(io.RawIOBase):
+    """zstd frames, one after another, decompressed as read. Unlike zstandard's stream_reader, an
+    input that ends inside a frame (a copy cut short at a block boundary) is an error, not an EOF."""
+
+    def __init__(self, raw, chunk: int = 1 << 20):
+        import zstandard
+
+        self.raw, self.chunk, self.zstd = raw, chunk, zstandard
+        self.decompressor = zstandard.ZstdDecompressor()
+        self.frame = self.decompressor.decompressobj()
+        self.in_frame, self.pending = False, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self.pending:
+            compressed = self.raw.read(self.chunk)
+            if not compressed:
+                if self.in_frame:
+                    raise TruncatedFile("the zstd stream ends in the middle of a frame")
+                return 0
+            self.pending = self.feed(compressed)
+        size = min(len(buffer), len(self.pending))
+        buffer[:size], self.pending = self.pending[:size], self.pending[size:]
+        return size
+
+    def feed(self, compressed: bytes) -> bytes:
+        out = []
+        while compressed:
+            self.in_frame = True
+            out.append(self.frame.decompress(compressed))
+            if not self.frame.eof:
+                break
+            compressed, self.in_frame = self.frame.unused_data, False  # the next frame, if any
+            self.frame = self.decompressor.decompressobj()
+        return b"".join(out)
+
+
+def stream_problems(rows: Iterator[Row]) -> Iterator[Row]:
+    """Rows, and a located problem instead of an exception when the stream under them breaks (a
+    corrupt or truncated gzip or zstd file, a read error)."""
+    line = 0
+    try:
+        for row in rows:
+            line = row.line
+            yield row
+    except TruncatedFile as exc:
+        yield Row(line + 1, None, Problem("truncated", f"{exc}: the file is cut short"))
+    except EOFError:
+        yield Row(line + 1, None, Problem("truncated", "the compressed file ends before its end marker: it is "
+                                                       "cut short"))
+    except Exception as exc:  # gzip.BadGzipFile, zstandard.ZstdError, OSError
+        yield Row(line + 1, None, Problem("corrupt", f"unreadable from here on ({type(exc).__name__}: "
+                                                     f"{str(exc)[:160]})"))
 
 
 def open_rows(url: str) -> tuple[Iterator[Row], CountingReader, int | None]:
@@ -136,6 +251,8 @@ def open_rows(url: str) -> tuple[Iterator[Row], CountingReader, int | None]:
     import fsspec
 
     kind, compression = file_kind(url)
+    if "://" not in url:
+        check_local_file(url)
     opened = fsspec.open(url, "rb")
     handle = opened.open()
     try:
@@ -149,9 +266,9 @@ def open_rows(url: str) -> tuple[Iterator[Row], CountingReader, int | None]:
 
         raw = io.BufferedReader(gzip.GzipFile(fileobj=raw), buffer_size=1 << 20)
     elif compression == "zstd":
-        import zstandard
-
-        raw = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw), buffer_size=1 << 20)
+        raw = io.BufferedReader(ZstdStream(raw), buffer_size=1 << 20)
     if kind == "parquet":
-        return read_parquet(raw if compression else handle), counter, size
-    return (read_jsonl(raw) if kind == "jsonl" else read_csv(raw)), counter, size
+        rows = read_parquet(raw if compression else handle)
+    else:
+        rows = read_jsonl(raw) if kind == "jsonl" else read_csv(raw)
+    return stream_problems(rows), counter, size

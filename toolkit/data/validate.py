@@ -14,15 +14,20 @@ from dataclasses import asdict, dataclass, field
 
 from toolkit.data import pii
 from toolkit.data.encode import encode_rows, sequences_per_row
-from toolkit.data.readers import Row, open_rows
+from toolkit.data.readers import Row, UnsupportedFile, open_rows
 from toolkit.data.schemas import FORMATS, check_row, detect_format
 from toolkit.data.split import is_eval
 from toolkit.data.tokenizer import LengthCounter
+from toolkit.errors import UsageError
 
 BATCH_ROWS = 2048
 EXAMPLES_PER_KIND = 5  # locations listed per kind of problem; the count covers all of them
 DEFAULT_MIN_ROWS = 100
 MAX_ROWS_BY_TIER = {"free": 100_000, "standard": 20_000_000, "premium": None}
+
+
+class UnknownFormat(UsageError):
+    """--format names no data format."""
 
 
 @dataclass
@@ -231,8 +236,14 @@ def validate_file(path: str, fmt: str = "auto", counter: LengthCounter | None = 
                   cache: CacheTarget | None = None) -> Report:
     """Check one data file. `progress(bytes_read, total_bytes)` is called as the pass advances."""
     if fmt not in ("auto", *FORMATS):
-        raise ValueError(f"unknown format {fmt!r}; use auto or one of {', '.join(FORMATS)}")
-    rows, bytes_counter, size = open_rows(path)
+        raise UnknownFormat(f"unknown format {fmt!r}; use auto or one of {', '.join(FORMATS)}")
+    try:
+        rows, bytes_counter, size = open_rows(path)
+    except (UnsupportedFile, OSError) as exc:  # not a data file, missing, unreadable: one located error
+        report = Report(path, None)
+        message = str(exc) if isinstance(exc, UnsupportedFile) else f"{path}: cannot be read: {exc}"
+        report.add("error", "unreadable", Finding(path, None, message))
+        return report
     state = _Pass(path, fmt, counter, limits or Limits(), cache)
     for index, row in enumerate(rows):
         state.take(row)
