@@ -83,7 +83,8 @@ def test_second_validation_of_the_same_data_tokenizes_nothing(tmp_path, monkeypa
 
     assert calls_after_first > 0 and CountingCounter.calls == calls_after_first
     assert first[0].to_dict() == second[0].to_dict() and first[0].ok
-    (entry,) = [p for p in (tmp_path / "shared" / "cache" / "tokenized").iterdir() if not p.name.startswith(".")]
+    cache_root = recipe_data.token_cache(str(tmp_path / "shared")).root
+    (entry,) = [p for p in cache_root.iterdir() if not p.name.startswith(".")]
     cached = recipe_data.token_cache(str(tmp_path / "shared")).load(entry.name)
     assert len(cached.offsets) - 1 == 150
     # Changing the data changes the key: the new file is validated and tokenized afresh.

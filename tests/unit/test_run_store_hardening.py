@@ -46,3 +46,28 @@ def test_a_key_index_entry_that_does_not_fit_is_ignored(tmp_path, entry):
     store.remember_key("k1", "r1")
     store._key_path("k1", "json").write_text(json.dumps(entry))
     assert store.run_for_key("k1") is None
+
+
+def test_files_ft_writes_are_private_whatever_the_umask(tmp_path):
+    from toolkit.render.sbatch import write_atomically
+
+    previous = os.umask(0)
+    try:
+        write_atomically(tmp_path / "run.json", "{}")
+        write_atomically(tmp_path / "job.sbatch", "#!/bin/bash\n", mode=0o700)
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "run.json").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "job.sbatch").stat().st_mode & 0o777 == 0o700
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_idempotency_keys_and_token_caches_are_per_user(tmp_path, monkeypatch):
+    from toolkit.data.recipe_data import token_cache
+
+    store = RunStore(tmp_path)
+    store.remember_key("exp-42", "r1")
+    mine = token_cache(str(tmp_path)).root
+    monkeypatch.setattr(os, "getuid", lambda: 4242)
+    assert store.run_for_key("exp-42") is None  # another user's key returns nothing of the first user's
+    assert token_cache(str(tmp_path)).root != mine and token_cache(str(tmp_path)).root.name == "uid-4242"

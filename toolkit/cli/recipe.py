@@ -77,6 +77,8 @@ def render_command(
         typer.echo(script, nl=False)
         return
     # Slurm opens the job's log file before the script runs: its folder must exist at sbatch time.
-    (Path(run_dir) / "logs").mkdir(parents=True, exist_ok=True)
-    write_atomically(output, script, mode=0o755)
+    Path(run_dir).parent.mkdir(parents=True, exist_ok=True)
+    Path(run_dir).mkdir(mode=0o700, exist_ok=True)
+    (Path(run_dir) / "logs").mkdir(mode=0o700, exist_ok=True)
+    write_atomically(output, script, mode=0o700)
     console.print(f"wrote {plain(output)}: sbatch it as is, or edit it first (its logs go to {plain(run_dir)}/logs)")

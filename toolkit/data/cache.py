@@ -109,7 +109,8 @@ class CacheWriter:
     def __init__(self, final: Path):
         self.final = final
         self.staging = final.parent / f".{final.name}.{uuid.uuid4().hex[:8]}"
-        self.staging.mkdir(parents=True)
+        final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.staging.mkdir(mode=0o700)
         self.buffers = {name: array(code) for name, code in FILES.items()}
         self.buffers["offsets"].append(0)
         self.position = 0

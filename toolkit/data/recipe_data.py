@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +32,9 @@ def tokenizer_for(resolved: ResolvedRecipe, override: str | None = None) -> tupl
 
 
 def token_cache(shared_root: str) -> TokenCache:
-    return TokenCache(Path(shared_root or "~/ft").expanduser() / "cache" / "tokenized")
+    """Per user: tokenized data is the user's data, and a report in the cache decides whether their
+    data passes validation, so no other user may read or plant entries there."""
+    return TokenCache(Path(shared_root or "~/ft").expanduser() / "cache" / "tokenized" / f"uid-{os.getuid()}")
 
 
 def held_out_fraction(recipe, role: str) -> float:

@@ -4,8 +4,10 @@ bytes. Every user-supplied string reaches the shell quoted, and no secret value 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,10 +132,16 @@ def render(resolved: ResolvedRecipe, placement: RunPlacement, mode: str = "train
     return template_environment().get_template("job.sbatch.j2").render(context)
 
 
-def write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write a file so that readers see the old or the new content, never a half-written one."""
+def write_atomically(path: Path, text: str, mode: int = 0o600) -> None:
+    """Write a file so that readers see the old or the new content, never a half-written one. The
+    mode is set explicitly, whatever the umask: ft's files are private to their owner by default."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(text)
-    temporary.chmod(mode)
-    temporary.replace(path)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "w") as handle:
+            os.fchmod(handle.fileno(), mode)
+            handle.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise

@@ -116,8 +116,9 @@ class RunStore:
 
     # -- idempotency -------------------------------------------------------------------------
     def _key_path(self, key: str, suffix: str) -> Path:
+        """Keys are per user: the same key from another user is another key."""
         digest = hashlib.sha256(key.encode()).hexdigest()[:32]
-        return self.root / ".keys" / f"{digest}.{suffix}"
+        return self.root / ".keys" / f"uid-{os.getuid()}" / f"{digest}.{suffix}"
 
     @contextlib.contextmanager
     def key_lock(self, key: str):
