@@ -71,3 +71,25 @@ def test_idempotency_keys_and_token_caches_are_per_user(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "getuid", lambda: 4242)
     assert store.run_for_key("exp-42") is None  # another user's key returns nothing of the first user's
     assert token_cache(str(tmp_path)).root != mine and token_cache(str(tmp_path)).root.name == "uid-4242"
+
+
+def test_a_torn_attempts_line_is_skipped_not_fatal(tmp_path):
+    from toolkit.runs.status import read_attempts
+
+    good = {"job_id": "5", "restart": 0, "nodes": ["node1"], "started": 1.0}
+    (tmp_path / "attempts.jsonl").write_text(json.dumps(good) + "\n" + '{"job_id": "5", "rest' + "\n[1]\n"
+                                             + json.dumps(good | {"restart": 1}) + "\n")
+    assert [a["restart"] for a in read_attempts(tmp_path)] == [0, 1]
+
+
+def test_a_symlink_loop_in_a_data_path_is_a_located_data_error(tmp_path):
+    import yaml
+
+    from toolkit.data.recipe_data import validate_recipe_data
+    from toolkit.recipe.resolve import resolve
+
+    (tmp_path / "loop.jsonl").symlink_to(tmp_path / "loop.jsonl")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "r", "model": {"base": "tiny-llama"}, "data": {"train": "loop.jsonl"}}))
+    (report,) = validate_recipe_data(resolve(recipe, "lab"))
+    assert not report.ok and report.errors

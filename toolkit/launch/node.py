@@ -89,7 +89,7 @@ def main() -> None:
     log(f"node {node_rank}/{nodes} mode={mode} job={os.environ.get('SLURM_JOB_ID')}")
     try:
         arrived = barrier(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")),
-                          node_rank, nodes, host)
+                          node_rank, nodes, host, log=log)
     except RendezvousError as exc:
         log(str(exc))
         sys.exit(EXIT_FAILED)

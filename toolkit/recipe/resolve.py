@@ -4,6 +4,7 @@ the cluster. Every value carries its source, for `ft recipe explain`."""
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -220,7 +221,8 @@ def resolve(path: Path, cluster: str | None = None) -> ResolvedRecipe:
     for key in ("train", "eval"):  # local data paths are relative to the recipe file
         value = getattr(recipe.data, key)
         if value and "://" not in value and not Path(value).is_absolute():
-            setattr(recipe.data, key, str((path.parent / value).resolve()))
+            # absolute(), not resolve(): a symlink loop in the path is the data check's to report.
+            setattr(recipe.data, key, os.path.normpath(path.parent.absolute() / value))
             sources[f"data.{key}"] = "recipe (relative to the recipe file)"
     chosen = cluster or recipe.cluster
     profile = load_profile(chosen)

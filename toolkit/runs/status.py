@@ -32,12 +32,25 @@ class RunStatus:
                 "tracking": self.tracking, "summary": self.summary}
 
 
+ATTEMPT_FIELDS = {"job_id": str, "restart": int, "nodes": list, "started": (int, float)}
+
+
 def read_attempts(run_dir: Path) -> list[dict]:
+    """One entry per start of the job. A torn or foreign line (a node lost mid-write) is skipped:
+    it never hides the other attempts, nor breaks `ft ls` for every run."""
     try:
-        lines = (run_dir / "attempts.jsonl").read_text().splitlines()
+        lines = (run_dir / "attempts.jsonl").read_text(errors="replace").splitlines()
     except OSError:
         return []
-    return [json.loads(line) for line in lines if line.strip()]
+    attempts = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(entry, dict) and all(isinstance(entry.get(name), kind) for name, kind in ATTEMPT_FIELDS.items()):
+            attempts.append(entry)
+    return attempts
 
 
 def read_json(path: Path) -> dict | None:
