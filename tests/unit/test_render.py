@@ -95,7 +95,8 @@ def hostile_recipe(tmp_path: Path, marker: Path) -> Path:
     env = {f"HOSTILE_TEST_{i}": value.format(marker=marker) for i, value in enumerate(HOSTILE)}
     recipe = yaml.safe_load((REPO / "recipes" / "tiny-lora-sft.yaml").read_text())
     recipe["env"] = env
-    recipe["data"]["train"] = f"/data/it's a \"path\"; $(touch {marker})\n`touch {marker}`.jsonl"
+    # (a newline in a data path is refused by the schema: tested in test_yaml_hardening.py)
+    recipe["data"]["train"] = f"/data/it's a \"path\"; $(touch {marker}) `touch {marker}`.jsonl"
     recipe["model"]["base"] = "/models/o'neil $(touch {marker})".replace("{marker}", str(marker))
     path = tmp_path / "hostile.yaml"
     path.write_text(yaml.safe_dump(recipe))

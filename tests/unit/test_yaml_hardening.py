@@ -83,8 +83,12 @@ def test_a_percent_sign_in_the_run_directory_is_refused_before_sbatch_expands_it
     clusters = tmp_path / "clusters.yaml"
     clusters.write_text(yaml.safe_dump({"pct": {"extends": "lab", "shared_root": str(tmp_path / "a%jb")}}))
     monkeypatch.setenv("FT_CLUSTERS_FILE", str(clusters))
-    with pytest.raises(RenderError, match="'%'"):
-        render(resolve(recipe, "pct"), RunPlacement("r1", str(tmp_path / "a%jb" / "runs" / "r1")))
+    with pytest.raises(FtError, match="'%'"):  # refused with the profile, before any rendering
+        resolve(recipe, "pct")
+    monkeypatch.setenv("FT_CLUSTERS_FILE", str(tmp_path / "none.yaml"))
+    resolved = resolve(recipe, "lab")
+    with pytest.raises(RenderError, match="'%'"):  # and a run directory given directly
+        render(resolved, RunPlacement("r1", str(tmp_path / "a%jb" / "runs" / "r1")))
 
 
 @pytest.mark.parametrize("name,value,expected", [

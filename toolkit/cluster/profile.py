@@ -68,6 +68,15 @@ class ClusterProfile(BaseModel):
 
     _names = field_validator("name", "slurm_cluster", "default_account")(slurm_name)
 
+    @field_validator("shared_root")
+    @classmethod
+    def shared_root_path(cls, value: str) -> str:
+        # Run directories live under it and reach #SBATCH lines, which sbatch reads without a shell
+        # and where it expands '%' itself.
+        if value and (not value.startswith(("/", "~")) or any(ch in value for ch in "\n\r\"'\\ \t%")):
+            raise ValueError(f"{value!r}: the shared root is an absolute path without spaces, quotes or '%'")
+        return value
+
     @field_validator("fabric")
     @classmethod
     def fabric_name(cls, value: str) -> str:

@@ -225,7 +225,14 @@ def resolve(path: Path, cluster: str | None = None) -> ResolvedRecipe:
             setattr(recipe.data, key, os.path.normpath(path.parent.absolute() / value))
             sources[f"data.{key}"] = "recipe (relative to the recipe file)"
     chosen = cluster or recipe.cluster
-    profile = load_profile(chosen)
+    try:
+        profile = load_profile(chosen)
+    except FtError as exc:
+        if cluster or not recipe.cluster:
+            raise
+        line = source.line_of(("cluster",))
+        hint = f" ({exc.hint})" if exc.hint else ""
+        raise RecipeError([f"{path}:{line}: cluster: {exc.message}{hint}"]) from None
     resolver = _Resolver(recipe, source, profile,
                          "--cluster" if cluster else "recipe" if recipe.cluster else "site default")
     sources.update(resolver.run())

@@ -74,6 +74,14 @@ class MethodSpec(Strict):
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.05
     target_modules: list[str] | None = None
 
+    @field_validator("target_modules")
+    @classmethod
+    def module_names(cls, value: list[str] | None) -> list[str] | None:
+        for name in value or []:
+            if not re.fullmatch(r"[A-Za-z0-9_.]{1,128}", name, re.ASCII):
+                raise ValueError(f"{name!r} is not a module name (like q_proj or mlp.down_proj)")
+        return value
+
 
 class ObjectiveSpec(Strict):
     kind: Objective = Objective.sft
@@ -94,6 +102,19 @@ class DataSpec(Strict):
     eval_fraction: Annotated[float, Field(ge=0, lt=0.5)] = Field(
         0.02, description="Held out for evaluation when no eval set is given")
     too_long: str = Field("reject", pattern="^(reject|truncate)$")
+
+    @field_validator("train", "eval")
+    @classmethod
+    def data_location(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if not value.strip() or any(ord(ch) < 32 for ch in value):
+            raise ValueError("name a data file: a local path or an s3://bucket/key URL")
+        if "://" in value and not value.startswith("s3://"):
+            raise ValueError(f"{value!r}: only local paths and s3:// URLs are read")
+        if value.startswith("s3://") and len(value.removeprefix("s3://").split("/", 1)) < 2:
+            raise ValueError(f"{value!r}: an S3 URL names a bucket and a key (s3://bucket/path/file.jsonl)")
+        return value
 
 
 class TrainingSpec(Strict):

@@ -99,8 +99,9 @@ def _index(root: yaml.Node, source: SourceMap) -> None:
 def parse_yaml(text: str, where: str) -> tuple[Any, SourceMap]:
     """Parse YAML text from `where`, bounded; return its data and where each part of it is."""
     source = SourceMap(where)
-    loader = BoundedLoader(text)
+    loader = None
     try:
+        loader = BoundedLoader(text)  # its reader already refuses some characters
         node = loader.get_single_node()
         if node is None:
             return None, source
@@ -114,8 +115,11 @@ def parse_yaml(text: str, where: str) -> tuple[Any, SourceMap]:
                         hint="check indentation and quoting around that line") from None
     except RecursionError:
         raise YamlError(f"{where}: nested too deeply to read") from None
+    except ValueError as exc:  # a value the constructor refuses: a 5000-digit integer...
+        raise YamlError(f"{where}: a value cannot be read: {str(exc)[:160]}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     return data, source
 
 
