@@ -56,7 +56,7 @@ def datasets_rate(path: Path, rows: int, work: Path) -> float:
     import datasets
     from transformers import PreTrainedTokenizerFast
 
-    from toolkit.train.tiny import train_tiny_tokenizer
+    from toolkit.data.tiny_tokenizer import train_tiny_tokenizer
 
     datasets.disable_progress_bars()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=train_tiny_tokenizer())

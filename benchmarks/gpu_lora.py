@@ -361,7 +361,8 @@ def write_worker_inputs(work: Path, args) -> tuple[Path, Path]:
     prompt/completion rows longer than the sequence length (truncated to it by the recipe)."""
     import torch
 
-    from toolkit.train.tiny import TINY_CORPUS, build_tokenizer
+    from toolkit.data.tiny_tokenizer import TINY_CORPUS
+    from toolkit.train.tiny import build_tokenizer
 
     model_dir = work / "model"
     tokenizer = build_tokenizer(model_dir)

@@ -56,6 +56,8 @@ def test_two_node_run_goes_through_to_completion_with_status_and_logs(lab, runs_
     assert attempt["job_id"] == run["job_id"] and len(set(attempt["nodes"])) == 2
     job_log = ft("logs", run["run_id"])
     assert job_log.returncode == 0 and f"ft: job {run['job_id']}" in job_log.stdout
+    as_json = [json.loads(line) for line in ft("logs", run["run_id"], "--json").stdout.splitlines()]
+    assert "".join(chunk["text"] for chunk in as_json) == job_log.stdout
     for node in attempt["nodes"]:
         node_log = ft("logs", run["run_id"], "--node", node)
         assert "preflight passed" in node_log.stdout, node_log.stdout + node_log.stderr
@@ -182,3 +184,11 @@ def test_submit_refuses_data_that_would_fail_and_submits_nothing(lab, runs_dir, 
     forced = submit(str(path), "--skip-validation", "--preflight")
     assert forced["created"]
     wait_finished(forced["run_id"])
+
+
+def test_cancel_stops_the_run_and_says_so_in_json(lab, runs_dir):
+    run = submit(str(TINY))
+    cancelled = ft("cancel", run["run_id"], "--json")
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert json.loads(cancelled.stdout) == {"run_id": run["run_id"], "cancelled_job": run["job_id"]}
+    assert wait_finished(run["run_id"])["state"] == "CANCELLED"

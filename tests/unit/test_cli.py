@@ -127,3 +127,16 @@ def test_user_text_is_printed_as_written_never_as_markup_or_escapes(tmp_path, ho
     assert "\x1b" not in result.stdout
     shown = hostile.replace("\x1b", "\\x1b")
     assert shown in result.stdout
+
+
+def test_logs_as_json_carry_the_log_text_exactly(tmp_path):
+    run = tmp_path / "r1"
+    (run / "logs").mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"run_id": "r1", "recipe_name": "r", "recipe_path": "/r.yaml",
+                                              "cluster": "lab", "mode": "train", "created": 1.0,
+                                              "idempotency_key": None, "jobs": [{"job_id": "7", "submitted": 1.0}]}))
+    (run / "logs" / "slurm-7.out").write_text("ft: job 7\nline ü two\n")
+    result = ft("logs", "r1", "--json", env={"FT_RUNS_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    (chunk,) = [json.loads(line) for line in result.stdout.splitlines()]
+    assert chunk["text"] == "ft: job 7\nline ü two\n" and chunk["offset"] == 0

@@ -33,3 +33,42 @@ def test_shell_scripts_are_shellcheck_clean(script):
     result = subprocess.run(["shellcheck", "--external-sources", str(REPO / script)],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
+
+
+TOOLKIT = Path(__file__).resolve().parents[2] / "toolkit"
+# The one place the login side hands over to the training side: a node's launcher starting workers.
+TRAINING_ENTRY = {("toolkit/launch/node.py", "toolkit.train.workers")}
+
+
+def login_side_modules() -> list[Path]:
+    return sorted(p for p in TOOLKIT.rglob("*.py") if "train" not in p.relative_to(TOOLKIT).parts)
+
+
+def test_no_login_side_module_imports_the_training_side():
+    import ast
+
+    offenders = []
+    for path in login_side_modules():
+        relative = str(path.relative_to(TOOLKIT.parent))
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [(relative, name) for name in names
+                          if name.startswith("toolkit.train") and (relative, name) not in TRAINING_ENTRY]
+    assert offenders == []
+
+
+def test_importing_every_login_side_module_loads_no_training_stack():
+    import subprocess
+    import sys
+
+    modules = [".".join(p.relative_to(TOOLKIT.parent).with_suffix("").parts).removesuffix(".__init__")
+               for p in login_side_modules() if p.name != "__main__.py"]  # those run a command
+    probe = ("import importlib, sys\n"
+             f"for name in {modules!r}:\n    importlib.import_module(name)\n"
+             "print(sorted(m for m in ('torch', 'transformers', 'deepspeed', 'peft', 'bitsandbytes') "
+             "if m in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                            cwd=TOOLKIT.parent)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"

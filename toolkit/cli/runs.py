@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import datetime
 from pathlib import Path
@@ -123,7 +124,8 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
 def logs(run_id: str = typer.Argument(...), follow: bool = typer.Option(False, "--follow", "-f"),
          node: str = typer.Option(None, "--node", help="A node's launcher log."),
          rank: int = typer.Option(None, "--rank", help="A rank's log."),
-         cluster: str = typer.Option(None, "--cluster", "-c")) -> None:
+         cluster: str = typer.Option(None, "--cluster", "-c"),
+         as_json: bool = typer.Option(False, "--json", help="One JSON object per chunk: path, offset, text.")) -> None:
     """Print a run's log: the job's by default, one node's or one rank's on request."""
     from toolkit.runs.status import log_path
     from toolkit.slurm.client import default_client
@@ -139,7 +141,10 @@ def logs(run_id: str = typer.Argument(...), follow: bool = typer.Option(False, "
                 handle.seek(position)
                 chunk = handle.read()
                 position = handle.tell()
-            if chunk:
+            if chunk and as_json:
+                print(json.dumps({"path": str(path), "offset": position - len(chunk.encode()), "text": chunk}),
+                      flush=True)
+            elif chunk:
                 typer.echo(chunk, nl=False)
         elif not follow:
             available = sorted(p.name for p in (store.run_dir(run_id) / "logs").glob("*"))
@@ -153,7 +158,8 @@ def logs(run_id: str = typer.Argument(...), follow: bool = typer.Option(False, "
         time.sleep(1.0)
 
 
-def cancel(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, "--cluster", "-c")) -> None:
+def cancel(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, "--cluster", "-c"),
+           as_json: bool = typer.Option(False, "--json")) -> None:
     """Cancel a run's job."""
     from toolkit.slurm.client import default_client
 
@@ -161,4 +167,7 @@ def cancel(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
     if not record.latest_job:
         raise FtError(f"run {run_id} has no Slurm job")
     default_client().cancel([record.latest_job])
+    if as_json:
+        print_json({"run_id": run_id, "cancelled_job": record.latest_job})
+        return
     console.print(f"cancelled job {plain(record.latest_job)} of run {plain(run_id)}")

@@ -86,7 +86,7 @@ def load_length_counter(spec: str, shared_root: str = "") -> LengthCounter:
     """A tokenizer by model name ('tiny-llama', a local folder, a model id in the cluster's model
     cache) or by the path of a tokenizer.json."""
     if spec == "tiny-llama":
-        from toolkit.train.tiny import TINY_CHAT_TEMPLATE, train_tiny_tokenizer
+        from toolkit.data.tiny_tokenizer import TINY_CHAT_TEMPLATE, train_tiny_tokenizer
 
         tokenizer = train_tiny_tokenizer()
         return LengthCounter(tokenizer, TINY_CHAT_TEMPLATE)
@@ -95,7 +95,7 @@ def load_length_counter(spec: str, shared_root: str = "") -> LengthCounter:
         return _from_dir(path.parent)
     if path.is_dir():
         return _from_dir(path)
-    from toolkit.train.models import cache_dirs
+    from toolkit.model_cache import cache_dirs
 
     name = spec.replace("/", "--")
     for cache in cache_dirs(shared_root or "/nonexistent"):

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from toolkit.cache_entries import discard, exclusive, staging_path
+from toolkit.model_cache import cache_dirs
 from toolkit.model_folder import model_folder_problems
 from toolkit.train.tiny import ensure_tiny_llama
 
@@ -18,22 +19,6 @@ class ModelNotFound(RuntimeError):
 class ModelFolderBroken(RuntimeError):
     """A model in the cache that is not whole: never loaded, and never repaired behind the user's back
     (a real model is not ft's to rebuild)."""
-
-
-def cache_dirs(shared_root: str) -> list[Path]:
-    """The model cache tiers, node-local first. The default node-local folder is per user: a shared,
-    world-writable one would let any user plant a model (and its chat template) for everyone."""
-    local = Path(os.environ.get("FT_MODEL_CACHE_LOCAL") or f"/tmp/ft-model-cache-{os.getuid()}")
-    return [tier for tier in (local, Path(shared_root) / "models") if trusted_cache_dir(tier)]
-
-
-def trusted_cache_dir(folder: Path) -> bool:
-    """A cache tier is read only when not every user may write to it (a site's shared cache may
-    well be owned by a service account and writable by a group)."""
-    try:
-        return not folder.stat().st_mode & 0o002
-    except OSError:
-        return True  # not there (yet): nothing to trust or distrust
 
 
 def resolve_model(base: str, revision: str | None, shared_root: str) -> Path:
