@@ -133,3 +133,20 @@ def test_bad_recipe_exits_2_and_renders_nothing(tmp_path):
     assert result.returncode == 2
     assert f"{path}:2: modl: unknown field; did you mean 'model'?" in result.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("micro,global_batch,world,expected", [
+    (4, 16, 2, 2),   # even: half
+    (5, 10, 2, 1),   # odd, one micro batch per rank: halving (2) would not divide 5
+    (6, 36, 2, 3),
+    (3, 12, 2, 1),
+    (1, 8, 2, 1),    # nothing smaller: the same, and the retry fails again with a clear message
+    (12, 72, 3, 6),
+    (10, 40, 2, 5),
+])
+def test_the_out_of_memory_micro_batch_keeps_the_global_batch(micro, global_batch, world, expected):
+    from toolkit.recipe.schema import out_of_memory_micro_batch
+
+    chosen = out_of_memory_micro_batch(micro, global_batch, world)
+    assert chosen == expected
+    assert (global_batch // world) % chosen == 0 and chosen <= max(1, micro // 2)

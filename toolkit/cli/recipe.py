@@ -25,6 +25,7 @@ def explain(recipe: Path = RECIPE, cluster: str = CLUSTER,
     values = resolved.values()
     derived = {"derived.world_size": resolved.world_size,
                "derived.gradient_accumulation": resolved.gradient_accumulation,
+               "derived.out_of_memory_micro_batch": resolved.out_of_memory_micro_batch,
                "derived.partition": resolved.partition}
     if as_json:
         print_json({"values": values | derived, "sources": resolved.sources})

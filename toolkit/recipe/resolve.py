@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from toolkit.cluster.profile import ClusterProfile, load_profile
 from toolkit.errors import FtError
-from toolkit.recipe.schema import Method, Objective, Recipe
+from toolkit.recipe.schema import Method, Objective, Recipe, out_of_memory_micro_batch
 from toolkit.recipe.yaml_source import SourceMap, load_yaml
 
 TINY_MODEL = "tiny-llama"
@@ -53,6 +53,12 @@ class ResolvedRecipe:
     def gradient_accumulation(self) -> int:
         training = self.recipe.training
         return training.global_batch // (training.micro_batch * self.world_size)
+
+    @property
+    def out_of_memory_micro_batch(self) -> int:
+        """The micro batch of the job's one retry after running out of memory."""
+        training = self.recipe.training
+        return out_of_memory_micro_batch(training.micro_batch, training.global_batch, self.world_size)
 
     @property
     def partition(self) -> str:

@@ -43,15 +43,21 @@ def log(rank: int, message: str) -> None:
     print(f"[rank {rank} {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def micro_batch(recipe: dict) -> int:
-    """The recipe's micro batch, halved on the job's one retry after running out of memory."""
-    micro = recipe["training"]["micro_batch"]
-    return max(1, micro // 2) if os.environ.get("FT_OOM_RETRY") == "1" else micro
+def micro_batch(recipe: dict, world: int) -> int:
+    """The recipe's micro batch; on the job's one retry after running out of memory, a smaller one
+    that keeps the global batch (the rule in toolkit.recipe.schema, shared with the login side)."""
+    from toolkit.recipe.schema import out_of_memory_micro_batch
+
+    training = recipe["training"]
+    if os.environ.get("FT_OOM_RETRY") != "1":
+        return training["micro_batch"]
+    return out_of_memory_micro_batch(training["micro_batch"], training["global_batch"], world)
 
 
 def deepspeed_config(recipe: dict, world: int, total_steps: int) -> dict:
     training = recipe["training"]
-    accumulation = training["global_batch"] // (micro_batch(recipe) * world)
+    micro = micro_batch(recipe, world)
+    accumulation = training["global_batch"] // (micro * world)
     warmup = max(1, training["warmup_steps"])  # DeepSpeed's schedulers refuse 0
     schedulers = {
         "cosine": {"type": "WarmupCosineLR", "params": {"total_num_steps": total_steps,
@@ -64,7 +70,7 @@ def deepspeed_config(recipe: dict, world: int, total_steps: int) -> dict:
     }
     config = {
         "train_batch_size": training["global_batch"],
-        "train_micro_batch_size_per_gpu": micro_batch(recipe),
+        "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": training["max_grad_norm"],
         # torch's AdamW: DeepSpeed's fused/CPU Adam would compile an op on first use.

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 EXIT_USER_ERROR = 4  # the recipe or the data is wrong (NaN loss...): requeueing would not help
-EXIT_OUT_OF_MEMORY = 5  # the job script retries once with half the micro batch
+EXIT_OUT_OF_MEMORY = 5  # the job script retries once with a smaller micro batch (same global batch)
 
 
 def worker_env(node_rank: int, local_rank: int, per_node: int, nodes: int) -> dict[str, str]:
