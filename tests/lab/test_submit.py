@@ -96,8 +96,8 @@ def test_same_idempotency_key_from_two_shells_at_once_submits_once(lab, runs_dir
 def test_hostile_strings_arrive_on_every_node_and_never_execute(lab, runs_dir, shared_tmp):
     marker = shared_tmp / "pwned"
     recipe = yaml.safe_load(TINY.read_text())
-    recipe["env"] = {"FT_Q": "it's \"quoted\"; echo hi", "FT_SUB": f"$(touch {marker})",
-                     "FT_TICK": f"`touch {marker}`", "FT_NL": f"one\ntwo $(touch {marker})"}
+    recipe["env"] = {"HOSTILE_Q": "it's \"quoted\"; echo hi", "HOSTILE_SUB": f"$(touch {marker})",
+                     "HOSTILE_TICK": f"`touch {marker}`", "HOSTILE_NL": f"one\ntwo $(touch {marker})"}
     recipe["data"]["train"] = f"/data/o'neil; $(touch {marker}).jsonl"
     path = shared_tmp / "hostile.yaml"
     path.write_text(yaml.safe_dump(recipe))
