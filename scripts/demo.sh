@@ -11,7 +11,8 @@ submitted="$("$ft" submit "$repo/recipes/tiny-lora-sft.yaml" --json)" || {
     exit 1
 }
 run_id="$("$repo/.venv/bin/python" -c 'import json,sys; print(json.loads(sys.argv[1])["run_id"])' "$submitted")"
-echo "[demo] run $run_id submitted; following rank 0"
+echo "[demo] run $run_id submitted; following rank 0 (the first run on a machine compiles DeepSpeed's" \
+     "CPU collective before its first step: about a minute of silence)"
 # The rank log appears once the job starts; until then, wait.
 until "$ft" logs "$run_id" --rank 0 >/dev/null 2>&1; do sleep 1; done
 "$ft" logs "$run_id" --rank 0 -f

@@ -23,6 +23,8 @@ teardown() {
     if [[ "$lab_was_up" == false ]]; then
         echo "[test] taking down the lab this run brought up"
         "$ft" lab down || echo "[test] warning: lab teardown failed" >&2
+    else
+        echo "[test] the lab was up before this run and stays up (make down stops it)"
     fi
 }
 trap teardown EXIT
