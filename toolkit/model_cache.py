@@ -7,11 +7,16 @@ import os
 from pathlib import Path
 
 
+def shared_models(shared_root: str) -> Path:
+    """The shared filesystem's tier: where ft builds the tiny model and downloads from the hub."""
+    return Path(shared_root) / "models"
+
+
 def cache_dirs(shared_root: str) -> list[Path]:
-    """The model cache tiers, node-local first. The default node-local folder is per user: a shared,
-    world-writable one would let any user plant a model (and its chat template) for everyone."""
+    """The model cache tiers to read, node-local first. The default node-local folder is per user: a
+    shared, world-writable one would let any user plant a model (and its chat template) for everyone."""
     local = Path(os.environ.get("FT_MODEL_CACHE_LOCAL") or f"/tmp/ft-model-cache-{os.getuid()}")
-    return [tier for tier in (local, Path(shared_root) / "models") if trusted_cache_dir(tier)]
+    return [tier for tier in (local, shared_models(shared_root)) if trusted_cache_dir(tier)]
 
 
 def trusted_cache_dir(folder: Path) -> bool:

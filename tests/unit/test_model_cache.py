@@ -130,3 +130,26 @@ def test_a_tokenizer_is_never_taken_from_another_model_with_the_same_prefix(tmp_
     monkeypatch.setenv("FT_MODEL_CACHE_LOCAL", str(local))
     with pytest.raises(TokenizerNotFound):
         load_length_counter("org/model", str(tmp_path / "shared"))
+
+
+def test_the_hub_tier_is_the_shared_cache_even_when_the_local_tier_is_left_out(tmp_path, monkeypatch):
+    """A distrusted node-local tier is dropped from the tiers read; the hub download must still go
+    to the shared tier (not to whatever tier comes second)."""
+    import sys
+    import types
+    from pathlib import Path
+
+    local = tmp_path / "local"
+    local.mkdir()
+    local.chmod(0o777)
+    monkeypatch.setenv("FT_MODEL_CACHE_LOCAL", str(local))
+    monkeypatch.setenv("FT_ALLOW_HUB", "1")
+    downloads = []
+
+    def snapshot_download(repo_id, revision=None, local_dir=None):  # stand-in: no hub can be reached here
+        downloads.append(Path(local_dir).parent)
+        write_model_folder(Path(local_dir))
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(snapshot_download=snapshot_download))
+    path = resolve_model("org/m", None, str(tmp_path / "shared"))
+    assert path == tmp_path / "shared" / "models" / "org--m" and downloads == [tmp_path / "shared" / "models"]

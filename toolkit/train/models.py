@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from toolkit.cache_entries import discard, exclusive, staging_path
-from toolkit.model_cache import cache_dirs
+from toolkit.model_cache import cache_dirs, shared_models
 from toolkit.model_folder import model_folder_problems
 from toolkit.train.tiny import ensure_tiny_llama
 
@@ -23,7 +23,7 @@ class ModelFolderBroken(RuntimeError):
 
 def resolve_model(base: str, revision: str | None, shared_root: str) -> Path:
     if base == "tiny-llama":
-        return ensure_tiny_llama(Path(shared_root) / "models")
+        return ensure_tiny_llama(shared_models(shared_root))
     if Path(base).is_dir():
         return Path(base)
     name = base.replace("/", "--") + (f"@{revision}" if revision else "")
@@ -48,7 +48,8 @@ def resolve_model(base: str, revision: str | None, shared_root: str) -> Path:
 
     # One download per cluster (the other ranks wait and reuse it), into a staging folder renamed
     # into place once whole: a download cut short never becomes an entry.
-    target = cache_dirs(shared_root)[1] / name
+    # (The shared tier by name: cache_dirs leaves out a tier it does not trust, so no index into it.)
+    target = shared_models(shared_root) / name
     with exclusive(target.with_name(f".{name}.lock")):
         if not model_folder_problems(target):
             return target
