@@ -53,12 +53,18 @@ def describe_files(folder: Path, digests: bool = True) -> dict:
     return described
 
 
-def entry_problem_or_missing(folder: Path) -> str | None:
+def read_entry(folder: Path, digests: bool = True) -> tuple[dict | None, str | None]:
+    """An entry's meta.json and why the entry is not to be trusted (None when it is). A missing
+    entry is (None, None)."""
     try:
         meta = json.loads((folder / "meta.json").read_text())
+    except FileNotFoundError:
+        return None, None
     except (OSError, ValueError) as exc:
-        return f"meta.json is missing or unreadable ({exc})"
-    return entry_problem(folder, folder.name, meta) if isinstance(meta, dict) else "meta.json is not an object"
+        return None, f"meta.json is unreadable ({exc})"
+    if not isinstance(meta, dict):
+        return None, "meta.json is not an object"
+    return meta, entry_problem(folder, folder.name, meta, digests)
 
 
 def entry_problem(folder: Path, key: str, meta: dict, digests: bool = True) -> str | None:
@@ -135,7 +141,8 @@ class CacheWriter:
         meta = {**meta, "key": self.final.name, "files": describe_files(self.staging)}
         (self.staging / "meta.json").write_text(json.dumps(meta) + "\n")
         with exclusive(self.final.parent / ".publish.lock"):  # short: a check and a rename
-            if entry_problem_or_missing(self.final) is None:  # another writer finished first: keep theirs
+            meta, problem = read_entry(self.final)
+            if meta is not None and problem is None:  # another writer finished first: keep theirs
                 shutil.rmtree(self.staging, ignore_errors=True)
                 return
             discard(self.final)  # a broken or foreign entry
@@ -157,14 +164,7 @@ class TokenCache:
         """The entry's meta.json when the entry is whole and is the one its key names, else None.
         digests=False checks sizes only: for readers after one process has checked the digests."""
         folder = self.path(key)
-        try:
-            meta = json.loads((folder / "meta.json").read_text())
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as exc:
-            self.warn(f"token cache entry {folder} ignored: meta.json is unreadable ({exc})")
-            return None
-        problem = entry_problem(folder, key, meta, digests) if isinstance(meta, dict) else "meta.json is not an object"
+        meta, problem = read_entry(folder, digests)
         if problem:
             self.warn(f"token cache entry {folder} ignored: {problem}")
             return None
