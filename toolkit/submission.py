@@ -112,10 +112,7 @@ def _submit_new(resolved: ResolvedRecipe, store: RunStore, key: str | None, mode
     placement = RunPlacement(run_id, str(run_dir), key)
     version = CliSlurmClient().version()  # this cluster's Slurm decides which options the script uses
     script = render(resolved, placement, mode=mode, slurm_version=version)  # errors here leave nothing
-    # Private to the submitting user: its data report, recipe and logs are theirs alone.
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    run_dir.mkdir(mode=0o700)
-    (run_dir / "logs").mkdir(mode=0o700)
+    store.create_run_dir(run_id)
     shutil.copyfile(resolved.path, run_dir / "recipe.yaml")
     write_atomically(run_dir / "recipe.resolved.yaml",
                      yaml.safe_dump(resolved.recipe.model_dump(mode="json"), sort_keys=False))

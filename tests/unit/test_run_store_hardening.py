@@ -93,3 +93,11 @@ def test_a_symlink_loop_in_a_data_path_is_a_located_data_error(tmp_path):
     recipe.write_text(yaml.safe_dump({"name": "r", "model": {"base": "tiny-llama"}, "data": {"train": "loop.jsonl"}}))
     (report,) = validate_recipe_data(resolve(recipe, "lab"))
     assert not report.ok and report.errors
+
+
+def test_a_run_folder_is_created_private_with_its_logs_folder(tmp_path):
+    run_dir = RunStore(tmp_path / "runs").create_run_dir("r1")
+    assert run_dir.stat().st_mode & 0o077 == 0 and (run_dir / "logs").stat().st_mode & 0o077 == 0
+    with pytest.raises(FileExistsError):  # a new run never reuses another's folder
+        RunStore(tmp_path / "runs").create_run_dir("r1")
+    assert RunStore(tmp_path / "runs").create_run_dir("r1", exist_ok=True) == run_dir  # `ft render -o` again

@@ -71,15 +71,13 @@ def render_command(
 
     resolved = resolve(recipe, cluster)
     run_id = run_id or resolved.recipe.name
-    run_dir = RunStore.for_shared_root(resolved.profile.shared_root).run_dir(run_id)
+    store = RunStore.for_shared_root(resolved.profile.shared_root)
+    run_dir = store.run_dir(run_id)
     script = render(resolved, RunPlacement(run_id, str(run_dir)), mode="preflight" if preflight else "train",
                     slurm_version=local_slurm_version(resolved.profile.name))
     if output is None:
         typer.echo(script, nl=False)
         return
-    # Slurm opens the job's log file before the script runs: its folder must exist at sbatch time.
-    Path(run_dir).parent.mkdir(parents=True, exist_ok=True)
-    Path(run_dir).mkdir(mode=0o700, exist_ok=True)
-    (Path(run_dir) / "logs").mkdir(mode=0o700, exist_ok=True)
+    store.create_run_dir(run_id, exist_ok=True)  # the script's log folder must exist at sbatch time
     write_atomically(output, script, mode=0o700)
     console.print(f"wrote {plain(output)}: sbatch it as is, or edit it first (its logs go to {plain(run_dir)}/logs)")

@@ -83,6 +83,16 @@ class RunStore:
                              hint="run ids are letters, digits, '.', '_' and '-' (see `ft ls`)")
         return self.root / run_id
 
+    def create_run_dir(self, run_id: str, exist_ok: bool = False) -> Path:
+        """A run's folder and its logs folder, private to the submitting user: its data report,
+        recipe and logs are theirs alone. Slurm opens the job's log before the script runs, so the
+        logs folder exists before any sbatch."""
+        run_dir = self.run_dir(run_id)
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(mode=0o700, exist_ok=exist_ok)
+        (run_dir / "logs").mkdir(mode=0o700, exist_ok=exist_ok)
+        return run_dir
+
     def save(self, record: RunRecord) -> None:
         write_atomically(self.run_dir(record.run_id) / "run.json", json.dumps(asdict(record), indent=2) + "\n")
 
