@@ -52,7 +52,8 @@ def shared_tmp(lab) -> Path:
 
 @pytest.fixture
 def heal_lab(lab):
-    """Bring crashed or ft-drained nodes back after the test, through `ft lab up` as a user would."""
+    """Bring crashed nodes back after the test, through `ft lab up` as a user would (a node a job
+    marked down returns by itself once its slurmd registers again: ReturnToService=2)."""
     from toolkit.lab import lifecycle
 
     yield

@@ -14,7 +14,6 @@ from toolkit.lab.manifest import LabManifest, state_dir
 from toolkit.lab.processes import kill_netns
 from toolkit.lab.provision import PlaybookFailed, PlaybookResult, ansible_dir, run_playbook
 from toolkit.lab.status import LabStatus, collect
-from toolkit.slurm import commands
 
 DEFAULT_NODES = 4
 MAX_NODES = 32  # each node is a slurmd in its own namespace; the lab subnet has room for more
@@ -106,21 +105,7 @@ def up(nodes: int | None = None, reprovision: bool = False,
     applied_path().write_text(json.dumps({"fingerprint": fingerprint(extra_vars), **extra_vars}) + "\n")
     manifest = LabManifest.load()
     assert manifest is not None, "the lab playbook always writes lab.json"
-    status = collect(manifest)
-    if resume_ft_drains(status):
-        status = collect(manifest)
-    return UpOutcome(status, result)
-
-
-def resume_ft_drains(status: LabStatus) -> list[str]:
-    """Nodes that ft's own jobs drained (a reason starting 'ft:', e.g. a node lost at step launch)
-    serve again once the playbook has restarted them: `ft lab up` heals the whole lab. Drains by
-    anyone else (an operator, the health check) are left alone."""
-    drained = [node.name for node in status.nodes
-               if {"DRAIN", "DRAINED", "DRAINING"} & set(node.flags) and node.reason.startswith("ft:")]
-    for name in drained:
-        commands.run(["scontrol", "update", f"NodeName={name}", "State=RESUME"])
-    return drained
+    return UpOutcome(collect(manifest), result)
 
 
 def down(purge: bool = False, on_task: Callable[[str], None] | None = None) -> PlaybookResult:
