@@ -10,6 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from toolkit.errors import FtError
+from toolkit.recipe.schema import ENV_NAME_PATTERN, NAME_PATTERN
 from toolkit.recipe.yaml_source import YamlError, load_trusted_yaml, load_yaml
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
@@ -20,13 +21,15 @@ def site_profile_path() -> Path:
     return Path(os.environ.get("FT_SITE_PROFILE", "/etc/ft/cluster.yaml"))
 
 
-# Slurm names (partitions, QOS, accounts, clusters) and ft's own: they reach #SBATCH lines, which
-# sbatch reads without a shell, so they are checked, not quoted.
-SLURM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", re.ASCII)
+# Characters a path on an #SBATCH line cannot carry: sbatch reads those lines without a shell, and
+# expands '%' itself.
+SBATCH_UNSAFE = "\n\r\"'\\ \t%"
 
 
 def slurm_name(value: str | None) -> str | None:
-    if value is not None and not SLURM_NAME.fullmatch(value):
+    """Slurm names (partitions, QOS, accounts, clusters) reach #SBATCH lines: checked, not quoted,
+    by the same rule as a recipe's names."""
+    if value is not None and not re.fullmatch(NAME_PATTERN, value):
         raise ValueError(f"{value!r} is not a usable name: 1-63 letters, digits, '.', '_' or '-'")
     return value
 
@@ -73,7 +76,7 @@ class ClusterProfile(BaseModel):
     def shared_root_path(cls, value: str) -> str:
         # Run directories live under it and reach #SBATCH lines, which sbatch reads without a shell
         # and where it expands '%' itself.
-        if value and (not value.startswith(("/", "~")) or any(ch in value for ch in "\n\r\"'\\ \t%")):
+        if value and (not value.startswith(("/", "~")) or any(ch in value for ch in SBATCH_UNSAFE)):
             raise ValueError(f"{value!r}: the shared root is an absolute path without spaces, quotes or '%'")
         return value
 
@@ -95,7 +98,7 @@ class ClusterProfile(BaseModel):
     @classmethod
     def env_names(cls, value: dict[str, str]) -> dict[str, str]:
         for name in value:
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            if not re.fullmatch(ENV_NAME_PATTERN, name, re.ASCII):
                 raise ValueError(f"{name!r} is not a valid environment variable name")
         return value
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import jinja2
 
 from toolkit import __version__
+from toolkit.cluster.profile import SBATCH_UNSAFE
 from toolkit.errors import FtError
 from toolkit.paths import resource_dir
 from toolkit.recipe.resolve import ResolvedRecipe
@@ -56,7 +57,7 @@ def shell_quote(value: object) -> str:
 def sbatch_path(path: str) -> str:
     """A folder for an #SBATCH line, which sbatch reads without a shell: it must stand alone, and
     hold no '%' (sbatch would expand %j, %u... there, while the run directory keeps them literally)."""
-    if any(ch in path for ch in "\n\r\"'\\ \t%"):
+    if any(ch in path for ch in SBATCH_UNSAFE):
         raise RenderError(f"the run directory {path!r} holds a space, quote, newline or '%', which an #SBATCH "
                           "line cannot carry as is", hint="choose a run directory (shared_root) without them")
     return path
