@@ -66,31 +66,29 @@ def install() -> None:
             raise OffMachineTraffic(f"test network guard: {text!r} is not on this machine (loopback or the lab's "
                                     f"{LAB_SUBNET}); point the test at a local server")
 
+    def check_address(sock, address) -> None:  # only IP sockets leave the machine
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and isinstance(address, tuple):
+            check(address[0])
+
     def hook(event: str, args: tuple) -> None:
         position = AUDITED.get(event)
-        if position is None:
-            return
-        target = args[position]
-        if position == 1:  # (socket, address): only IP sockets leave the machine
-            if args[0].family not in (socket.AF_INET, socket.AF_INET6) or not isinstance(target, tuple):
-                return
-            target = target[0]
-        check(target)
+        if position == 0:
+            check(args[0])
+        elif position == 1:
+            check_address(args[0], args[1])
 
     sys.addaudithook(hook)
     # connect() and sendto() resolve a host name before their audit event fires: check it first.
     for method in ("connect", "connect_ex", "sendto"):
-        setattr(socket.socket, method, checked_method(getattr(socket.socket, method), check))
+        setattr(socket.socket, method, checked_method(getattr(socket.socket, method), check_address))
     for name, value in SAFE_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
     install.done = True
 
 
-def checked_method(real, check):
+def checked_method(real, check_address):
     def method(self, *args):
-        address = args[-1]
-        if self.family in (socket.AF_INET, socket.AF_INET6) and isinstance(address, tuple):
-            check(address[0])
+        check_address(self, args[-1])
         return real(self, *args)
     return method
 

@@ -15,6 +15,7 @@ from toolkit.model_folder import model_folder_problems
 
 COMPLETE = ".complete"  # written last, after the folder was seen to load
 
+
 def build_tokenizer(path: Path, vocab_size: int = 512):
     from transformers import PreTrainedTokenizerFast
 
