@@ -107,7 +107,7 @@ def tokenizer_problem(folder: Path) -> str | None:
     return "the tokenizer is missing (tokenizer.json or tokenizer.model)"
 
 
-def model_folder_problems(folder: Path, tokenizer: bool = True) -> list[str]:
+def model_folder_problems(folder: Path) -> list[str]:
     """Everything that keeps a model folder from being whole; empty when it is whole."""
     if not folder.is_dir():
         return [f"{folder} is not a folder"]
@@ -120,6 +120,6 @@ def model_folder_problems(folder: Path, tokenizer: bool = True) -> list[str]:
     files, listing_problems = weight_files(folder)
     problems += listing_problems
     problems += [problem for file in files if (problem := safetensors_problem(file))]
-    if tokenizer and (problem := tokenizer_problem(folder)):
+    if problem := tokenizer_problem(folder):
         problems.append(problem)
     return problems
