@@ -153,6 +153,7 @@ print(json.dumps(costs))
 
 TOKEN_CACHE_LOAD = r"""
 import json, sys, time
+from pathlib import Path
 from toolkit.data.recipe_data import dataset_key, token_cache
 from toolkit.data.tokenizer import load_length_counter
 from toolkit.recipe.schema import Recipe
@@ -161,7 +162,7 @@ from toolkit.train.worker import build_cache
 recipe = Recipe.model_validate(json.loads(open(sys.argv[1]).read()))
 counter = load_length_counter(recipe.model.base)
 key = dataset_key(recipe, recipe.data.train, counter, "train")
-cache = token_cache(sys.argv[2])
+cache = token_cache(Path(sys.argv[2]))
 if cache.meta(key) is None:
     build_cache(recipe, counter, cache, key)
 started = time.perf_counter()

@@ -14,25 +14,26 @@ import pytest
 pytest.importorskip("deepspeed", reason="the training stack (ft[train]) is not installed")
 
 PREPARE = ("import sys\n"
+           "from pathlib import Path\n"
            "from toolkit.train import compiled_ops\n"
-           "root = compiled_ops.prepare(sys.argv[1], lambda m: print('WARN', m, flush=True))\n"
+           "root = compiled_ops.prepare(Path(sys.argv[1]), lambda m: print('WARN', m, flush=True))\n"
            "print('ROOT', root)\n")
 
 
-def prepare(shared_root: Path) -> subprocess.CompletedProcess:
+def prepare(user_cache: Path) -> subprocess.CompletedProcess:
     env = {name: value for name, value in os.environ.items() if name != "TORCH_EXTENSIONS_DIR"}
     env |= {"DS_ACCELERATOR": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     # A hang (torch waiting on a dead build's lock) fails the test instead of stalling the suite.
-    return subprocess.run([sys.executable, "-c", PREPARE, str(shared_root)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", PREPARE, str(user_cache)], capture_output=True, text=True,
                           timeout=300, env=env)
 
 
 def test_a_dead_builds_lock_does_not_block_the_next_build(tmp_path):
-    shared = tmp_path / "shared"
+    shared = tmp_path / "uid-0"
     first = prepare(shared)
     assert first.returncode == 0, first.stderr[-3000:]
     root = Path(first.stdout.split("ROOT ", 1)[1].strip())
-    assert root.parent == shared / "cache" / "torch_extensions" and "-torch" in root.name and "-ds" in root.name
+    assert root.parent == shared / "torch_extensions" and "-torch" in root.name and "-ds" in root.name
     library = next(root.glob("deepspeed_shm_comm/*.so"))
     (library.parent / "lock").touch()  # what a build killed mid-way leaves
     library.write_bytes(library.read_bytes()[:4096])  # ...and its library, cut short while linking

@@ -1,12 +1,14 @@
 """Every command over the corpus of broken and hostile inputs (tests/corpus, made by build.py):
 the only acceptable outcomes are success or a clear error with a non-zero exit. No traceback, no
-hang (a time limit per case), no payload run, no file written outside the test's own folder.
-Commands run in-process (typer's runner) so that 180+ cases fit in well under two minutes."""
+hang (a time limit per case), no payload run, no file written outside the test's own folder, and
+bounded memory (a case may not raise the process's peak by more than MEMORY_BOUND). Commands run
+in-process (typer's runner) so that 180+ cases fit in well under two minutes."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import resource
 import shutil
 from pathlib import Path
 
@@ -19,6 +21,22 @@ from toolkit.errors import FtError
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpus"
 PWNED = Path("/tmp/ft-corpus-pwned")  # what the corpus's shell payloads would create
+# The reviewer's 2 MB gzip took 4.2 GB; a bounded reader stays within a few tens of MiB of its peak.
+MEMORY_BOUND = 256 << 20
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10  # KiB on Linux
+
+
+@pytest.fixture(autouse=True)
+def bounded_memory():
+    """The peak only grows, so a case is caught when it needs MEMORY_BOUND more than any case before
+    it (the first cases also pay for the imports and the tiny tokenizer, under the same bound)."""
+    before = peak_rss()
+    yield
+    grown = peak_rss() - before
+    assert grown < MEMORY_BOUND, f"the case raised the peak memory by {grown >> 20} MiB"
 
 
 def tree_digest(root: Path) -> str:

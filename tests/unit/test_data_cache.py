@@ -14,6 +14,7 @@ from toolkit.data.encode import IGNORE, encode_rows
 from toolkit.data.split import split
 from toolkit.data.tokenizer import LengthCounter, load_length_counter
 from toolkit.recipe.resolve import resolve
+from toolkit.shared_dirs import user_cache
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -83,9 +84,9 @@ def test_second_validation_of_the_same_data_tokenizes_nothing(tmp_path, monkeypa
 
     assert calls_after_first > 0 and CountingCounter.calls == calls_after_first
     assert first[0].to_dict() == second[0].to_dict() and first[0].ok
-    cache_root = recipe_data.token_cache(str(tmp_path / "shared")).root
+    cache_root = recipe_data.token_cache(user_cache(str(tmp_path / "shared"))).root
     (entry,) = [p for p in cache_root.iterdir() if not p.name.startswith(".")]
-    cached = recipe_data.token_cache(str(tmp_path / "shared")).load(entry.name)
+    cached = recipe_data.token_cache(user_cache(str(tmp_path / "shared"))).load(entry.name)
     assert len(cached.offsets) - 1 == 150
     # Changing the data changes the key: the new file is validated and tokenized afresh.
     data.write_text(data.read_text() + json.dumps({"prompt": "new", "completion": " row"}) + "\n")
@@ -169,9 +170,9 @@ def test_a_worker_fills_the_cache_exactly_as_validation_does(tmp_path, monkeypat
     recipe_data.validate_recipe_data(resolved)
     tok = load_length_counter("tiny-llama")
     key = recipe_data.dataset_key(resolved.recipe, str(data), tok, "train")
-    from_validation = recipe_data.token_cache(str(tmp_path / "shared")).load(key)
+    from_validation = recipe_data.token_cache(user_cache(str(tmp_path / "shared"))).load(key)
 
-    other = recipe_data.token_cache(str(tmp_path / "worker"))
+    other = recipe_data.token_cache(tmp_path / "worker")
     build_cache(Recipe.model_validate(resolved.recipe.model_dump(mode="json")), tok, other, key)
     from_worker = other.load(key)
 
@@ -230,5 +231,5 @@ def test_an_unwritable_token_cache_degrades_to_no_cache_with_a_warning(tmp_path,
     clusters.write_text(yaml.safe_dump({"ro": {"extends": "lab", "shared_root": str(tmp_path / "shared")}}))
     monkeypatch.setenv("FT_CLUSTERS_FILE", str(clusters))
     (report,) = recipe_data.validate_recipe_data(resolve(recipe, "ro"))
-    assert report.ok and "token_cache_unwritable" in report.warnings
-    assert "cannot be written" in report.warnings["token_cache_unwritable"].examples[0].message
+    assert report.ok and "token_cache_unusable" in report.warnings
+    assert "is not used: cannot create" in report.warnings["token_cache_unusable"].examples[0].message

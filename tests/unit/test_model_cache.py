@@ -13,7 +13,7 @@ ENTRY = "meta-llama--Llama-3.1-8B@abc123"
 
 def test_local_folder_is_used_as_is(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    assert resolve_model(str(tmp_path), None, str(tmp_path / "shared")) == tmp_path
+    assert resolve_model(str(tmp_path), None, str(tmp_path / "shared"), tmp_path / "user-cache") == tmp_path
 
 
 def test_node_local_cache_comes_before_the_shared_one(tmp_path, monkeypatch):
@@ -21,9 +21,10 @@ def test_node_local_cache_comes_before_the_shared_one(tmp_path, monkeypatch):
     for cache in (local, shared / "models"):
         write_model_folder(cache / ENTRY)
     monkeypatch.setenv("FT_MODEL_CACHE_LOCAL", str(local))
-    assert resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(shared)) == local / ENTRY
+    assert resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(shared), tmp_path / "user-cache") == local / ENTRY
     (local / ENTRY).rename(tmp_path / "moved-away")
-    assert resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(shared)).parent == shared / "models"
+    found = resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(shared), tmp_path / "user-cache")
+    assert found.parent == shared / "models"
 
 
 @pytest.mark.parametrize("damage", ["no config", "no weights", "truncated weights", "missing shard", "no tokenizer"])
@@ -44,7 +45,7 @@ def test_a_cached_model_that_is_not_whole_is_refused_naming_the_folder_and_the_f
         (entry / "tokenizer.json").unlink()
     monkeypatch.setenv("FT_MODEL_CACHE_LOCAL", str(local))
     with pytest.raises(ModelFolderBroken) as raised:
-        resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(tmp_path / "shared"))
+        resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(tmp_path / "shared"), tmp_path / "user-cache")
     message = str(raised.value)
     assert f"the cached model {entry} is not whole" in message
     assert {"no config": "config.json is missing", "no weights": "it has no weights",
@@ -58,7 +59,7 @@ def test_missing_model_names_every_place_looked_and_never_calls_the_hub(tmp_path
     monkeypatch.setenv("FT_MODEL_CACHE_LOCAL", str(tmp_path / "local"))
     monkeypatch.delenv("FT_ALLOW_HUB", raising=False)
     with pytest.raises(ModelNotFound) as raised:
-        resolve_model("meta-llama/Llama-3.1-70B", None, str(tmp_path / "shared"))
+        resolve_model("meta-llama/Llama-3.1-70B", None, str(tmp_path / "shared"), tmp_path / "user-cache")
     message = str(raised.value)
     assert "meta-llama/Llama-3.1-70B is not in the cluster's model cache" in message
     assert str(tmp_path / "local" / "meta-llama--Llama-3.1-70B") in message
@@ -108,7 +109,7 @@ def test_hostile_model_folders_are_named_broken_never_crash_or_hang(tmp_path, mo
     assert problems and all(isinstance(problem, str) and problem for problem in problems)
     monkeypatch.setenv("FT_MODEL_CACHE_LOCAL", str(tmp_path / "local"))
     with pytest.raises(ModelFolderBroken, match="is not whole"):
-        resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(tmp_path / "shared"))
+        resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(tmp_path / "shared"), tmp_path / "user-cache")
 
 
 def test_a_cache_folder_others_may_write_to_is_not_read(tmp_path, monkeypatch):
@@ -117,9 +118,10 @@ def test_a_cache_folder_others_may_write_to_is_not_read(tmp_path, monkeypatch):
     local.chmod(0o777)  # anyone could have planted that model
     monkeypatch.setenv("FT_MODEL_CACHE_LOCAL", str(local))
     with pytest.raises(ModelNotFound):
-        resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(tmp_path / "shared"))
+        resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(tmp_path / "shared"), tmp_path / "user-cache")
     local.chmod(0o755)
-    assert resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(tmp_path / "shared")) == local / ENTRY
+    found = resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(tmp_path / "shared"), tmp_path / "user-cache")
+    assert found == local / ENTRY
 
 
 def test_a_tokenizer_is_never_taken_from_another_model_with_the_same_prefix(tmp_path, monkeypatch):
@@ -151,5 +153,5 @@ def test_the_hub_tier_is_the_shared_cache_even_when_the_local_tier_is_left_out(t
         write_model_folder(Path(local_dir))
 
     monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(snapshot_download=snapshot_download))
-    path = resolve_model("org/m", None, str(tmp_path / "shared"))
+    path = resolve_model("org/m", None, str(tmp_path / "shared"), tmp_path / "user-cache")
     assert path == tmp_path / "shared" / "models" / "org--m" and downloads == [tmp_path / "shared" / "models"]

@@ -62,15 +62,15 @@ def test_files_ft_writes_are_private_whatever_the_umask(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
-def test_idempotency_keys_and_token_caches_are_per_user(tmp_path, monkeypatch):
-    from toolkit.data.recipe_data import token_cache
-
+def test_idempotency_keys_are_per_user(tmp_path, monkeypatch):
     store = RunStore(tmp_path)
     store.remember_key("exp-42", "r1")
-    mine = token_cache(str(tmp_path)).root
+    assert (tmp_path / ".keys" / f"uid-{os.getuid()}").stat().st_mode & 0o777 == 0o700
     monkeypatch.setattr(os, "getuid", lambda: 4242)
-    assert store.run_for_key("exp-42") is None  # another user's key returns nothing of the first user's
-    assert token_cache(str(tmp_path)).root != mine and token_cache(str(tmp_path)).root.name == "uid-4242"
+    # Another user's key returns nothing of the first user's; and the folder their keys would go
+    # in, made by somebody else (here: this test's real user), is refused.
+    with pytest.raises(FtError, match=r"uid-4242 belongs to .*not to you"):
+        store.run_for_key("exp-42")
 
 
 def test_a_torn_attempts_line_is_skipped_not_fatal(tmp_path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from toolkit.data.validate import (
     validate_file,
 )
 from toolkit.recipe.resolve import ResolvedRecipe
+from toolkit.shared_dirs import SharedFolderError, user_cache
 
 FORMATS_FOR = {"sft": {"prompt_completion", "chat"}, "dpo": {"preference"}}
 
@@ -31,10 +31,19 @@ def tokenizer_for(resolved: ResolvedRecipe, override: str | None = None) -> tupl
         return None, str(exc)
 
 
-def token_cache(shared_root: str) -> TokenCache:
-    """Per user: tokenized data is the user's data, and a report in the cache decides whether their
-    data passes validation, so no other user may read or plant entries there."""
-    return TokenCache(Path(shared_root or "~/ft").expanduser() / "cache" / "tokenized" / f"uid-{os.getuid()}")
+def token_cache(user_cache: Path) -> TokenCache:
+    """In the user's own cache: tokenized data is the user's data, and a report in the cache decides
+    whether their data passes validation, so no other user may read or plant entries there."""
+    return TokenCache(user_cache / "tokenized")
+
+
+def login_token_cache(shared_root: str) -> tuple[TokenCache | None, str | None]:
+    """The token cache validation fills, or None and why it cannot be used (validation then goes on
+    without it: the workers tokenize the data themselves)."""
+    try:
+        return token_cache(user_cache(shared_root)), None
+    except SharedFolderError as exc:
+        return None, f"the token cache is not used: {exc.message} ({exc.hint})"
 
 
 def held_out_fraction(recipe, role: str) -> float:
@@ -47,11 +56,11 @@ def dataset_key(recipe, path: str, counter: LengthCounter, role: str) -> str:
                      recipe.data.too_long, held_out_fraction(recipe, role), recipe.training.seed)
 
 
-def validated_file(recipe, role: str, path: str, counter: LengthCounter | None, cache: TokenCache,
+def validated_file(recipe, role: str, path: str, counter: LengthCounter | None, cache: TokenCache | None,
                    progress: Callable[[str, int, int | None], None] | None) -> Report:
     """The report of one data file: from the cache when this file, tokenizer and settings were
     validated before; else a fresh pass, whose tokens fill the cache when the file is clean."""
-    key = dataset_key(recipe, path, counter, role) if counter else None
+    key = dataset_key(recipe, path, counter, role) if counter and cache else None
     cached = cache.meta(key) if key else None
     if cached and cached.get("report"):  # a cache a worker built holds tokens but no report
         return report_from_dict(cached["report"])
@@ -63,10 +72,10 @@ def validated_file(recipe, role: str, path: str, counter: LengthCounter | None, 
         try:
             target = CacheTarget(cache.writer(key), held_out_fraction(recipe, role), recipe.training.seed)
         except OSError as exc:  # a read-only or full cache: validation goes on without it
-            unwritable = f"the token cache {cache.root} cannot be written ({exc.strerror or exc}): tokens are not kept"
+            unwritable = f"the token cache {cache.root} is not used: it cannot be written ({exc.strerror or exc})"
     report = validate_file(path, recipe.data.format, counter, limits, progress=on_bytes, cache=target)
     if unwritable:
-        report.add("warning", "token_cache_unwritable", Finding(path, None, unwritable))
+        report.add("warning", "token_cache_unusable", Finding(path, None, unwritable))
     if target and report.ok:
         target.writer.finish({"key": key, "path": path, "format": report.format, "report": report.to_dict()})
     elif target:
@@ -95,7 +104,7 @@ def validate_recipe_data(resolved: ResolvedRecipe, tokenizer: str | None = None,
     recipe = resolved.recipe
     object_store.configure(resolved.profile.s3_endpoint)
     counter, missing = tokenizer_for(resolved, tokenizer)
-    cache = token_cache(resolved.profile.shared_root)
+    cache, cache_unusable = login_token_cache(resolved.profile.shared_root)
     reports = []
     for role in ("train", "eval"):
         path = getattr(recipe.data, role)
@@ -106,6 +115,8 @@ def validate_recipe_data(resolved: ResolvedRecipe, tokenizer: str | None = None,
             reports.append(missing_file_report(resolved, role, path, found.unreachable))
             continue
         report = validated_file(recipe, role, path, counter, cache, progress)
+        if cache_unusable:
+            report.add("warning", "token_cache_unusable", Finding(path, None, cache_unusable))
         # What the recipe asks of the data is checked on every report, cached or fresh.
         if missing:
             report.add("warning", "lengths_not_checked", Finding(path, None, f"token lengths not checked: {missing}"))

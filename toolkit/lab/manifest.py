@@ -43,6 +43,7 @@ class LabManifest:
     shared_dir: str
     log_dir: str
     daemons: tuple[LabDaemon, ...]
+    users: tuple[str, ...] = ()  # unprivileged accounts, for trying ft without root
 
     @classmethod
     def load(cls, path: Path | None = None) -> LabManifest | None:
@@ -67,6 +68,7 @@ class LabManifest:
             daemons=tuple(
                 LabDaemon(d["name"], d["exe"], d["pidfile"], d.get("netns"), d.get("node")) for d in raw["daemons"]
             ),
+            users=tuple(raw.get("users", ())),
         )
 
     def node(self, name: str) -> LabNode:

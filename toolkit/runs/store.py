@@ -23,6 +23,7 @@ from pathlib import Path
 
 from toolkit.errors import FtError, UsageError
 from toolkit.render.sbatch import RUN_ID_PATTERN, write_atomically
+from toolkit.shared_dirs import common_dir, private_dir
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 _ID_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"  # no 0/o/1/l/i: ids are typed by people
@@ -67,13 +68,22 @@ def validate_key(key: str) -> str:
 
 
 class RunStore:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, common: bool = False):
         self.root = root
+        self.common = common  # every user of the cluster keeps runs here (the shared root's runs/)
 
     @classmethod
     def for_shared_root(cls, shared_root: str) -> RunStore:
-        root = os.environ.get("FT_RUNS_DIR") or os.path.join(os.path.expanduser(shared_root or "~/ft"), "runs")
-        return cls(Path(root))
+        if os.environ.get("FT_RUNS_DIR"):
+            return cls(Path(os.environ["FT_RUNS_DIR"]))
+        return cls(Path(os.path.expanduser(shared_root or "~/ft")) / "runs", common=bool(shared_root))
+
+    def folder(self, path: Path) -> Path:
+        """A folder of the store that holds other folders: common to all users in a common store."""
+        if self.common:
+            return common_dir(path)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
 
     def run_dir(self, run_id: str) -> Path:
         """The folder of a run. The id is checked first: one typed on a command line or read from
@@ -85,12 +95,16 @@ class RunStore:
 
     def create_run_dir(self, run_id: str, exist_ok: bool = False) -> Path:
         """A run's folder and its logs folder, private to the submitting user: its data report,
-        recipe and logs are theirs alone. Slurm opens the job's log before the script runs, so the
-        logs folder exists before any sbatch."""
+        recipe and logs are theirs alone. The runs root is common to every user of the cluster.
+        Slurm opens the job's log before the script runs, so the logs folder exists before any sbatch."""
         run_dir = self.run_dir(run_id)
-        run_dir.parent.mkdir(parents=True, exist_ok=True)
-        run_dir.mkdir(mode=0o700, exist_ok=exist_ok)
-        (run_dir / "logs").mkdir(mode=0o700, exist_ok=exist_ok)
+        self.folder(self.root)
+        if exist_ok:  # an existing folder is used only when it is this user's alone
+            private_dir(run_dir)
+            private_dir(run_dir / "logs")
+        else:
+            run_dir.mkdir(mode=0o700)
+            (run_dir / "logs").mkdir(mode=0o700)
         return run_dir
 
     def save(self, record: RunRecord) -> None:
@@ -126,15 +140,15 @@ class RunStore:
 
     # -- idempotency -------------------------------------------------------------------------
     def _key_path(self, key: str, suffix: str) -> Path:
-        """Keys are per user: the same key from another user is another key."""
+        """Keys are per user: the same key from another user is another key, and a user's key index
+        is private (another user's index file there could send their submit to a planted run)."""
         digest = hashlib.sha256(key.encode()).hexdigest()[:32]
-        return self.root / ".keys" / f"uid-{os.getuid()}" / f"{digest}.{suffix}"
+        return private_dir(self.folder(self.root / ".keys") / f"uid-{os.getuid()}") / f"{digest}.{suffix}"
 
     @contextlib.contextmanager
     def key_lock(self, key: str):
         """Exclusive across processes and shells (flock on the shared filesystem)."""
         path = self._key_path(key, "lock")
-        path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:

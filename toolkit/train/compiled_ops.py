@@ -1,4 +1,4 @@
-"""DeepSpeed's just-in-time compiled ops, cached on the shared filesystem: one build per cluster and
+"""DeepSpeed's just-in-time compiled ops, cached on the shared filesystem: one build per user and
 software stack, trusted only when it loads.
 
 On the lab's CPU accelerator that is the shared-memory collective (about 40 s to compile). torch
@@ -25,13 +25,15 @@ TORCH_BATON = "lock"  # torch.utils.cpp_extension's FileBaton in each build fold
 VERIFIED = ".ft-verified"  # {library: sha256} of the libraries seen to load
 
 
-def extensions_dir(shared_root: str) -> Path:
-    """Per Python, torch and DeepSpeed version: a build from another stack is never picked up."""
+def extensions_dir(user_cache: Path) -> Path:
+    """In the user's own cache (a library there is loaded into the user's jobs: no other user may
+    put one there), per Python, torch and DeepSpeed version (a build from another stack is never
+    picked up)."""
     import deepspeed
     import torch
 
     tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}-ds{deepspeed.__version__}"
-    return Path(shared_root) / "cache" / "torch_extensions" / tag.replace("+", "_")
+    return user_cache / "torch_extensions" / tag.replace("+", "_")
 
 
 def jit_builders() -> list:
@@ -46,10 +48,10 @@ def jit_builders() -> list:
     return [builder]
 
 
-def prepare(shared_root: str, warn: Callable[[str], None]) -> Path:
+def prepare(user_cache: Path, warn: Callable[[str], None]) -> Path:
     """Point torch at ft's extension cache and make sure each op there loads, building or rebuilding
     it under ft's lock. TORCH_EXTENSIONS_DIR set by the user wins."""
-    root = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir(shared_root))))
+    root = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir(user_cache))))
     builders = jit_builders()
     if not builders:
         return root

@@ -1,5 +1,5 @@
 """Where a base model comes from: a local path, the cluster's model cache (node-local disk, then the
-shared filesystem), or the hub; or 'tiny-llama', built locally."""
+shared filesystem), or the hub; or 'tiny-llama', built locally in the user's own cache."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from toolkit.cache_entries import discard, exclusive, staging_path
 from toolkit.model_cache import cache_dirs, shared_models
 from toolkit.model_folder import model_folder_problems
+from toolkit.shared_dirs import trusted_owner_dir
 from toolkit.train.tiny import ensure_tiny_llama
 
 
@@ -21,9 +22,9 @@ class ModelFolderBroken(RuntimeError):
     (a real model is not ft's to rebuild)."""
 
 
-def resolve_model(base: str, revision: str | None, shared_root: str) -> Path:
+def resolve_model(base: str, revision: str | None, shared_root: str, user_cache: Path) -> Path:
     if base == "tiny-llama":
-        return ensure_tiny_llama(shared_models(shared_root))
+        return ensure_tiny_llama(user_cache / "models")
     if Path(base).is_dir():
         return Path(base)
     name = base.replace("/", "--") + (f"@{revision}" if revision else "")
@@ -50,6 +51,9 @@ def resolve_model(base: str, revision: str | None, shared_root: str) -> Path:
     # into place once whole: a download cut short never becomes an entry.
     # (The shared tier by name: cache_dirs leaves out a tier it does not trust, so no index into it.)
     target = shared_models(shared_root) / name
+    if not trusted_owner_dir(target.parent, shared_root):
+        raise ModelNotFound(f"the shared model cache {target.parent} belongs to another user: ft neither reads nor "
+                            f"downloads into it. Ask the cluster's admins to own it (and to put {base} there)")
     with exclusive(target.with_name(f".{name}.lock")):
         if not model_folder_problems(target):
             return target

@@ -181,7 +181,20 @@ def load_base_model(model_path: Path, method: str):
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
-def load_examples(recipe: dict, model_path: Path, shared_root: str, rank: int, dist) -> list[Example]:
+def cache_root(shared_root: str, run_dir: Path) -> Path:
+    """The user's cache on the shared filesystem; the run's own folder when that may not be used
+    (another user made it, say): the run goes on, and only the reuse across runs is lost."""
+    from toolkit.shared_dirs import SharedFolderError, private_dir, user_cache
+
+    try:
+        return user_cache(shared_root)
+    except SharedFolderError as exc:
+        fallback = private_dir(run_dir / "cache")
+        print(f"warning: {exc.message} ({exc.hint}); this run caches in {fallback} instead", flush=True)
+        return fallback
+
+
+def load_examples(recipe: dict, model_path: Path, user_cache: Path, rank: int, dist) -> list[Example]:
     """The tokenized training set, from the cache `ft validate` filled; built (by rank 0, once) when
     the run was submitted without validation or the cache was purged."""
     from toolkit.data import object_store
@@ -193,7 +206,7 @@ def load_examples(recipe: dict, model_path: Path, shared_root: str, rank: int, d
     spec = Recipe.model_validate(recipe)
     counter = load_length_counter(str(model_path))
     key = dataset_key(spec, spec.data.train, counter, "train")
-    cache = token_cache(shared_root)
+    cache = token_cache(user_cache)
     if rank == 0 and cache.meta(key) is None:  # the digests, checked once for every rank
         build_cache(spec, counter, cache, key)
     dist.barrier()
@@ -241,7 +254,8 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
     from toolkit.train import compiled_ops
     from toolkit.train.models import resolve_model
 
-    compiled_ops.prepare(shared_root, lambda message: print(f"warning: {message}", flush=True))
+    user_cache = cache_root(shared_root, run_dir)
+    compiled_ops.prepare(user_cache, lambda message: print(f"warning: {message}", flush=True))
     if backend == "nccl":
         # Each rank takes the GPU its LOCAL_RANK names before the first collective (the barrier in
         # load_examples); otherwise torch guesses one from the global rank, which can hang.
@@ -249,7 +263,7 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
     deepspeed.init_distributed(dist_backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(recipe["training"]["seed"])
-    model_path = resolve_model(recipe["model"]["base"], recipe["model"]["revision"], shared_root)
+    model_path = resolve_model(recipe["model"]["base"], recipe["model"]["revision"], shared_root, user_cache)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     method = recipe["method"]
     model = load_base_model(model_path, method["kind"])
@@ -262,7 +276,7 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
                                                  lora_dropout=method["dropout"],
                                                  target_modules=method["target_modules"], task_type="CAUSAL_LM"))
 
-    examples = load_examples(recipe, model_path, shared_root, rank, dist)
+    examples = load_examples(recipe, model_path, user_cache, rank, dist)
     dpo = recipe["objective"]["kind"] == "dpo"
     if dpo:
         examples = list(zip(examples[0::2], examples[1::2], strict=True))

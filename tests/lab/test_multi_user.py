@@ -1,0 +1,166 @@
+"""Two real accounts on the lab (ftlab-alice, ftlab-bob, made by `ft lab up`), through ft as each
+would use it: bob can neither read alice's run nor put code or data in her job. Before alice's first
+run, bob makes the folders ft would keep her files in (their names are predictable) and fills them;
+her run completes without reading any of it, and says why."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.slurm import wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "recipes" / "tiny-lora-sft.yaml"
+ALICE, BOB = "ftlab-alice", "ftlab-bob"
+
+pytest.importorskip("deepspeed", reason="the training stack (ft[train]) is not installed")
+
+
+def as_user(user: str, *argv: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    account = pwd.getpwnam(user)
+    env = {"PATH": os.environ["PATH"], "HOME": account.pw_dir, "USER": user, "LOGNAME": user, "LANG": "C.UTF-8",
+           "AWS_ENDPOINT_URL": os.environ.get("AWS_ENDPOINT_URL", "http://127.0.0.1:8333"), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(["runuser", "-u", user, "--", *argv], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=REPO)
+
+
+USERS_PYTHON: list[str] = []  # set by the accounts fixture
+
+
+def ft_as(user: str, *args: str) -> subprocess.CompletedProcess:
+    return as_user(user, *USERS_PYTHON, "-m", "toolkit", *args)
+
+
+def users_python(folder: Path) -> Path:
+    """A Python environment other accounts may run: this checkout's venv may sit on a private
+    interpreter (pyenv under /root), so the system's Python of the same version is given the venv's
+    packages and the checkout by a .pth file, as a cluster's shared environment would be."""
+    system = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
+    if not system.exists():
+        pytest.skip(f"no {system} to run ft as another account")
+    shutil.rmtree(folder, ignore_errors=True)
+    subprocess.run([str(system), "-m", "venv", "--without-pip", str(folder)], check=True)
+    site = next(Path(sys.prefix).glob("lib/python*/site-packages"))
+    (next(folder.glob("lib/python*/site-packages")) / "ft-checkout.pth").write_text(f"{site}\n{REPO}\n")
+    subprocess.run(["chmod", "-R", "a+rX", str(folder)], check=True)
+    return folder / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def accounts(lab):
+    if ALICE not in lab.users or BOB not in lab.users:
+        pytest.fail(f"the lab has no accounts {ALICE} and {BOB}: bring it up again with `ft lab up`")
+    folder = Path(lab.shared_dir) / "tests" / f"users-python-{os.getpid()}"
+    USERS_PYTHON[:] = [str(users_python(folder))]
+    reachable = as_user(ALICE, *USERS_PYTHON, "-c", "import toolkit, deepspeed")
+    if reachable.returncode != 0:
+        pytest.skip(f"this checkout ({REPO}) cannot be read by other accounts (a folder above it is private): "
+                    f"{reachable.stderr.strip()[-300:]}")
+    yield {name: pwd.getpwnam(name) for name in (ALICE, BOB)}
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def squatted(lab, accounts):
+    """What bob makes, under the names ft would use for alice, before she ever runs ft."""
+    alice = accounts[ALICE].pw_uid
+    shared = Path(lab.shared_dir)
+    places = {"cache": shared / "cache" / f"uid-{alice}",
+              "keys": shared / "runs" / ".keys" / f"uid-{alice}",
+              "models": Path(f"/tmp/ft-model-cache-{alice}")}
+    for place in places.values():
+        shutil.rmtree(place, ignore_errors=True)
+    script = ("import os, sys\n"
+              "for place in sys.argv[1:]:\n"
+              "    os.makedirs(os.path.join(place, 'planted'), exist_ok=True)\n"
+              "    os.chmod(place, 0o777)\n"
+              "    open(os.path.join(place, 'planted', 'payload.py'), 'w').write('print(1)')\n")
+    made = as_user(BOB, *USERS_PYTHON, "-c", script, *map(str, places.values()))
+    assert made.returncode == 0, made.stderr
+    before = {name: sorted(str(p) for p in place.rglob("*")) for name, place in places.items()}
+    yield places, before
+    for place in places.values():
+        shutil.rmtree(place, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def alice_run(squatted) -> dict:
+    result = ft_as(ALICE, "submit", "--json", str(TINY))
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = json.loads(result.stdout)
+
+    def finished():
+        state = json.loads(ft_as(ALICE, "status", run["run_id"], "--json").stdout)["state"]
+        return state if state in {"COMPLETED", "FAILED", "CANCELLED", "NODE_FAIL"} else None
+
+    state = wait_for(f"alice's run {run['run_id']}", finished, timeout=420, interval=3)
+    assert state == "COMPLETED", ft_as(ALICE, "logs", run["run_id"], "--rank", "0").stdout[-3000:]
+    return run
+
+
+def test_alice_run_is_private_to_her(alice_run, accounts):
+    run_dir = Path(alice_run["run_dir"])
+    info = run_dir.stat()
+    assert info.st_uid == accounts[ALICE].pw_uid and info.st_mode & 0o777 == 0o700
+    assert (run_dir / "output" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("command", [["status"], ["logs"], ["cancel"]])
+def test_bob_cannot_see_or_act_on_alices_run_through_ft(alice_run, command):
+    result = ft_as(BOB, *command, alice_run["run_id"])
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "Traceback" not in output
+    assert alice_run["run_id"] in output  # a located error, naming what was asked for
+
+
+def test_bob_lists_none_of_alices_runs(alice_run):
+    result = ft_as(BOB, "ls", "--json")
+    assert result.returncode == 0, result.stderr
+    assert alice_run["run_id"] not in result.stdout
+
+
+@pytest.mark.parametrize("attempt", [
+    ["cat", "{run_dir}/run.json"], ["ls", "{run_dir}/logs"], ["cat", "{run_dir}/logs/rank-0.log"],
+    ["touch", "{run_dir}/recipe.json"],  # what the workers read when the job is requeued
+    ["mkdir", "{run_dir}/checkpoints/planted"],
+])
+def test_bob_can_neither_read_nor_write_alices_run_folder(alice_run, attempt):
+    argv = [part.format(run_dir=alice_run["run_dir"]) for part in attempt]
+    result = as_user(BOB, *argv)
+    assert result.returncode != 0 and "Permission denied" in result.stderr
+
+
+def test_alices_job_used_nothing_bob_planted_and_said_why(alice_run, squatted):
+    places, before = squatted
+    for name, place in places.items():  # nothing added, nothing taken
+        assert sorted(str(p) for p in place.rglob("*")) == before[name], name
+    rank0 = ft_as(ALICE, "logs", alice_run["run_id"], "--rank", "0").stdout
+    assert f"{places['cache']} belongs to user {BOB}" in rank0
+    run_cache = Path(alice_run["run_dir"]) / "cache"
+    assert (run_cache / "tokenized").is_dir() and any((run_cache / "models").glob("tiny-llama-*"))
+
+
+def test_alices_idempotency_key_under_bobs_folder_is_refused_with_nothing_submitted(alice_run, squatted):
+    places, _ = squatted
+    result = ft_as(ALICE, "submit", "--idempotency-key", "exp-1", str(TINY))
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "Traceback" not in output
+    assert f"{places['keys']} belongs to user {BOB}" in output
+    queued = subprocess.run(["squeue", "--noheader", "-u", ALICE, "-o", "%i"], capture_output=True, text=True)
+    assert queued.stdout.strip() == ""
+
+
+def test_a_user_without_root_validates_with_a_private_cache_of_their_own(lab, accounts):
+    result = ft_as(BOB, "validate", str(TINY))
+    assert result.returncode == 0, result.stdout + result.stderr
+    cache = Path(lab.shared_dir) / "cache" / f"uid-{accounts[BOB].pw_uid}"
+    assert cache.stat().st_uid == accounts[BOB].pw_uid and cache.stat().st_mode & 0o777 == 0o700
+    assert any((cache / "tokenized").iterdir())
