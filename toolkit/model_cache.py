@@ -16,7 +16,7 @@ def shared_models(shared_root: str) -> Path:
 
 def cache_dirs(shared_root: str) -> list[Path]:
     """The model cache tiers to read, node-local first. The default node-local folder is per user; a
-    tier is read only when its owner is trusted (another user could plant a model, and its chat
-    template, in a folder of theirs that has a name ft looks for)."""
+    tier is read only when it is a real folder of root's or this user's (another user could plant a
+    model, and its chat template, in a folder of theirs that has a name ft looks for)."""
     local = Path(os.environ.get("FT_MODEL_CACHE_LOCAL") or f"/tmp/ft-model-cache-{os.getuid()}")
-    return [tier for tier in (local, shared_models(shared_root)) if trusted_owner_dir(tier, shared_root)]
+    return [tier for tier in (local, shared_models(shared_root)) if trusted_owner_dir(tier)]

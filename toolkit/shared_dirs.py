@@ -1,18 +1,21 @@
 """Folders on the cluster's shared filesystem, which every user of the cluster can reach. Two kinds:
 
-- common folders (the runs root, cache/): every user makes entries in them. Made sticky and
-  world-writable, as /tmp is, so no user can rename or delete another's entry.
+- common folders (the runs root, cache/): every user makes entries in them. Sticky and
+  world-writable, as /tmp is, so no user can rename or delete another's entry; and owned by root
+  (or by the user, where ft made them), since the owner of a folder may rename anything in it.
 - private folders (a user's cache, a user's idempotency keys): one user's alone, mode 0700. One
   found owned by somebody else, or writable by others, is never used: another user made it (its
   name is predictable) to plant files that ft would read, or run, in this user's jobs.
 
-Folders others fill (the site's model cache) are read only when owned by this user, by root or by
-the owner of the shared root (a site's service account), and not writable by every user.
+A folder is trusted only when every folder from the shared root down to it is: a real folder (not
+a symlink), owned by root or this user, and writable by others only when sticky. ft never creates
+the shared root itself: that is the admins' (`ft lab up` makes the lab's). Without a shared root
+(`~/ft`), everything is private. Folders others fill (the site's model cache) are read only when
+trusted the same way.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pwd
 import stat
@@ -31,16 +34,54 @@ def shared_root_path(shared_root: str) -> Path:
     return Path(shared_root or "~/ft").expanduser()
 
 
-def common_dir(path: Path) -> Path:
-    """A folder every user makes entries in, created sticky and world-writable when missing."""
+def trusted_owners() -> set[int]:
+    return {0, os.getuid()}
+
+
+def folder_problem(path: Path) -> str | None:
+    """Why a folder others might reach is not to be trusted, or None."""
     try:
-        path.mkdir(parents=True)
+        info = os.lstat(path)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symlink (it could lead anywhere)"
+    if not stat.S_ISDIR(info.st_mode):
+        return "is not a folder"
+    if info.st_uid not in trusted_owners():
+        return f"belongs to {user_name(info.st_uid)}, who could rename or replace what is in it"
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        return f"may be written by other users and is not sticky (mode {stat.filemode(info.st_mode)})"
+    return None
+
+
+def require_trusted(path: Path) -> Path:
+    problem = folder_problem(path)
+    if problem:
+        raise SharedFolderError(f"{path} {problem}",
+                                hint=f"ask the cluster's admins to make it root's: `mkdir -m 1777 {path}` as root")
+    return path
+
+
+def common_dir(path: Path) -> Path:
+    """A folder every user makes entries in: made sticky and world-writable when missing, and
+    trusted (owner, symlink, mode) when found. Its parent must already be there, and trusted."""
+    require_trusted(path.parent)
+    try:
+        os.mkdir(path)
     except FileExistsError:
-        return path
+        return require_trusted(path)
     except OSError as exc:
         raise SharedFolderError(f"cannot create {path}: {exc.strerror or exc}",
-                                hint=f"ask the cluster's admins to create it with `mkdir -m 1777 {path}`") from None
-    path.chmod(COMMON_MODE)  # mkdir's mode is cut by the umask; chmod's is not
+                                hint=f"ask the cluster's admins to create it: `mkdir -m 1777 {path}` as root") from None
+    # chmod through the folder just made, never through a name someone could swap for a symlink.
+    descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        if os.fstat(descriptor).st_uid != os.getuid():
+            raise SharedFolderError(f"{path} was replaced while ft made it", hint="try again; tell the admins")
+        os.fchmod(descriptor, COMMON_MODE)  # mkdir's mode is cut by the umask; chmod's is not
+    finally:
+        os.close(descriptor)
     return path
 
 
@@ -55,11 +96,11 @@ def private_dir(path: Path) -> Path:
         raise SharedFolderError(f"cannot create {path}: {exc.strerror or exc}",
                                 hint=f"check that you may write to {path.parent}") from None
     info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode):
-        raise SharedFolderError(f"{path} is not a folder", hint=f"remove it; ft makes {path} itself")
-    if info.st_uid != os.getuid():
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        what = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a folder" if not stat.S_ISDIR(info.st_mode) \
+            else "a folder"
         raise SharedFolderError(
-            f"{path} belongs to {user_name(info.st_uid)}, not to you: ft keeps your files there, so another user "
+            f"{path} is {what} of {user_name(info.st_uid)}, not yours: ft keeps your files there, so another user "
             "made it to put files in your runs", hint=f"ask the cluster's admins to remove {path}")
     if info.st_mode & 0o022:
         raise SharedFolderError(f"{path} may be written by other users (mode {stat.filemode(info.st_mode)})",
@@ -68,22 +109,30 @@ def private_dir(path: Path) -> Path:
 
 
 def user_cache(shared_root: str) -> Path:
-    """This user's cache on the shared filesystem (tokenized data, compiled ops, the tiny model)."""
-    return private_dir(common_dir(shared_root_path(shared_root) / "cache") / f"uid-{os.getuid()}")
+    """This user's cache (tokenized data, compiled ops, the tiny model): <shared root>/cache/uid-N
+    on a shared filesystem; ~/ft/cache, private, without one."""
+    if not shared_root:
+        return private_dir(private_dir(shared_root_path("")) / "cache")
+    root = shared_root_path(shared_root)
+    if not root.is_dir():
+        raise SharedFolderError(f"the shared root {root} does not exist",
+                                hint="ask the cluster's admins to create it (`ft lab up` makes the lab's), or fix "
+                                     "shared_root in the cluster profile")
+    return private_dir(common_dir(require_trusted(root) / "cache") / f"uid-{os.getuid()}")
 
 
-def trusted_owner_dir(folder: Path, shared_root: str) -> bool:
-    """Whether a folder that others fill may be read: owned by this user, root or the owner of the
-    shared root, and not writable by every user. A folder that is not there is trusted (nothing to
-    read in it yet)."""
+def trusted_owner_dir(folder: Path) -> bool:
+    """Whether a folder that others fill (a model cache tier) may be read: a real folder, owned by
+    root or this user, not writable by every user, and readable. One that is not there is trusted
+    (there is nothing in it to read)."""
     try:
-        info = folder.stat()
-    except OSError:
+        info = os.lstat(folder)
+    except FileNotFoundError:
         return True
-    trusted = {os.getuid(), 0}
-    with contextlib.suppress(OSError):
-        trusted.add(shared_root_path(shared_root).stat().st_uid)
-    return info.st_uid in trusted and not info.st_mode & 0o002
+    except OSError:
+        return False
+    return (stat.S_ISDIR(info.st_mode) and info.st_uid in trusted_owners() and not info.st_mode & 0o002
+            and os.access(folder, os.R_OK | os.X_OK))
 
 
 def user_name(uid: int) -> str:

@@ -18,7 +18,7 @@ import yaml
 from toolkit.errors import FtError
 from toolkit.recipe.resolve import ResolvedRecipe, resolve
 from toolkit.render.sbatch import RunPlacement, render, write_atomically
-from toolkit.runs.store import JobRecord, RunRecord, RunStore, new_run_id, validate_key
+from toolkit.runs.store import JobRecord, RunRecord, RunStore, validate_key
 from toolkit.slurm import commands
 from toolkit.slurm.client import CliSlurmClient
 
@@ -107,12 +107,14 @@ def submit(recipe_path: Path, cluster: str | None = None, idempotency_key: str |
 
 def _submit_new(resolved: ResolvedRecipe, store: RunStore, key: str | None, mode: str,
                 reports: list) -> Submission:
-    run_id = new_run_id(resolved.recipe.name)
-    run_dir = store.run_dir(run_id)
-    placement = RunPlacement(run_id, str(run_dir), key)
     version = CliSlurmClient().version()  # this cluster's Slurm decides which options the script uses
-    script = render(resolved, placement, mode=mode, slurm_version=version)  # errors here leave nothing
-    store.create_run_dir(run_id)
+    run_id = store.claim_run_dir(resolved.recipe.name)
+    run_dir = store.run_dir(run_id)
+    try:
+        script = render(resolved, RunPlacement(run_id, str(run_dir), key), mode=mode, slurm_version=version)
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)  # errors here leave nothing
+        raise
     shutil.copyfile(resolved.path, run_dir / "recipe.yaml")
     write_atomically(run_dir / "recipe.resolved.yaml",
                      yaml.safe_dump(resolved.recipe.model_dump(mode="json"), sort_keys=False))

@@ -143,7 +143,7 @@ def test_alices_job_used_nothing_bob_planted_and_said_why(alice_run, squatted):
     for name, place in places.items():  # nothing added, nothing taken
         assert sorted(str(p) for p in place.rglob("*")) == before[name], name
     rank0 = ft_as(ALICE, "logs", alice_run["run_id"], "--rank", "0").stdout
-    assert f"{places['cache']} belongs to user {BOB}" in rank0
+    assert f"{places['cache']} is a folder of user {BOB}" in rank0
     run_cache = Path(alice_run["run_dir"]) / "cache"
     assert (run_cache / "tokenized").is_dir() and any((run_cache / "models").glob("tiny-llama-*"))
 
@@ -153,7 +153,7 @@ def test_alices_idempotency_key_under_bobs_folder_is_refused_with_nothing_submit
     result = ft_as(ALICE, "submit", "--idempotency-key", "exp-1", str(TINY))
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "Traceback" not in output
-    assert f"{places['keys']} belongs to user {BOB}" in output
+    assert f"{places['keys']} is a folder of user {BOB}" in output
     queued = subprocess.run(["squeue", "--noheader", "-u", ALICE, "-o", "%i"], capture_output=True, text=True)
     assert queued.stdout.strip() == ""
 

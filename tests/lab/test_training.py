@@ -1,54 +1,25 @@
 """The training runtime on the lab, through `ft submit`: a 2-node DeepSpeed ZeRO-2 LoRA SFT that
-learns its task, exact resume after a requeue, and a killed rank that stops the whole job."""
+learns its task; exact resume after a requeue; NaN and out-of-memory handling; DPO, ZeRO-3, QLoRA and
+chat data; a node lost at step launch; a poisoned model cache (tests/lab/test_recovery.py: faults in
+training, and what ft's watchdog recovers)."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.support.slurm import job_fields, wait_for
-from toolkit.lab.processes import netns_pids
+from tests.support.training import REPO, TINY, assert_same_weights, ft, submit, wait_done
 from toolkit.slurm import commands
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "recipes" / "tiny-lora-sft.yaml"
 PAIRS = [("cat", "chat"), ("dog", "chien"), ("house", "maison"), ("water", "eau"), ("moon", "lune"),
          ("bird", "oiseau")]
 
 pytest.importorskip("deepspeed", reason="the training stack (ft[train]) is not installed")
-
-
-def ft(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, timeout=120)
-
-
-def submit(recipe: Path) -> dict:
-    result = ft("submit", "--json", str(recipe))
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
-
-
-def state(run_id: str) -> str:
-    return json.loads(ft("status", run_id, "--json").stdout)["state"]
-
-
-def wait_done(run_id: str, timeout: float = 300) -> str:
-    return wait_for(f"run {run_id} to finish",
-                    lambda: (lambda s: s if s in {"COMPLETED", "FAILED", "CANCELLED", "NODE_FAIL"} else None)(
-                        state(run_id)), timeout=timeout, interval=2)
-
-
-def adapter_tensors(run_dir: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(run_dir / "output" / "adapter_model.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +36,8 @@ def runs_env(lab, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def baseline(runs_env) -> dict:
-    """One uninterrupted 2-node run of the tiny recipe."""
-    run = submit(TINY)
-    assert wait_done(run["run_id"]) == "COMPLETED", ft("logs", run["run_id"], "--rank", "0").stdout[-3000:]
-    return run
+def baseline(tiny_baseline, runs_env) -> dict:
+    return tiny_baseline
 
 
 def test_two_node_lora_sft_learns_the_task(baseline):
@@ -114,46 +82,12 @@ def test_requeued_run_resumes_and_ends_with_the_same_weights(baseline, runs_env)
     rank0 = (Path(run["run_dir"]) / "logs" / "rank-0.log").read_text()
     assert "resumed from checkpoint step-" in rank0
 
-    import torch
-
-    expected, resumed = adapter_tensors(Path(baseline["run_dir"])), adapter_tensors(Path(run["run_dir"]))
-    assert expected.keys() == resumed.keys()
-    for name in expected:
-        assert torch.allclose(expected[name], resumed[name], atol=1e-5), f"{name} differs after resume " \
-                                                                         f"(interrupted at {interrupted_at})"
+    assert_same_weights(Path(baseline["run_dir"]), Path(run["run_dir"]), f"(interrupted at {interrupted_at})")
 
 
-def test_a_killed_rank_stops_the_whole_job_with_a_located_error(lab, runs_env, shared_tmp):
-    recipe = yaml.safe_load(TINY.read_text())
-    recipe["training"]["steps"] = 5000  # long enough to be killed mid-training
-    recipe["data"]["train"] = str(REPO / "recipes" / "data" / "tiny-sft.jsonl")
-    path = shared_tmp / "long.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    run = submit(path)
-    rank1_log = Path(run["run_dir"]) / "logs" / "rank-1.log"
-    wait_for("rank 1 to train", lambda: rank1_log.exists() and "training steps" in rank1_log.read_text(),
-             timeout=240, interval=1)
-    nodes = commands.run(["scontrol", "show", "hostnames", job_fields(run["job_id"])["NodeList"]]).stdout.split()
-    victim_node = nodes[1]
-
-    def rank1_worker():
-        for pid in netns_pids(f"ftlab-{victim_node}"):
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"toolkit.train.worker" in cmdline and b"RANK=1" in environ:
-                return pid
-        return None
-
-    pid = wait_for("rank 1's worker process", rank1_worker, timeout=30)
-    os.kill(pid, signal.SIGKILL)
-
-    # Far below the collective timeout (10 minutes): the whole job stops and fails.
-    assert wait_done(run["run_id"], timeout=120) == "FAILED"
-    node_log = (Path(run["run_dir"]) / "logs" / f"node-{victim_node}.log").read_text()
-    assert f"rank 1 on {victim_node} exited -9" in node_log
+def tiny_model_entry(lab) -> Path:
+    """Where runs of this user keep the tiny model: in the user's own cache (toolkit/shared_dirs.py)."""
+    return Path(lab.shared_dir) / "cache" / f"uid-{os.getuid()}" / "models" / "tiny-llama-h256-l2"
 
 
 def faulty_recipe(shared_tmp: Path, **env: str) -> Path:
@@ -237,7 +171,7 @@ def test_full_fine_tune_with_zero3_is_consolidated(lab, runs_env):
     output = run_dir / "output"
     assert (output / "model.safetensors").exists() and not list(output.glob("adapter_*"))
     model = AutoModelForCausalLM.from_pretrained(output)  # one consolidated model, loadable as is
-    base = AutoModelForCausalLM.from_pretrained(Path(lab.shared_dir) / "models" / "tiny-llama-h256-l2")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_entry(lab))
     changed = [name for name, tensor in model.state_dict().items() if not torch.equal(tensor, base.state_dict()[name])]
     assert len(changed) > 10  # the whole model trained, not adapters
     curve = json.loads((run_dir / "summary.json").read_text())["loss_curve"]
@@ -328,7 +262,7 @@ def test_a_node_lost_before_the_step_starts_is_marked_down_and_the_run_requeued(
 def test_a_poisoned_model_cache_entry_is_rebuilt_and_the_run_completes(lab, runs_env, shared_tmp):
     """What once broke every run on a machine: the tiny model's folder marked complete, its
     config and weights missing. The run rebuilds it (saying so) instead of failing to load it."""
-    entry = Path(lab.shared_dir) / "models" / "tiny-llama-h256-l2"
+    entry = tiny_model_entry(lab)
     if not (entry / "model.safetensors").exists():  # the first run on a purged lab builds it
         first = submit(faulty_recipe(shared_tmp))
         assert wait_done(first["run_id"]) == "COMPLETED"

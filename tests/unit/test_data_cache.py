@@ -71,6 +71,7 @@ def test_second_validation_of_the_same_data_tokenizes_nothing(tmp_path, monkeypa
     recipe.write_text(yaml.safe_dump({"name": "r", "model": {"base": "tiny-llama"}, "data": {"train": str(data)},
                                       "resources": {"nodes": 1, "gpus_per_node": 1}}))
     profile = tmp_path / "clusters.yaml"
+    (tmp_path / "shared").mkdir(exist_ok=True)  # the admins' shared root: ft never makes it
     profile.write_text(yaml.safe_dump({"mine": {"extends": "lab", "shared_root": str(tmp_path / "shared")}}))
     monkeypatch.setenv("FT_CLUSTERS_FILE", str(profile))
     tiny = load_length_counter("tiny-llama")
@@ -137,6 +138,7 @@ def test_a_cached_report_still_gets_the_recipe_s_own_checks(tmp_path, monkeypatc
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f" a{i}"}) + "\n" for i in range(150)))
     profile = tmp_path / "clusters.yaml"
+    (tmp_path / "shared").mkdir(exist_ok=True)  # the admins' shared root: ft never makes it
     profile.write_text(yaml.safe_dump({"mine": {"extends": "lab", "shared_root": str(tmp_path / "shared")}}))
     monkeypatch.setenv("FT_CLUSTERS_FILE", str(profile))
     recipe = tmp_path / "dpo.yaml"
@@ -160,6 +162,7 @@ def test_a_worker_fills_the_cache_exactly_as_validation_does(tmp_path, monkeypat
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     profile = tmp_path / "clusters.yaml"
+    (tmp_path / "shared").mkdir(exist_ok=True)  # the admins' shared root: ft never makes it
     profile.write_text(yaml.safe_dump({"mine": {"extends": "lab", "shared_root": str(tmp_path / "shared")}}))
     monkeypatch.setenv("FT_CLUSTERS_FILE", str(profile))
     recipe_file = tmp_path / "r.yaml"
@@ -232,4 +235,5 @@ def test_an_unwritable_token_cache_degrades_to_no_cache_with_a_warning(tmp_path,
     monkeypatch.setenv("FT_CLUSTERS_FILE", str(clusters))
     (report,) = recipe_data.validate_recipe_data(resolve(recipe, "ro"))
     assert report.ok and "token_cache_unusable" in report.warnings
-    assert "is not used: cannot create" in report.warnings["token_cache_unusable"].examples[0].message
+    assert "is not used: " in report.warnings["token_cache_unusable"].examples[0].message
+    assert "shared/cache is not a folder" in report.warnings["token_cache_unusable"].examples[0].message

@@ -69,7 +69,7 @@ def test_idempotency_keys_are_per_user(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "getuid", lambda: 4242)
     # Another user's key returns nothing of the first user's; and the folder their keys would go
     # in, made by somebody else (here: this test's real user), is refused.
-    with pytest.raises(FtError, match=r"uid-4242 belongs to .*not to you"):
+    with pytest.raises(FtError, match=r"uid-4242 is a folder of .*not yours"):
         store.run_for_key("exp-42")
 
 

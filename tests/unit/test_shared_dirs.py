@@ -28,6 +28,7 @@ def made_by_another_user(path: Path, mode: int = 0o755) -> Path:
 
 
 def test_common_folders_are_sticky_and_world_writable_whatever_the_umask(tmp_path):
+    (tmp_path / "shared").mkdir()
     previous = os.umask(0o077)
     try:
         folder = common_dir(tmp_path / "shared" / "runs")
@@ -51,8 +52,45 @@ def test_a_private_folder_another_user_made_first_is_refused_naming_them(tmp_pat
     squatted = made_by_another_user(tmp_path / "cache" / f"uid-{os.getuid()}")
     with pytest.raises(SharedFolderError) as raised:
         private_dir(squatted)
-    assert f"{squatted} belongs to uid {OTHER_UID}, not to you" in str(raised.value)
+    assert f"{squatted} is a folder of uid {OTHER_UID}, not yours" in str(raised.value)
     assert "ask the cluster's admins to remove" in str(raised.value)
+
+
+@needs_root
+@pytest.mark.parametrize("made", ["by another user", "as a symlink", "open and not sticky"])
+def test_a_common_folder_anyone_could_rename_entries_in_is_refused(tmp_path, made):
+    """The owner of a folder may rename anything in it, sticky or not: swap a user's private
+    folder for a symlink to their own, after ft checked it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    cache = shared / "cache"
+    if made == "by another user":
+        made_by_another_user(cache, mode=0o1777)
+    elif made == "as a symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o1777)
+        cache.symlink_to(tmp_path / "elsewhere")
+    else:
+        cache.mkdir()
+        cache.chmod(0o777)
+    with pytest.raises(SharedFolderError, match=r"ask the cluster's admins to make it root's"):
+        user_cache(str(shared))
+
+
+@needs_root
+def test_a_shared_root_of_another_user_is_not_built_on_and_a_missing_one_not_made(tmp_path):
+    with pytest.raises(SharedFolderError, match="does not exist"):
+        user_cache(str(tmp_path / "missing"))
+    assert not (tmp_path / "missing").exists()
+    theirs = made_by_another_user(tmp_path / "theirs", mode=0o1777)
+    with pytest.raises(SharedFolderError, match=f"belongs to uid {OTHER_UID}"):
+        user_cache(str(theirs))
+
+
+def test_without_a_shared_root_the_cache_is_private_in_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    folder = user_cache("")
+    assert folder == tmp_path / "ft" / "cache"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and stat.S_IMODE(folder.parent.stat().st_mode) == 0o700
 
 
 def test_a_private_folder_others_may_write_or_a_symlink_in_its_place_is_refused(tmp_path):
@@ -63,12 +101,16 @@ def test_a_private_folder_others_may_write_or_a_symlink_in_its_place_is_refused(
         private_dir(open_to_all)
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
-    with pytest.raises(SharedFolderError, match="is not a folder"):
+    with pytest.raises(SharedFolderError, match="is a symlink of"):
         private_dir(tmp_path / "link")
 
 
 def test_the_user_cache_is_private_inside_a_common_cache_folder(tmp_path):
-    folder = user_cache(str(tmp_path))
+    previous = os.umask(0o077)
+    try:
+        folder = user_cache(str(tmp_path))
+    finally:
+        os.umask(previous)
     assert folder == tmp_path / "cache" / f"uid-{os.getuid()}"
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     assert stat.S_IMODE(folder.parent.stat().st_mode) == 0o1777
@@ -76,19 +118,16 @@ def test_the_user_cache_is_private_inside_a_common_cache_folder(tmp_path):
 
 @needs_root
 def test_model_tiers_are_read_only_from_trusted_owners(tmp_path):
-    shared = tmp_path / "shared"
-    shared.mkdir()
     mine = tmp_path / "mine"
     mine.mkdir()
-    assert trusted_owner_dir(mine, str(shared))
-    assert not trusted_owner_dir(made_by_another_user(tmp_path / "theirs"), str(shared))
+    assert trusted_owner_dir(mine) and trusted_owner_dir(tmp_path / "not-there-yet")
+    assert not trusted_owner_dir(made_by_another_user(tmp_path / "theirs"))
     world = tmp_path / "world"
     world.mkdir()
     world.chmod(0o777)
-    assert not trusted_owner_dir(world, str(shared))
-    # The shared root's owner (a site's service account) is trusted with the tiers under it.
-    os.chown(shared, OTHER_UID, OTHER_UID)
-    assert trusted_owner_dir(made_by_another_user(shared / "models"), str(shared))
+    assert not trusted_owner_dir(world)
+    (tmp_path / "link").symlink_to(mine)  # even to a trusted folder: whoever placed the link chose where
+    assert not trusted_owner_dir(tmp_path / "link")
 
 
 @needs_root
@@ -152,5 +191,46 @@ def test_a_worker_whose_user_cache_was_made_by_another_user_caches_in_its_run_fo
     made_by_another_user(tmp_path / "shared" / "cache" / f"uid-{os.getuid()}")
     run_dir = private_dir(tmp_path / "run")
     assert cache_root(str(tmp_path / "shared"), run_dir) == run_dir / "cache"
-    assert "belongs to uid 4242, not to you" in capsys.readouterr().out
+    assert "is a folder of uid 4242, not yours" in capsys.readouterr().out
+    (tmp_path / "elsewhere").mkdir()
     assert cache_root(str(tmp_path / "elsewhere"), run_dir) == tmp_path / "elsewhere" / "cache" / f"uid-{os.getuid()}"
+
+
+@needs_root
+def test_run_folders_of_other_users_in_a_common_runs_root_are_neither_listed_nor_loaded(tmp_path):
+    from toolkit.runs.store import RunNotFound, RunStore
+
+    (tmp_path / "shared").mkdir()
+    store = RunStore(tmp_path / "shared" / "runs", common=True)
+    mine = store.claim_run_dir("mine")
+    (store.root / mine / "run.json").write_text(json.dumps({
+        "run_id": mine, "recipe_name": "mine", "recipe_path": "r.yaml", "cluster": "lab", "mode": "train",
+        "created": 1.0}))
+    planted = made_by_another_user(store.root / "planted-run", mode=0o755)
+    (planted / "run.json").write_text(json.dumps({
+        "run_id": "planted-run", "recipe_name": "x", "recipe_path": "x", "cluster": "lab", "mode": "train",
+        "created": 9e9, "jobs": [{"job_id": "1", "submitted": 1.0}]}))
+    fifo_run = store.root / "fifo-run"
+    fifo_run.mkdir()
+    os.mkfifo(fifo_run / "run.json")  # would block a plain read forever
+    (store.root / "zero-run").mkdir()
+    (store.root / "zero-run" / "run.json").symlink_to("/dev/zero")
+
+    assert [record.run_id for record in store.list()] == [mine]
+    for other in ("planted-run", "fifo-run", "zero-run"):
+        with pytest.raises(RunNotFound):
+            store.load(other)
+
+
+def test_a_run_id_someone_else_took_is_skipped_and_a_flood_is_a_clear_error(tmp_path, monkeypatch):
+    from toolkit.errors import FtError
+    from toolkit.runs import store as run_store
+
+    store = run_store.RunStore(tmp_path / "runs")
+    (tmp_path / "runs" / "r-1").mkdir(parents=True)
+    ids = iter(["r-1", "r-2"])
+    monkeypatch.setattr(run_store, "new_run_id", lambda name: next(ids))
+    assert store.claim_run_dir("r") == "r-2"
+    monkeypatch.setattr(run_store, "new_run_id", lambda name: "r-1")
+    with pytest.raises(FtError, match="were all taken"):
+        store.claim_run_dir("r")

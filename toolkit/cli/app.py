@@ -11,7 +11,7 @@ os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
 import typer  # noqa: E402
 
 from toolkit import __version__  # noqa: E402
-from toolkit.cli import data, lab, recipe, runs  # noqa: E402
+from toolkit.cli import chaos, data, lab, recipe, runs  # noqa: E402
 from toolkit.cli.output import print_error  # noqa: E402
 from toolkit.errors import FtError  # noqa: E402
 
@@ -25,6 +25,7 @@ app = typer.Typer(
 app.add_typer(lab.app, name="lab")
 app.add_typer(recipe.app, name="recipe")
 app.add_typer(data.app, name="data")
+app.add_typer(chaos.app, name="chaos")
 app.command()(data.validate)
 app.command("render")(recipe.render_command)
 app.command()(runs.submit)

@@ -105,17 +105,29 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
         console.print(f"  reason: {plain(job.reason)}")
     console.print(f"  run directory {plain(current.run_dir)}")
     if current.tracking:
-        console.print(f"  metrics: {plain(current.tracking.get('wandb'))} (W&B {plain(current.tracking.get('mode'))})")
+        console.print(f"  metrics: {plain(current.tracking.get('wandb'))} (W&B {plain(current.tracking.get('mode'))})",
+                      soft_wrap=True)  # a path is easier to copy unbroken
     if current.summary:
         done = current.summary
         console.print(f"  done: {done['steps']} steps, {done['tokens']} tokens, final loss {done['final_loss']:.4f}, "
                       f"{done['wall_seconds']} s, {done['gpu_hours']} GPU-hours{_cost(current)}; "
                       f"output {plain(done['output'])}")
+    if current.timeline:
+        spent = current.timeline
+        console.print(f"  goodput {spent['goodput']:.0%} of {spent['wall_s']:.0f} s since the first start: "
+                      f"training {spent['productive_s']:.0f} s, redone after faults {spent['redone_s']:.0f} s, "
+                      f"starting {spent['starting_s']:.0f} s, recovering {spent['recovering_s']:.0f} s, "
+                      f"other {spent['other_s']:.0f} s")
+        for fault in spent["faults"]:
+            when = datetime.fromtimestamp(fault["time"]).strftime("%H:%M:%S")
+            what = ", ".join(f"{key} {plain(value)}" for key, value in fault.items() if key not in ("time", "event"))
+            console.print(f"  {when} {plain(fault['event'])}: {what}")
     table = Table(title="attempts", title_justify="left")
-    for column in ("job", "restart", "nodes", "started"):
+    for column in ("job", "requeue", "start", "nodes", "started"):
         table.add_column(column)
     for attempt in current.attempts:
-        table.add_row(plain(attempt["job_id"]), plain(attempt["restart"]), plain(",".join(map(str, attempt["nodes"]))),
+        table.add_row(plain(attempt["job_id"]), plain(attempt["restart"]), plain(attempt.get("start", 1)),
+                      plain(",".join(map(str, attempt["nodes"]))),
                       datetime.fromtimestamp(attempt["started"]).strftime("%H:%M:%S"))
     if current.attempts:
         console.print(table)

@@ -14,10 +14,18 @@ import sys
 import time
 from pathlib import Path
 
-from toolkit.launch.rendezvous import RendezvousError, barrier
+from toolkit.launch.rendezvous import RendezvousError, barrier, job_secret
+from toolkit.watch.heartbeat import Sender
 
 EXIT_FAILED = 1
 EXIT_NODE_UNFIT = 3
+
+
+def step_placement() -> tuple[int, int]:
+    """This node's rank among the step's nodes, and their number: one launcher per node, so the
+    task's rank in the step. (The allocation may hold spare nodes that the step does not use.)"""
+    return (int(os.environ.get("SLURM_PROCID", os.environ.get("SLURM_NODEID", "0"))),
+            int(os.environ.get("SLURM_NTASKS", os.environ.get("SLURM_JOB_NUM_NODES", "1"))))
 
 
 def log(message: str) -> None:
@@ -26,7 +34,8 @@ def log(message: str) -> None:
 
 def record_attempt(run_dir: Path, job_id: str, restart: int, nodes: list[str]) -> None:
     """One line per start of the job (requeues included): what `ft status` lists as attempts."""
-    entry = {"job_id": job_id, "restart": restart, "nodes": nodes, "started": time.time()}
+    entry = {"job_id": job_id, "restart": restart, "start": int(os.environ.get("FT_WATCH_START", "1")),
+             "nodes": nodes, "started": time.time()}
     with open(run_dir / "attempts.jsonl", "a") as handle:
         handle.write(json.dumps(entry) + "\n")
 
@@ -61,13 +70,42 @@ def preflight(run_dir: Path) -> int:
     return EXIT_NODE_UNFIT if problems else 0
 
 
-def train(run_dir: Path) -> int:
+def start_heartbeat(node: str) -> Sender | None:
+    """This node's heartbeat to the supervisor, from the launcher's first second (None when ft's
+    watchdog is off: no supervisor listens)."""
+    address, port = os.environ.get("FT_WATCH_ADDR"), os.environ.get("FT_WATCH_PORT", "")
+    if not address or not port.isdigit():
+        return None
+    silence = float(os.environ.get("FT_WATCH_TIMEOUT", "10"))
+    return Sender(address, int(port), job_secret(), node, int(os.environ.get("FT_WATCH_START", "0")),
+                  state=dict, silence_s=silence, on_silence=lambda quiet: batch_host_lost(node, quiet)).start()
+
+
+def batch_host_lost(node: str, quiet: float) -> None:
+    """The supervisor stopped answering: its node (the batch host) is lost, and the job script with
+    it. Slurm would notice only after SlurmdTimeout; any surviving node tells it now (marking the
+    node DOWN requeues the job; without operator rights, the job is requeued directly)."""
+    from toolkit.slurm.client import CliSlurmClient
+
+    batch_host, job = os.environ.get("FT_WATCH_NODE", ""), os.environ.get("SLURM_JOB_ID", "")
+    if not batch_host or batch_host == node or not job:
+        return
+    why = (f"ft: batch host of job {job} (run {os.environ.get('FT_RUN_ID', '?')}) lost: its supervisor did not "
+           f"answer for {quiet:.0f} s")
+    slurm = CliSlurmClient()
+    if slurm.mark_node_down(batch_host, why):
+        log(f"{why}: marked {batch_host} DOWN, so that Slurm requeues the job now")
+    elif slurm.requeue(job):
+        log(f"{why}: requeued job {job} (marking {batch_host} DOWN needs operator rights)")
+
+
+def train(run_dir: Path, node_rank: int, nodes: int, beat: Sender | None) -> int:
     try:
         from toolkit.train.workers import run_workers  # the training runtime (ft[train])
     except ImportError as exc:
         log(f"the training runtime is not installed on this node ({exc}); install ft[train]")
         return EXIT_NODE_UNFIT
-    return run_workers(run_dir)
+    return run_workers(run_dir, node_rank, nodes, beat)
 
 
 def leave_launch_mark() -> None:
@@ -83,18 +121,25 @@ def main() -> None:
     leave_launch_mark()
     run_dir = Path(os.environ["FT_RUN_DIR"])
     mode = os.environ.get("FT_MODE", "train")
-    node_rank = int(os.environ.get("SLURM_NODEID", "0"))
-    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", "1"))
+    node_rank, nodes = step_placement()
     host = socket.gethostname()
     log(f"node {node_rank}/{nodes} mode={mode} job={os.environ.get('SLURM_JOB_ID')}")
+    beat = start_heartbeat(os.environ.get("SLURMD_NODENAME") or host)
+    code = run_node(run_dir, mode, node_rank, nodes, host, beat)
+    if beat:
+        beat.stop(code, linger=beat.silence_s + 2 if code else 0)
+    sys.exit(code)
+
+
+def run_node(run_dir: Path, mode: str, node_rank: int, nodes: int, host: str, beat: Sender | None) -> int:
     try:
         arrived = barrier(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")),
                           node_rank, nodes, host, log=log)
     except RendezvousError as exc:
         log(str(exc))
-        sys.exit(EXIT_FAILED)
+        return EXIT_FAILED
     if node_rank == 0:
         record_attempt(run_dir, os.environ.get("SLURM_JOB_ID", ""), int(os.environ.get("SLURM_RESTART_COUNT", "0")),
                        [host, *(arrived[rank] for rank in sorted(arrived))])
         log(f"all {nodes} nodes checked in: {', '.join([host, *arrived.values()])}")
-    sys.exit(preflight(run_dir) if mode == "preflight" else train(run_dir))
+    return preflight(run_dir) if mode == "preflight" else train(run_dir, node_rank, nodes, beat)

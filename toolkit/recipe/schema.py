@@ -144,6 +144,8 @@ class ResourceSpec(Strict):
     time: str = Field("04:00:00", description="Slurm time limit: [D-]HH:MM:SS or minutes")
     tier: Tier = Tier.standard
     account: str | None = None
+    spare_nodes: Annotated[int, Field(ge=0, le=64, description="Extra nodes held: a lost node is replaced "
+                                                              "at once, inside the allocation")] = 0
 
     @field_validator("time")
     @classmethod
@@ -176,6 +178,21 @@ class CheckpointSpec(Strict):
         return value
 
 
+class WatchdogSpec(Strict):
+    """ft's watchdog inside the job: it notices a lost node, a dead rank or a hung one within seconds
+    and restarts training from the latest checkpoint (see toolkit/watch/)."""
+    enabled: bool = True
+    heartbeat_timeout: Annotated[float, Field(ge=2, le=600, description="Seconds without a node's heartbeat "
+                                                                        "before it counts as lost")] = 10
+    hang_factor: Annotated[float, Field(ge=2, le=1000, description="A rank is hung when its step is late by this "
+                                                                   "many of its median step times...")] = 10
+    hang_floor: Annotated[float, Field(ge=5, le=86400, description="...and by at least this many seconds")] = 120
+    startup_timeout: Annotated[float, Field(ge=30, le=86400, description="Seconds a start may take until the "
+                                                                         "first step")] = 1800
+    max_restarts: Annotated[int, Field(ge=0, le=100, description="Restarts inside the allocation before the "
+                                                                 "job gives up")] = 5
+
+
 class WandbSpec(Strict):
     project: str | None = None
     entity: str | None = None
@@ -197,8 +214,16 @@ class Recipe(Strict):
     resources: ResourceSpec = ResourceSpec()
     cluster: str | None = Field(None, description="Cluster profile (default: this site's, else lab)")
     checkpoint: CheckpointSpec = CheckpointSpec()
+    watchdog: WatchdogSpec = WatchdogSpec()
     tracking: TrackingSpec = TrackingSpec()
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for every rank")
+
+    @model_validator(mode="after")
+    def spares_need_the_watchdog(self) -> Recipe:
+        if self.resources.spare_nodes and not self.watchdog.enabled:
+            raise ValueError("resources.spare_nodes needs the watchdog (watchdog.enabled: true): it is what "
+                             "replaces a lost node with a spare")
+        return self
 
     @field_validator("name")
     @classmethod

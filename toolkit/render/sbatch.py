@@ -18,6 +18,7 @@ from toolkit.cluster.profile import SBATCH_UNSAFE
 from toolkit.errors import FtError
 from toolkit.paths import resource_dir
 from toolkit.recipe.resolve import ResolvedRecipe
+from toolkit.watch import exits
 
 # Seconds between the pre-timeout signal and the time limit: room to write a checkpoint.
 PRE_TIMEOUT_SECONDS = 300
@@ -128,6 +129,7 @@ def render(resolved: ResolvedRecipe, placement: RunPlacement, mode: str = "train
         "secret_names": SECRET_NAMES,
         "srun_options": srun_options(resolved),
         "python": python or resolved.profile.python or sys.executable,
+        "done_sentinel": exits.DONE_SENTINEL,
         "recipe_json": json.dumps(resolved.recipe.model_dump(mode="json"), indent=2, sort_keys=True),
     }
     return template_environment().get_template("job.sbatch.j2").render(context)

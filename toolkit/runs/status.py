@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from toolkit.runs.store import RunRecord, RunStore
+from toolkit.runs.timeline import read_lines, timeline
 from toolkit.slurm.client import JobInfo, SlurmClient
 
 
@@ -18,6 +19,7 @@ class RunStatus:
     attempts: list[dict]
     tracking: dict | None = None  # where the run's metrics are (W&B page, or offline folder)
     summary: dict | None = None
+    timeline: dict | None = None  # where the time went: goodput, faults (toolkit/runs/timeline.py)
 
     @property
     def state(self) -> str:
@@ -29,7 +31,7 @@ class RunStatus:
                 "idempotency_key": self.run.idempotency_key,
                 "jobs": [asdict(job) for job in self.run.jobs],
                 "job": asdict(self.job) if self.job else None, "attempts": self.attempts,
-                "tracking": self.tracking, "summary": self.summary}
+                "tracking": self.tracking, "summary": self.summary, "timeline": self.timeline}
 
 
 ATTEMPT_FIELDS = {"job_id": str, "restart": int, "nodes": list, "started": (int, float)}
@@ -38,19 +40,7 @@ ATTEMPT_FIELDS = {"job_id": str, "restart": int, "nodes": list, "started": (int,
 def read_attempts(run_dir: Path) -> list[dict]:
     """One entry per start of the job. A torn or foreign line (a node lost mid-write) is skipped:
     it never hides the other attempts, nor breaks `ft ls` for every run."""
-    try:
-        lines = (run_dir / "attempts.jsonl").read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-    attempts = []
-    for line in lines:
-        try:
-            entry = json.loads(line)
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(entry, dict) and all(isinstance(entry.get(name), kind) for name, kind in ATTEMPT_FIELDS.items()):
-            attempts.append(entry)
-    return attempts
+    return read_lines(run_dir / "attempts.jsonl", ATTEMPT_FIELDS)
 
 
 def read_json(path: Path) -> dict | None:
@@ -67,7 +57,8 @@ def run_status(store: RunStore, run_id: str, client: SlurmClient) -> RunStatus:
     summary = read_json(run_dir / "summary.json")
     if summary:
         summary = {key: value for key, value in summary.items() if key != "loss_curve"}
-    return RunStatus(record, run_dir, job, read_attempts(run_dir), read_json(run_dir / "tracking.json"), summary)
+    return RunStatus(record, run_dir, job, read_attempts(run_dir), read_json(run_dir / "tracking.json"), summary,
+                     timeline(run_dir))
 
 
 def log_path(run_dir: Path, record: RunRecord, node: str | None = None, rank: int | None = None) -> Path:

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import secrets
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,7 +57,9 @@ class RunNotFound(FtError):
 
 
 def new_run_id(recipe_name: str) -> str:
-    suffix = "".join(secrets.choice(_ID_ALPHABET) for _ in range(4))
+    """Eight random letters: in a runs root every user can write to, nobody can take the ids a
+    user's next runs will get (31^8 of them a day)."""
+    suffix = "".join(secrets.choice(_ID_ALPHABET) for _ in range(8))
     return f"{recipe_name}-{time.strftime('%Y%m%d')}-{suffix}"
 
 
@@ -65,6 +68,24 @@ def validate_key(key: str) -> str:
         raise UsageError(f"idempotency key {key!r} is not usable",
                          hint="use 1-128 letters, digits and . _ : @ / + = - (it is stored on the Slurm job)")
     return key
+
+
+MAX_RECORD_BYTES = 1 << 20
+
+
+def read_private_file(path: Path, limit: int = MAX_RECORD_BYTES) -> str:
+    """A file of this user's run: its folder must be theirs (anyone may make a folder in a common
+    runs root, with a record claiming anything), the file a regular one of bounded size (never a
+    FIFO that blocks, a symlink, or /dev/zero)."""
+    folder = os.lstat(path.parent)
+    if not stat.S_ISDIR(folder.st_mode) or folder.st_uid != os.getuid():
+        raise OSError(f"{path.parent} is not a run folder of yours")
+    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(descriptor, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+            raise OSError(f"{path} is not a run record (not a regular file, or over {limit >> 20} MiB)")
+        return handle.read(limit + 1).decode(errors="replace")
 
 
 class RunStore:
@@ -93,6 +114,18 @@ class RunStore:
                              hint="run ids are letters, digits, '.', '_' and '-' (see `ft ls`)")
         return self.root / run_id
 
+    def claim_run_dir(self, recipe_name: str, attempts: int = 5) -> str:
+        """A new run id, with its folder made: an id someone else's folder holds is never used."""
+        for _ in range(attempts):
+            run_id = new_run_id(recipe_name)
+            try:
+                self.create_run_dir(run_id)
+            except FileExistsError:
+                continue
+            return run_id
+        raise FtError(f"{attempts} new run ids in {self.root} were all taken by folders already there",
+                      hint=f"someone is filling {self.root}: tell the cluster's admins")
+
     def create_run_dir(self, run_id: str, exist_ok: bool = False) -> Path:
         """A run's folder and its logs folder, private to the submitting user: its data report,
         recipe and logs are theirs alone. The runs root is common to every user of the cluster.
@@ -113,7 +146,7 @@ class RunStore:
     def load(self, run_id: str) -> RunRecord:
         path = self.run_dir(run_id) / "run.json"
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(read_private_file(path))
         except FileNotFoundError:
             known = [r.run_id for r in self.list()][:5]
             raise RunNotFound(f"no run {run_id!r} in {self.root}",
@@ -133,9 +166,9 @@ class RunStore:
     def list(self) -> list[RunRecord]:
         records = []
         if self.root.is_dir():
-            for path in self.root.glob("*/run.json"):
+            for path in self.root.iterdir():
                 with contextlib.suppress(FtError, OSError, ValueError, TypeError):
-                    records.append(self.load(path.parent.name))
+                    records.append(self.load(path.name))
         return sorted(records, key=lambda record: record.created, reverse=True)
 
     # -- idempotency -------------------------------------------------------------------------

@@ -49,6 +49,14 @@ class SlurmClient(Protocol):
 
     def cancel(self, job_ids: list[str]) -> None: ...
 
+    def hostnames(self, nodelist: str) -> list[str]: ...
+
+    def mark_node_down(self, node: str, reason: str) -> bool: ...
+
+    def requeue(self, job_id: str) -> bool: ...
+
+    def drained(self, nodes: list[str]) -> dict[str, str]: ...
+
 
 def _parse_version(text: str) -> tuple[int, int, int]:
     match = re.search(r"(\d+)\.(\d+)\.(\d+)", text)
@@ -84,6 +92,32 @@ class CliSlurmClient:
     def cancel(self, job_ids: list[str]) -> None:
         if job_ids:
             commands.run(["scancel", *job_ids], timeout=self.timeout)
+
+    def hostnames(self, nodelist: str) -> list[str]:
+        """node[1-3,5] -> node1 node2 node3 node5, in the allocation's order."""
+        return commands.run(["scontrol", "show", "hostnames", nodelist], timeout=self.timeout).stdout.split()
+
+    def mark_node_down(self, node: str, reason: str) -> bool:
+        """Mark a node DOWN with a reason; False where this user lacks Slurm operator rights."""
+        result = commands.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", f"Reason={reason}"],
+                              timeout=self.timeout, check=False)
+        return result.returncode == 0
+
+    def requeue(self, job_id: str) -> bool:
+        return commands.run(["scontrol", "requeue", job_id], timeout=self.timeout, check=False).returncode == 0
+
+    def drained(self, nodes: list[str]) -> dict[str, str]:
+        """The nodes among these that are drained or draining (a health check found them bad, or an
+        admin took them out), with the reason."""
+        result = commands.run(["sinfo", "--noheader", "--Node", "--nodes", ",".join(nodes), "--format", "%N|%T|%E"],
+                              timeout=self.timeout, check=False)
+        found = {}
+        for line in result.stdout.splitlines():
+            node, _, rest = line.partition("|")
+            state, _, reason = rest.partition("|")
+            if node in nodes and "drain" in state.lower():
+                found[node] = reason.strip() or state
+        return found
 
     # -- sources -----------------------------------------------------------------------------
     def _from_squeue(self, job_id: str) -> JobInfo | None:

@@ -51,9 +51,12 @@ def resolve_model(base: str, revision: str | None, shared_root: str, user_cache:
     # into place once whole: a download cut short never becomes an entry.
     # (The shared tier by name: cache_dirs leaves out a tier it does not trust, so no index into it.)
     target = shared_models(shared_root) / name
-    if not trusted_owner_dir(target.parent, shared_root):
+    if not trusted_owner_dir(target.parent):
         raise ModelNotFound(f"the shared model cache {target.parent} belongs to another user: ft neither reads nor "
                             f"downloads into it. Ask the cluster's admins to own it (and to put {base} there)")
+    if target.parent.exists() and not os.access(target.parent, os.W_OK | os.X_OK):
+        raise ModelNotFound(f"{base} is not in the cluster's model cache, and you may not download into "
+                            f"{target.parent}: ask the cluster's admins to put it there")
     with exclusive(target.with_name(f".{name}.lock")):
         if not model_folder_problems(target):
             return target

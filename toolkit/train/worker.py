@@ -12,6 +12,7 @@ Fault injection, for tests of paths a CPU cannot reach for real (set in the reci
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import math
 import os
@@ -22,7 +23,9 @@ from pathlib import Path
 
 from toolkit.train.checkpoint import CheckpointStore, step_of
 from toolkit.train.data import Example, batch_indices, collate, rank_slice
-from toolkit.train.workers import EXIT_OUT_OF_MEMORY, EXIT_USER_ERROR
+from toolkit.watch import exits, stacks
+from toolkit.watch.exits import leave_exit_status
+from toolkit.watch.progress import Reporter
 
 _stop_requested = False
 
@@ -30,13 +33,6 @@ _stop_requested = False
 def request_stop(_signum, _frame) -> None:
     global _stop_requested
     _stop_requested = True
-
-
-def leave_exit_status(run_dir: Path, status: int) -> None:
-    """The job script reads this back: srun alone would report the ranks it stopped (15) instead."""
-    staged = run_dir / f".exit-status.{os.getpid()}"
-    staged.write_text(f"{status}\n")
-    staged.replace(run_dir / "exit-status")
 
 
 def log(rank: int, message: str) -> None:
@@ -145,9 +141,14 @@ class Tracker:
         if not self.enabled:
             return
         with open(self.path, "a") as handle:
-            handle.write(json.dumps({"step": step, **metrics}) + "\n")
+            handle.write(json.dumps({"step": step, "time": round(time.time(), 3), **metrics}) + "\n")
         if self.wandb:
-            self.wandb.log(metrics, step=step)
+            try:
+                self.wandb.log(metrics, step=step)
+            except Exception as exc:  # noqa: BLE001 - W&B failing (its service killed, say) never stops training
+                print(f"warning: W&B stopped taking metrics ({type(exc).__name__}: {exc}); they go on in "
+                      f"{self.path} only", flush=True)
+                self.wandb = None
 
     def artifact(self, folder: Path) -> None:
         if self.wandb:
@@ -159,7 +160,10 @@ class Tracker:
 
     def finish(self) -> None:
         if self.wandb:
-            self.wandb.finish()
+            try:
+                self.wandb.finish()
+            except Exception as exc:  # noqa: BLE001 - as in log()
+                print(f"warning: W&B did not finish cleanly ({type(exc).__name__}: {exc})", flush=True)
 
 
 def load_base_model(model_path: Path, method: str):
@@ -241,6 +245,9 @@ def build_cache(recipe, counter, cache, key: str) -> None:
 def main() -> None:  # noqa: C901 - the training loop reads best in one place
     signal.signal(signal.SIGUSR2, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
+    # The watchdog's way to see where a hung rank is when py-spy is not installed.
+    faulthandler.register(stacks.FAULTHANDLER_SIGNAL, all_threads=True)
+    progress = Reporter()
     run_dir = Path(os.environ["FT_RUN_DIR"])
     shared_root = os.environ.get("FT_SHARED_ROOT", str(run_dir.parent.parent))
     recipe = json.loads((run_dir / "recipe.json").read_text())
@@ -303,6 +310,7 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
     def save(step: int) -> None:
         nonlocal last_save, checkpoint_seconds, checkpoints_written
         save_started = time.monotonic()
+        progress.report("save", step)
         if rank == 0:
             store.prepare()
         dist.barrier()
@@ -350,8 +358,8 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
         except torch.OutOfMemoryError as exc:
             log(rank, f"out of memory at step {step} with micro batch {config['train_micro_batch_size_per_gpu']}: "
                       f"{exc}")
-            leave_exit_status(run_dir, EXIT_OUT_OF_MEMORY)
-            sys.exit(EXIT_OUT_OF_MEMORY)
+            leave_exit_status(run_dir, exits.OUT_OF_MEMORY)
+            sys.exit(exits.OUT_OF_MEMORY)
         # One collective per step: the mean loss, whether any rank wants to stop, and the save clock.
         signals = torch.tensor([torch.stack(losses).mean().item(), float(_stop_requested),
                                 float(time.monotonic() - last_save >= every_seconds > 0),
@@ -363,8 +371,9 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
             log(rank, f"loss is {mean_loss} at step {step}: stopping. Try a lower learning rate "
                       f"(now {recipe['training']['learning_rate']}), gradient clipping (max_grad_norm), "
                       "and `ft validate` on the data.")
-            leave_exit_status(run_dir, EXIT_USER_ERROR)  # every rank: whichever srun stops last
-            sys.exit(EXIT_USER_ERROR)
+            leave_exit_status(run_dir, exits.USER_ERROR)  # every rank: whichever srun stops last
+            sys.exit(exits.USER_ERROR)
+        progress.report("step", step)
         metrics = {"loss": mean_loss, "lr": engine.get_lr()[0], "tokens": tokens * world}
         if dpo:
             metrics["reward_accuracy"] = signals[3].item() / world
@@ -374,11 +383,13 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
         stop_now = signals[1].item() > 0
         if (every_steps and step % every_steps == 0) or signals[2].item() > 0 or stop_now or step == steps:
             save(step)
-        if stop_now:
+        if stop_now and step < steps:
             log(rank, f"stopping at step {step} on request (checkpoint saved); the job continues after requeue")
             tracker.finish()
-            return
+            leave_exit_status(run_dir, exits.STOPPED)  # not done: the job script requeues the job
+            sys.exit(exits.STOPPED)
 
+    progress.report("export", step)
     timing = {"wall_seconds": round(time.monotonic() - started, 2), "checkpoint_seconds": round(checkpoint_seconds, 2),
               "checkpoints": checkpoints_written}
     export(engine, tokenizer, run_dir, recipe, step, tokens * world, timing, tracker, rank)
@@ -411,6 +422,7 @@ def export(engine, tokenizer, run_dir: Path, recipe: dict, step: int, tokens: in
                "final_loss": curve[-1][1] if curve else None,
                "loss_curve": curve, "output": str(output), "method": recipe["method"]["kind"]}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (run_dir / exits.DONE_SENTINEL).write_text(f"{step}\n")  # a requeue after this point never reruns the run
     tracker.artifact(output)
     print(f"[rank 0] wrote {output} and summary.json", flush=True)
 

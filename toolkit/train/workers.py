@@ -4,20 +4,29 @@ One worker per GPU (or a configured number per node on CPU clusters). When any w
 others on this node are stopped at once and the launcher exits non-zero naming the rank and node;
 srun --kill-on-bad-exit then ends the other nodes' launchers. No job waits for a collective
 timeout, and no job with a failed rank exits 0.
+
+With ft's watchdog on, each worker tells its step through a pipe; a rank whose step is late (the
+hang rule in toolkit/watch/progress.py) has its Python stacks dumped into the run's logs, and the
+node stops with exits.HUNG, which the supervisor restarts from the latest checkpoint. The launcher
+heartbeats to the supervisor every second meanwhile (toolkit/watch/heartbeat.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import selectors
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-EXIT_USER_ERROR = 4  # the recipe or the data is wrong (NaN loss...): requeueing would not help
-EXIT_OUT_OF_MEMORY = 5  # the job script retries once with a smaller micro batch (same global batch)
+from toolkit.watch import exits, stacks
+from toolkit.watch.heartbeat import Sender
+from toolkit.watch.progress import PROGRESS_FD, HangRule, NodeProgress
 
 
 def worker_env(node_rank: int, local_rank: int, per_node: int, nodes: int) -> dict[str, str]:
@@ -34,19 +43,58 @@ def worker_env(node_rank: int, local_rank: int, per_node: int, nodes: int) -> di
     return env
 
 
-def run_workers(run_dir: Path) -> int:
-    per_node = int(os.environ.get("FT_WORKERS_PER_NODE", "1"))
-    node_rank = int(os.environ.get("SLURM_NODEID", "0"))
-    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", "1"))
-    host = socket.gethostname()
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+def start_workers(run_dir: Path, node_rank: int, per_node: int, nodes: int
+                  ) -> tuple[dict[int, subprocess.Popen], dict[int, int]]:
+    """The workers, and the read end of each one's progress pipe."""
     workers: dict[int, subprocess.Popen] = {}
+    pipes: dict[int, int] = {}
     for local_rank in range(per_node):
         env = worker_env(node_rank, local_rank, per_node, nodes)
         rank = int(env["RANK"])
+        read_end, write_end = os.pipe()
+        env[PROGRESS_FD] = str(write_end)
         with open(run_dir / "logs" / f"rank-{rank}.log", "a") as log:
             workers[rank] = subprocess.Popen([sys.executable, "-u", "-m", "toolkit.train.worker"], env=env,
-                                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             pass_fds=(write_end,))
+        os.close(write_end)
+        pipes[rank] = read_end
+    return workers, pipes
+
+
+def read_progress(pipes: dict[int, int], progress: NodeProgress, lock: threading.Lock) -> None:
+    """Until every worker has closed its pipe (exited)."""
+    selector = selectors.DefaultSelector()
+    for rank, fd in pipes.items():
+        selector.register(fd, selectors.EVENT_READ, rank)
+    while selector.get_map():
+        for key, _ in selector.select(timeout=1.0):
+            data = os.read(key.fd, 4096)
+            if not data:
+                selector.unregister(key.fd)
+                os.close(key.fd)
+                continue
+            with lock:
+                progress.feed(key.data, data)
+
+
+def run_workers(run_dir: Path, node_rank: int, nodes: int, beat: Sender | None = None) -> int:
+    """Run this node's workers to the end; `beat`, the node's heartbeat (None without ft's
+    watchdog), carries their progress from now on."""
+    per_node = int(os.environ.get("FT_WORKERS_PER_NODE", "1"))
+    host = socket.gethostname()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    recipe = json.loads((run_dir / "recipe.json").read_text())
+    watching = recipe.get("watchdog", {}).get("enabled", False)
+    workers, pipes = start_workers(run_dir, node_rank, per_node, nodes)
+    progress, lock = NodeProgress(list(workers), HangRule.from_recipe(recipe)), threading.Lock()
+    threading.Thread(target=read_progress, args=(pipes, progress, lock), name="ft-progress", daemon=True).start()
+    if beat:
+        def state() -> dict:
+            with lock:
+                return {"ranks": progress.summary()}
+
+        beat.state = state
 
     def forward(signum, _frame):  # the pre-timeout signal: every worker checkpoints and stops
         for process in workers.values():
@@ -55,6 +103,11 @@ def run_workers(run_dir: Path) -> int:
 
     signal.signal(signal.SIGUSR2, forward)
     signal.signal(signal.SIGTERM, forward)
+    return supervise(run_dir, host, workers, progress, lock, watching)
+
+
+def supervise(run_dir: Path, host: str, workers: dict[int, subprocess.Popen], progress: NodeProgress,
+              lock: threading.Lock, watching: bool) -> int:
     while True:
         failed = {rank: p.returncode for rank, p in workers.items() if p.poll() not in (None, 0)}
         if failed:
@@ -65,13 +118,23 @@ def run_workers(run_dir: Path) -> int:
             return code if code > 0 else 1
         if all(p.poll() == 0 for p in workers.values()):
             return 0
+        with lock:
+            hung = progress.hung() if watching else {}
+        if hung:
+            for rank, why in sorted(hung.items()):
+                print(f"[ft-launch {host}] rank {rank} on {host} is hung: {why}", flush=True)
+            stacks.dump_all(run_dir, {rank: p.pid for rank, p in workers.items() if p.poll() is None},
+                            lambda line: print(f"[ft-launch {host}] {line}", flush=True))
+            stop(workers, grace=0)
+            exits.leave_exit_status(run_dir, exits.HUNG)
+            return exits.HUNG
         time.sleep(0.2)
 
 
 def stop(workers: dict[int, subprocess.Popen], grace: float = 5.0) -> None:
     for process in workers.values():
         if process.poll() is None:
-            process.terminate()
+            process.terminate() if grace else process.kill()
     deadline = time.monotonic() + grace
     for process in workers.values():
         try:

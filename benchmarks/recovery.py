@@ -1,0 +1,133 @@
+"""Benchmark recovery from a lost node on the lab, in one run (as root, with the lab up):
+
+  slurm-native   the tiny 2-node LoRA run with ft's watchdog off: Slurm notices the dead node after
+                 SlurmdTimeout, marks it DOWN and requeues the job (--requeue)
+  ft, no spare   the watchdog on: the node is noticed by its missing heartbeat and the job requeued
+                 at once (or, the batch host lost, the other node reports it)
+  ft, one spare  the watchdog on, resources.spare_nodes 1: training goes on inside the same job
+
+For each, --kills times (alternately the batch host's node and the other one): a fresh run, a
+crash of a node once training has passed its first checkpoint, then the seconds from the crash to
+the first new training step (rank 0's stamped metrics), and the steps lost (the last step before
+the crash minus the step training resumed from). The lab is healed after every crash (`ft lab up`).
+Prints medians and the ratios to slurm-native (targets: <= 0.4x without a spare, <= 0.25x with one).
+
+    python benchmarks/recovery.py [--kills 5] [--heartbeat-timeout 5]
+
+The lab's SlurmdTimeout is 10 s, far kinder to slurm-native than a real cluster's 300 s default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from toolkit.lab import chaos, lifecycle  # noqa: E402
+
+RECIPE = REPO / "recipes" / "tiny-lora-sft.yaml"
+MODES = {"slurm-native": {"watchdog": {"enabled": False}},
+         "ft, no spare": {"watchdog": {}},
+         "ft, one spare": {"watchdog": {}, "resources": {"spare_nodes": 1}}}
+
+
+def ft(env: dict, *args: str) -> str:
+    return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, env=env,
+                          check=True, cwd=REPO).stdout
+
+
+def recipe_for(work: Path, mode: str, heartbeat_timeout: float) -> Path:
+    document = yaml.safe_load(RECIPE.read_text())
+    document["data"]["train"] = str(RECIPE.parent / document["data"]["train"])
+    document["training"]["steps"] = 100_000  # stopped by the benchmark, never finished
+    document["checkpoint"]["every_steps"] = 10
+    for section, values in MODES[mode].items():
+        document.setdefault(section, {}).update(values)
+    if document["watchdog"].get("enabled", True):
+        document["watchdog"]["heartbeat_timeout"] = heartbeat_timeout
+    path = work / f"{mode.replace(', ', '-').replace(' ', '-')}.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def wait(what: str, probe, timeout: float, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"{what} did not happen within {timeout:.0f} s")
+
+
+def one_kill(env: dict, recipe: Path, victim_rank: int) -> dict:
+    run = json.loads(ft(env, "submit", "--json", "--skip-validation", str(recipe)))
+    run_dir = Path(run["run_dir"])
+    try:
+        wait("the first checkpoint", lambda: (run_dir / "checkpoints" / "latest").exists(), 300)
+        time.sleep(2)  # a few steps past it: some work to lose
+        before = metrics(run_dir)
+        killed_at = time.time()
+        chaos.crash_rank_node(run["run_id"], victim_rank)
+        first = wait("the first step after the crash",
+                     lambda: next((m for m in metrics(run_dir) if m["time"] > killed_at + 0.5), None), 600)
+        resumed = [m for m in metrics(run_dir) if m["time"] > killed_at + 0.5]
+        return {"seconds": first["time"] - killed_at, "steps_lost": before[-1]["step"] - (resumed[0]["step"] - 1),
+                "victim": "batch host" if victim_rank == 0 else "other node"}
+    finally:
+        subprocess.run([sys.executable, "-m", "toolkit", "cancel", run["run_id"]], env=env, capture_output=True,
+                       cwd=REPO)
+        time.sleep(2)
+        lifecycle.up()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    parser.add_argument("--modes", default=",".join(MODES))
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="ft-bench-recovery-", dir="/var/lib/ft-lab/shared"))
+    env = dict(os.environ, FT_RUNS_DIR=str(work / "runs"), SLURM_CONF="/etc/slurm/slurm.conf")
+    results: dict[str, list[dict]] = {}
+    for mode in args.modes.split(","):
+        recipe = recipe_for(work, mode, args.heartbeat_timeout)
+        results[mode] = []
+        for kill in range(args.kills):
+            outcome = one_kill(env, recipe, victim_rank=kill % 2)
+            results[mode].append(outcome)
+            print(f"{mode}: kill {kill + 1}: {outcome['seconds']:.1f} s to the first new step, "
+                  f"{outcome['steps_lost']} steps lost ({outcome['victim']})", flush=True)
+    native = statistics.median(r["seconds"] for r in results.get("slurm-native", [])) \
+        if results.get("slurm-native") else None
+    print(f"\nkill -> first new step (median of {args.kills}; heartbeat_timeout {args.heartbeat_timeout:.0f} s):")
+    for mode, outcomes in results.items():
+        median = statistics.median(r["seconds"] for r in outcomes)
+        spread = f"{min(r['seconds'] for r in outcomes):.1f}-{max(r['seconds'] for r in outcomes):.1f}"
+        lost = max(r["steps_lost"] for r in outcomes)
+        ratio = f"  {median / native:.2f}x slurm-native" if native else ""
+        print(f"  {mode:14s} {median:6.1f} s ({spread}), at most {lost} steps lost{ratio}")
+    (work / "results.json").write_text(json.dumps(results, indent=2))
+    print(f"raw results: {work / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()

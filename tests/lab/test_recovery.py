@@ -1,0 +1,145 @@
+"""Failure is normal: faults injected into real ft runs on the lab (`ft chaos`), each run ending
+COMPLETED with the weights of an uninterrupted run (atol 1e-5). Inside the same Slurm job: a node
+lost mid-training is replaced by the spare node the job holds; a hung rank has its stacks dumped and
+training restarts from the latest checkpoint, and so does a killed rank. A lost batch host (the job
+script dies with it) is reported to Slurm by the other nodes, and the job requeued at once. A
+free-tier run preempted by a premium job checkpoints within KillWait and resumes losing no step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support.slurm import cancel, sbatch, wait_for, write_script
+from tests.support.training import TINY, assert_same_weights, ft, submit, wait_done
+from toolkit.lab import chaos
+
+pytest.importorskip("deepspeed", reason="the training stack (ft[train]) is not installed")
+
+
+@pytest.fixture(scope="module")
+def runs(lab) -> Path:
+    folder = Path(lab.shared_dir) / "tests" / f"recovery-{os.getpid()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def recipe(folder: Path, name: str, **sections) -> Path:
+    document = yaml.safe_load(TINY.read_text())
+    document["data"]["train"] = str(TINY.parent / document["data"]["train"])
+    for section, values in sections.items():
+        document.setdefault(section, {}).update(values)
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def events(run: dict) -> list[dict]:
+    path = Path(run["run_dir"]) / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def after_first_checkpoint(run: dict) -> None:
+    latest = Path(run["run_dir"]) / "checkpoints" / "latest"
+    wait_for("the first checkpoint", latest.exists, timeout=300, interval=0.5)
+
+
+def finished(run: dict, runs: Path) -> None:
+    state = wait_done(run["run_id"], timeout=420, runs_dir=runs)
+    assert state == "COMPLETED", ft("logs", run["run_id"], "--rank", "0", runs_dir=runs).stdout[-3000:] + \
+        (Path(run["run_dir"]) / "logs" / f"slurm-{run['job_id']}.out").read_text()[-3000:]
+
+
+def one_job(run: dict) -> None:
+    """Recovered inside the allocation: every start was of the first job, none a requeue."""
+    attempts = [json.loads(line) for line in (Path(run["run_dir"]) / "attempts.jsonl").read_text().splitlines()]
+    assert {a["job_id"] for a in attempts} == {run["job_id"]} and {a["restart"] for a in attempts} == {0}
+    assert len(attempts) == 2, attempts  # the first start and the one after the fault
+
+
+def test_a_lost_node_is_replaced_by_a_spare_in_the_same_job(tiny_baseline, runs, heal_lab):
+    run = submit(recipe(runs, "spare", resources={"spare_nodes": 1}, watchdog={"heartbeat_timeout": 5}),
+                 runs_dir=runs)
+    after_first_checkpoint(run)
+    crashed = chaos.crash_rank_node(run["run_id"], 1).node
+
+    finished(run, runs)
+    one_job(run)
+    timeline = events(run)
+    lost = [e for e in timeline if e["event"] == "node_lost"]
+    assert [e["node"] for e in lost] == [crashed] and lost[0]["marked_down"]
+    starts = [e for e in timeline if e["event"] == "start"]
+    assert crashed in starts[0]["nodes"] and crashed not in starts[1]["nodes"]
+    reason = subprocess.run(["sinfo", "--noheader", "-n", crashed, "-o", "%E"], capture_output=True,
+                            text=True).stdout
+    assert run["run_id"] in reason and "no heartbeat" in reason
+    assert "resumed from checkpoint step-" in (Path(run["run_dir"]) / "logs" / "rank-0.log").read_text()
+    assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after losing {crashed}")
+
+
+def checkpoint_after(run: dict, step: int) -> None:
+    latest = Path(run["run_dir"]) / "checkpoints" / "latest"
+    wait_for(f"a checkpoint after step {step}",
+             lambda: latest.exists() and int(latest.read_text().strip().split("-")[1]) > step,
+             timeout=300, interval=0.3)
+
+
+def test_a_hung_rank_then_a_killed_one_are_restarted_on_the_same_nodes(tiny_baseline, runs):
+    run = submit(recipe(runs, "hang", watchdog={"hang_floor": 5, "hang_factor": 10}), runs_dir=runs)
+    after_first_checkpoint(run)
+    hung = chaos.hang_rank(run["run_id"], 1)
+    checkpoint_after(run, int((Path(run["run_dir"]) / "checkpoints" / "latest").read_text().split("-")[1]))
+    chaos.kill_rank(run["run_id"], 0)
+
+    finished(run, runs)
+    attempts = [json.loads(line) for line in (Path(run["run_dir"]) / "attempts.jsonl").read_text().splitlines()]
+    assert {a["job_id"] for a in attempts} == {run["job_id"]} and len(attempts) == 3  # one job, three starts
+    node_log = (Path(run["run_dir"]) / "logs" / f"node-{hung.node}.log").read_text()
+    assert "rank 1 on" in node_log and "is hung: no progress for" in node_log
+    stacks = Path(run["run_dir"]) / "logs" / "stacks"
+    (stopped,) = stacks.glob("rank-1.*.txt")
+    assert "state T: stopped" in stopped.read_text()  # as ft chaos left it
+    (waiting,) = stacks.glob("rank-0.*.txt")  # the other rank, waiting for it in a collective
+    assert "worker.py" in waiting.read_text()
+    timeline = events(run)
+    restarts = [e["after"] for e in timeline if e["event"] == "restart"]
+    assert restarts[0] == "exit 6" and len(restarts) == 2
+    starts = [e["nodes"] for e in timeline if e["event"] == "start"]
+    assert starts[0] == starts[1] == starts[2]
+    assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), "after a hung rank and a killed one")
+
+
+def test_a_lost_batch_host_is_reported_by_the_survivors_and_the_job_requeued(tiny_baseline, runs, heal_lab):
+    run = submit(recipe(runs, "batch-host", watchdog={"heartbeat_timeout": 5}), runs_dir=runs)
+    after_first_checkpoint(run)
+    crashed = chaos.crash_rank_node(run["run_id"], 0).node  # rank 0 runs on the batch host
+
+    finished(run, runs)
+    attempts = [json.loads(line) for line in (Path(run["run_dir"]) / "attempts.jsonl").read_text().splitlines()]
+    assert [a["restart"] for a in attempts] == [0, 1] and crashed not in attempts[1]["nodes"]
+    reason = subprocess.run(["sinfo", "--noheader", "-n", crashed, "-o", "%E"], capture_output=True,
+                            text=True).stdout
+    assert "batch host" in reason and run["run_id"] in reason
+    assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after losing the batch host {crashed}")
+
+
+def test_a_preempted_free_run_checkpoints_and_resumes_where_it_stopped(lab, tiny_baseline, runs, shared_tmp):
+    run = submit(recipe(runs, "free", resources={"tier": "free"}), runs_dir=runs)
+    after_first_checkpoint(run)
+    script = write_script(shared_tmp / "premium.sh", "srun sleep 5\n")
+    premium = sbatch(script, "--partition=premium", f"--nodes={len(lab.nodes)}", f"--output={shared_tmp}/p-%j")
+    try:
+        finished(run, runs)
+    finally:
+        cancel(premium)
+    rank0 = (Path(run["run_dir"]) / "logs" / "rank-0.log").read_text()
+    stopped = rank0.split("stopping at step ", 1)[1].split(" ", 1)[0]  # on SIGTERM, after a checkpoint
+    assert f"resumed from checkpoint step-{int(stopped):08d}" in rank0  # no step lost
+    attempts = [json.loads(line) for line in (Path(run["run_dir"]) / "attempts.jsonl").read_text().splitlines()]
+    assert [a["restart"] for a in attempts] == [0, 1]
+    assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after preemption at step {stopped}")

@@ -1,0 +1,275 @@
+"""ft's watchdog, piece by piece, with real processes, pipes, signals and UDP on loopback: the
+heartbeat refuses what the job did not send, the hang rule, a hung worker's stacks dumped with
+py-spy before it is stopped, and the supervisor's decisions. Slurm itself is not here: a fake
+`srun` plays the step's launchers (sending real heartbeats) and a fake client records what would
+be marked DOWN; the lab tests (tests/lab/test_recovery.py) run the real thing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from toolkit.watch.heartbeat import Receiver, Sender, seal
+from toolkit.watch.progress import HangRule, NodeProgress, Reporter
+
+SECRET = b"s" * 64
+
+
+def test_heartbeats_reach_the_receiver_and_forged_replayed_or_stale_ones_do_not():
+    receiver = Receiver(SECRET, host="127.0.0.1")
+    start = receiver.next_start()
+    sender = Sender("127.0.0.1", receiver.port, SECRET, "node1", start, state=lambda: {"ranks": {"0": ["step", 3]}})
+    sender.send()
+    receiver.poll(time.monotonic() + 0.5)
+    assert receiver.nodes["node1"].message["ranks"] == {"0": ["step", 3]}
+    heard = receiver.nodes["node1"].last
+
+    attacker = Sender("127.0.0.1", receiver.port, b"x" * 64, "node2", start, state=dict)
+    attacker.send()  # wrong secret
+    replay = seal(SECRET, {"node": "node1", "start": start, "seq": 1})  # a sequence number already seen
+    stale = seal(SECRET, {"node": "node3", "start": start - 1, "seq": 9})  # a launcher of an earlier start
+    for datagram in (replay, stale, b"junk", b"x" * 5000):
+        sender.socket.sendto(datagram, ("127.0.0.1", receiver.port))
+    receiver.poll(time.monotonic() + 0.5)
+    assert set(receiver.nodes) == {"node1"} and receiver.nodes["node1"].last == heard
+    assert receiver.refused == 5
+
+
+def test_a_launcher_notices_once_when_the_supervisor_stops_answering():
+    receiver = Receiver(SECRET, host="127.0.0.1")
+    silences = []
+    sender = Sender("127.0.0.1", receiver.port, SECRET, "node2", receiver.next_start(), state=dict, silence_s=1.5,
+                    on_silence=silences.append).start()
+    receiver.poll(time.monotonic() + 2.5)  # answers each heartbeat
+    assert sender.answered is not None and silences == []
+    receiver.close()  # the batch host is gone; and the launcher fails (its collective broke)
+    began = time.monotonic()
+    sender.stop(1, linger=4)
+    assert len(silences) == 1 and silences[0] >= 1.5 and time.monotonic() - began < 4
+
+
+def test_a_failing_launcher_lingers_only_until_the_supervisor_answers():
+    receiver = Receiver(SECRET, host="127.0.0.1")
+    sender = Sender("127.0.0.1", receiver.port, SECRET, "node2", receiver.next_start(), state=dict, silence_s=5,
+                    on_silence=lambda quiet: None).start()
+    answering = threading.Thread(target=receiver.poll, args=(time.monotonic() + 4,))
+    answering.start()
+    time.sleep(1.5)
+    began = time.monotonic()
+    sender.stop(1, linger=7)
+    assert time.monotonic() - began < 2.5  # answered within a heartbeat or so
+    answering.join()
+    assert receiver.nodes["node2"].message["exit_code"] == 1
+
+
+def test_a_rank_is_hung_when_late_by_k_median_steps_and_at_least_the_floor():
+    progress = NodeProgress([0, 1], HangRule(hang_factor=10, hang_floor=5, startup_timeout=60))
+    began = time.monotonic()
+    for step in range(1, 11):  # 1 s a step on both ranks
+        for rank in (0, 1):
+            progress.feed(rank, f"step {step}\n".encode(), now=began + step)
+    assert progress.hung(now=began + 10 + 9.5) == {}
+    assert set(progress.hung(now=began + 10 + 10.5)) == {0, 1}  # 10 x the 1 s median
+    # A fast rank still gets the floor; a save or the export gets the startup limit.
+    fast = NodeProgress([0], HangRule(hang_factor=10, hang_floor=5, startup_timeout=60))
+    for step in range(1, 11):
+        fast.feed(0, f"step {step}\n".encode(), now=began + step * 0.01)
+    assert fast.hung(now=began + 0.1 + 4) == {} and fast.hung(now=began + 0.1 + 6)
+    fast.feed(0, b"save 10\n", now=began + 1)
+    assert fast.hung(now=began + 50) == {} and "save 10" in fast.hung(now=began + 62)[0]
+
+
+def test_progress_lines_split_across_reads_count_and_junk_does_not():
+    progress = NodeProgress([0], HangRule())
+    progress.feed(0, b"ste")
+    progress.feed(0, b"p 7\nstep x\nwhatever 9\n" + b"z" * 10_000)
+    assert progress.summary() == {"0": ["step", 7]}
+    assert len(progress.partial[0]) <= 64  # a runaway line is cut, not kept
+
+
+def test_a_worker_never_blocks_on_a_full_progress_pipe(monkeypatch):
+    read_end, write_end = os.pipe()
+    monkeypatch.setenv("FT_PROGRESS_FD", str(write_end))
+    reporter = Reporter()
+    began = time.monotonic()
+    for step in range(200_000):  # far more than a pipe holds, never read
+        reporter.report("step", step)
+    assert time.monotonic() - began < 10
+    os.close(read_end)
+    reporter.report("step", 1)  # the launcher gone: silently stops reporting
+    assert reporter.fd is None
+
+
+HANGING_WORKER = textwrap.dedent("""
+    import os, time
+    fd = int(os.environ["FT_PROGRESS_FD"])
+    for step in range(1, 30):
+        os.write(fd, f"step {step}\\n".encode())
+        time.sleep(0.05)
+    def stuck_in_a_collective():
+        time.sleep(120)
+    stuck_in_a_collective()
+""")
+
+
+def test_a_hung_worker_has_its_stacks_dumped_then_is_stopped(tmp_path):
+    from toolkit.train.workers import read_progress, supervise
+    from toolkit.watch import exits
+
+    (tmp_path / "logs").mkdir()
+    read_end, write_end = os.pipe()
+    worker = subprocess.Popen([sys.executable, "-c", HANGING_WORKER], pass_fds=(write_end,),
+                              env=dict(os.environ, FT_PROGRESS_FD=str(write_end)))
+    os.close(write_end)
+    progress, lock = NodeProgress([0], HangRule(hang_factor=5, hang_floor=1, startup_timeout=30)), threading.Lock()
+    threading.Thread(target=read_progress, args=({0: read_end}, progress, lock), daemon=True).start()
+    began = time.monotonic()
+
+    code = supervise(tmp_path, "here", {0: worker}, progress, lock, watching=True)
+
+    assert code == exits.HUNG and worker.poll() is not None
+    assert exits.read_exit_status(tmp_path) == exits.HUNG  # srun would report 15 for the ranks it stopped
+    assert 2 < time.monotonic() - began < 20
+    (dump,) = (tmp_path / "logs" / "stacks").glob("rank-0.*.txt")
+    assert "stuck_in_a_collective" in dump.read_text()
+
+
+FAKE_SRUN = textwrap.dedent("""
+    # A fake srun: one thread per node of --nodelist sends the launcher's heartbeats. What each
+    # start does comes from the script named by FAKE_PLAN: {start: {"lose": node, "exit": code}}.
+    import json, os, signal, sys, threading, time
+    from toolkit.watch.heartbeat import Sender
+    nodes = next(a for a in sys.argv if a.startswith("--nodelist=")).split("=", 1)[1].split(",")
+    start = int(os.environ["FT_WATCH_START"])
+    plan = json.loads(open(os.environ["FAKE_PLAN"]).read()).get(str(start), {})
+    with open(os.environ["FAKE_LOG"], "a") as log:
+        log.write(json.dumps({"start": start, "nodes": nodes, "argv": sys.argv[1:]}) + "\\n")
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    senders = {n: Sender(os.environ["FT_WATCH_ADDR"], int(os.environ["FT_WATCH_PORT"]),
+                         os.environ["FT_JOB_SECRET"].encode(), n, start, dict) for n in nodes}
+    for node, sender in senders.items():
+        sender.send()
+    deadline = time.monotonic() + plan.get("seconds", 2)
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        for node, sender in senders.items():
+            if node != plan.get("lose"):
+                sender.send()
+    if plan.get("lose"):
+        time.sleep(plan.get("linger", 60))  # srun waits for a lost node, as the real one does until it is DOWN
+    for sender in senders.values():
+        sender.exit_code = plan.get("exit", 0)
+        sender.send()
+    sys.exit(plan.get("exit", 0))
+""")
+
+
+class FakeSlurm:
+    """Stands in for Slurm in a unit test (the lab tests use the real one)."""
+
+    def __init__(self, nodes: list[str], drains: dict | None = None):
+        self.nodes, self.downed, self.drains = nodes, [], drains or {}
+        self.began = time.monotonic()
+
+    def hostnames(self, nodelist: str) -> list[str]:
+        return self.nodes
+
+    def mark_node_down(self, node: str, reason: str) -> bool:
+        self.downed.append((node, reason))
+        return True
+
+    def drained(self, nodes: list[str]) -> dict[str, str]:
+        """drains: {node: seconds after the start when a health check drains it}."""
+        return {node: "ft-healthcheck: 20-gpu: XID 79" for node, after in self.drains.items()
+                if node in nodes and time.monotonic() - self.began > after}
+
+
+def supervised(tmp_path, monkeypatch, allocation: list[str], nodes: int, plan: dict, srun_options=(), drains=None,
+               **watchdog):
+    from toolkit.watch.supervise import Supervisor
+
+    (tmp_path / "recipe.json").write_text(json.dumps({
+        "resources": {"nodes": nodes}, "watchdog": {"heartbeat_timeout": 2, "startup_timeout": 30,
+                                                    "max_restarts": 3, **watchdog}}))
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    srun = tmp_path / "srun"
+    srun.write_text(f"#!{sys.executable}\n{FAKE_SRUN}")
+    srun.chmod(0o755)
+    (tmp_path / "marks").mkdir(exist_ok=True)
+    for name, value in {"FT_JOB_SECRET": SECRET.decode(), "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "x",
+                        "SLURMD_NODENAME": "localhost", "FT_RUN_ID": "run-1", "FAKE_PLAN": str(tmp_path / "plan.json"),
+                        "FAKE_LOG": str(tmp_path / "srun.log"), "FT_LAUNCH_MARKS": str(tmp_path / "marks"),
+                        "PYTHONPATH": str(Path(__file__).resolve().parents[2])}.items():
+        monkeypatch.setenv(name, value)
+    slurm = FakeSlurm(allocation, drains)
+    supervisor = Supervisor([str(srun), *srun_options, "python", "-m", "toolkit.launch"], tmp_path, slurm)
+    began = time.monotonic()
+    code = supervisor.run()
+    starts = [json.loads(line) for line in (tmp_path / "srun.log").read_text().splitlines()]
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    return code, starts, events, slurm, time.monotonic() - began
+
+
+def test_a_lost_node_is_replaced_by_the_spare_inside_the_job(tmp_path, monkeypatch):
+    code, starts, events, slurm, took = supervised(tmp_path, monkeypatch, ["n1", "n2", "n3"], 2,
+                                                   {"1": {"lose": "n2", "seconds": 1}})
+    assert code == 0
+    assert [s["nodes"] for s in starts] == [["n1", "n2"], ["n1", "n3"]]
+    assert all("--overlap" in s["argv"] for s in starts)
+    assert [(node, "run run-1" in reason and "job 77" in reason) for node, reason in slurm.downed] == [("n2", True)]
+    assert [e["event"] for e in events] == ["start", "node_lost", "restart", "start", "end"]
+    assert took < 15  # noticed after the 2 s heartbeat timeout, not after srun's 60 s wait
+
+
+def test_a_lost_node_without_a_spare_is_handed_back_for_a_requeue(tmp_path, monkeypatch):
+    from toolkit.watch import exits
+
+    code, starts, events, _, _ = supervised(tmp_path, monkeypatch, ["n1", "n2"], 2, {"1": {"lose": "n1"}})
+    assert code == exits.NODES_LOST and len(starts) == 1
+    assert (tmp_path / "marks" / "lost-nodes").read_text().split() == ["n1"]
+    assert events[-1]["event"] == "end" and events[-1]["lost"] == ["n1"]
+
+
+def test_a_failed_start_restarts_on_the_same_nodes_and_user_errors_do_not(tmp_path, monkeypatch):
+    code, starts, events, slurm, _ = supervised(tmp_path, monkeypatch, ["n1", "n2"], 2,
+                                                {"1": {"exit": 1, "seconds": 0.5}})
+    assert code == 0 and [s["nodes"] for s in starts] == [["n1", "n2"]] * 2 and slurm.downed == []
+    assert [e.get("after") for e in events if e["event"] == "restart"] == ["exit 1"]
+
+    for used in ("srun.log", "events.jsonl"):
+        (tmp_path / used).unlink()
+    code, starts, _, _, _ = supervised(tmp_path, monkeypatch, ["n1", "n2"], 2, {"1": {"exit": 4, "seconds": 0.5}})
+    assert code == 4 and len(starts) == 1
+
+
+@pytest.mark.parametrize("most", [0, 1])
+def test_restarts_stop_at_max_restarts(tmp_path, monkeypatch, most):
+    plan = {str(start): {"exit": 3, "seconds": 0.3} for start in range(1, 5)}
+    code, starts, _, _, _ = supervised(tmp_path, monkeypatch, ["n1"], 1, plan, max_restarts=most)
+    assert code == 3 and len(starts) == most + 1
+
+
+def test_under_hyperpods_auto_resume_the_watchdog_only_watches(tmp_path, monkeypatch):
+    """HyperPod replaces the node and restarts the step itself: ft stopping it too would restart twice."""
+    code, starts, events, slurm, _ = supervised(tmp_path, monkeypatch, ["n1", "n2", "n3"], 2,
+                                                {"1": {"lose": "n2", "seconds": 1, "linger": 4}},
+                                                srun_options=["--auto-resume=1"])
+    assert code == 0 and len(starts) == 1 and slurm.downed == []
+    assert [e["event"] for e in events] == ["start", "node_silent", "end"]
+
+
+def test_a_node_drained_under_the_job_is_left_out_for_the_spare(tmp_path, monkeypatch):
+    code, starts, events, slurm, _ = supervised(tmp_path, monkeypatch, ["n1", "n2", "n3"], 2,
+                                                {"1": {"seconds": 30}, "2": {"seconds": 1}}, drains={"n2": 1})
+    assert code == 0 and [s["nodes"] for s in starts] == [["n1", "n2"], ["n1", "n3"]]
+    assert slurm.downed == []  # a drain is someone else's, reason and all
+    lost = [e for e in events if e["event"] == "node_lost"]
+    assert lost[0]["node"] == "n2" and "XID 79" in lost[0]["reason"]

@@ -1,0 +1,40 @@
+"""`ft chaos`: break a running run on the lab on purpose, to see what ft does about it."""
+
+from __future__ import annotations
+
+import typer
+
+from toolkit.cli.output import console, plain
+
+app = typer.Typer(help="Break a running run on the local lab on purpose (root): see what ft does.",
+                  no_args_is_help=True)
+
+RUN = typer.Argument(..., help="The run (see `ft ls`).")
+RANK = typer.Option(1, "--rank", "-r", help="Which rank.")
+
+
+@app.command()
+def hang(run_id: str = RUN, rank: int = RANK) -> None:
+    """Stop a rank (SIGSTOP), as a rank stuck in a driver call would hang."""
+    from toolkit.lab.chaos import hang_rank
+
+    found = hang_rank(run_id, rank)
+    console.print(f"rank {rank} (pid {found.pid} on {plain(found.node)}) stopped")
+
+
+@app.command()
+def kill(run_id: str = RUN, rank: int = RANK) -> None:
+    """Kill a rank (SIGKILL)."""
+    from toolkit.lab.chaos import kill_rank
+
+    found = kill_rank(run_id, rank)
+    console.print(f"rank {rank} (pid {found.pid} on {plain(found.node)}) killed")
+
+
+@app.command()
+def crash(run_id: str = RUN, rank: int = RANK) -> None:
+    """Crash the node a rank runs on, as a power loss would (`ft lab up` brings it back)."""
+    from toolkit.lab.chaos import crash_rank_node
+
+    found = crash_rank_node(run_id, rank)
+    console.print(f"{plain(found.node)} (running rank {rank}) crashed")

@@ -1,0 +1,73 @@
+"""Where a run's time went, from what its job wrote: the watchdog's events (events.jsonl: each start,
+fault and decision) and rank 0's metrics (metrics.jsonl: one stamped line per step).
+
+    productive  steps done for the first time
+    redone      steps trained again after a fault (the work lost since the last checkpoint)
+    starting    each start until its first step: model load, data, DeepSpeed init, checkpoint load
+    recovering  a fault until the next start: detection, stopping the step, the backoff
+    other       the rest: checkpoint saves, the export, time between requeued jobs
+
+Goodput is productive time over the wall time since the first start.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+FAULTS = {"node_lost", "restart", "node_silent"}
+
+
+def read_lines(path: Path, required: dict[str, type | tuple]) -> list[dict]:
+    """JSON lines with the fields required; torn or foreign lines are skipped."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    entries = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(entry, dict) and all(isinstance(entry.get(k), kind) for k, kind in required.items()):
+            entries.append(entry)
+    return entries
+
+
+def timeline(run_dir: Path, now: float | None = None) -> dict | None:
+    """The run's time accounts, or None before the watchdog recorded a start."""
+    events = read_lines(run_dir / "events.jsonl", {"time": (int, float), "event": str})
+    metrics = read_lines(run_dir / "metrics.jsonl", {"time": (int, float), "step": int})
+    starts = [e["time"] for e in events if e["event"] == "start"]
+    if not starts:
+        return None
+    ended = events[-1]["event"] == "end" and events[-1].get("code") == 0
+    end = events[-1]["time"] if ended else (now or time.time())
+    wall = max(end - starts[0], 1e-9)
+    productive = redone = starting = 0.0
+    best, previous = 0, None
+    for entry in sorted(metrics, key=lambda m: m["time"]):
+        began = max((s for s in starts if s <= entry["time"]), default=starts[0])
+        if previous is None or began > previous["time"]:  # a start's first step: the wait was starting
+            starting += entry["time"] - began
+        elif entry["step"] > best:
+            productive += entry["time"] - previous["time"]
+        else:
+            redone += entry["time"] - previous["time"]
+        best, previous = max(best, entry["step"]), entry
+    recovering, fault = 0.0, None
+    for event in events:  # from a fault to the next start
+        if event["event"] in ("node_lost", "restart") and fault is None:
+            fault = event["time"]
+        elif event["event"] == "start" and fault is not None:
+            recovering, fault = recovering + event["time"] - fault, None
+    if fault is not None:
+        recovering += end - fault
+    faults = [{key: value for key, value in e.items() if key != "job"} for e in events if e["event"] in FAULTS]
+    accounted = productive + redone + starting + recovering
+    return {"wall_s": round(wall, 1), "productive_s": round(productive, 1), "redone_s": round(redone, 1),
+            "starting_s": round(starting, 1), "recovering_s": round(recovering, 1),
+            "other_s": round(max(wall - accounted, 0.0), 1), "goodput": round(productive / wall, 3),
+            "starts": len(starts), "faults": faults, "finished": ended}

@@ -1,0 +1,61 @@
+"""A hung rank's Python stacks, written into the run's logs before it is stopped: py-spy reads
+them from outside the process (it works on a process that is stopped or stuck in C code, where
+Python itself can run nothing); without py-spy, faulthandler in the worker prints them into the
+rank's log on SIGUSR1 (only a process that still runs can)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+DUMP_TIMEOUT_S = 20
+FAULTHANDLER_SIGNAL = signal.SIGUSR1  # registered by the worker (toolkit/train/worker.py)
+
+
+def process_state(pid: int) -> str:
+    """The kernel's word for a process's state: R running, S sleeping, D in I/O, T stopped..."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def dump(pid: int, target: Path) -> str:
+    """Dump one process's stacks to `target`; says how."""
+    state = process_state(pid)
+    if state in ("T", "t"):  # py-spy cannot read a stopped process, and a signal would wait for SIGCONT
+        target.write_text(f"# process {pid}, state {state}: stopped (SIGSTOP, or a debugger), so its stacks "
+                          "cannot be read\n")
+        return f"stopped (state {state}): a SIGSTOP or a debugger holds it"
+    py_spy = str(Path(sys.executable).parent / "py-spy")
+    py_spy = py_spy if Path(py_spy).is_file() else shutil.which("py-spy") or ""
+    if py_spy:
+        try:
+            result = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                                    timeout=DUMP_TIMEOUT_S)
+            target.write_text(f"# process {pid}, state {state}\n{result.stdout}{result.stderr}")
+            if result.returncode == 0:
+                return f"stacks in {target} (process state {state})"
+        except subprocess.TimeoutExpired:
+            target.write_text(f"# process {pid}, state {state}: py-spy took over {DUMP_TIMEOUT_S} s\n")
+    try:
+        os.kill(pid, FAULTHANDLER_SIGNAL)
+        time.sleep(1)
+    except ProcessLookupError:
+        return "the process is gone"
+    return f"stacks requested with faulthandler (in the rank's log); process state {state}"
+
+
+def dump_all(run_dir: Path, pids: dict[int, int], log: Callable[[str], None]) -> None:
+    folder = run_dir / "logs" / "stacks"
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = f"{os.environ.get('SLURM_JOB_ID', 'job')}.{os.environ.get('FT_WATCH_START', '0')}"
+    for rank, pid in sorted(pids.items()):
+        log(f"rank {rank}: {dump(pid, folder / f'rank-{rank}.{stamp}.txt')}")

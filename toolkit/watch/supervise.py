@@ -1,0 +1,234 @@
+"""The supervisor: on the batch host, around the job's srun. It starts the training step on the
+recipe's number of nodes (the allocation may hold `resources.spare_nodes` more), listens to every
+node's heartbeat, and decides what a failure costs:
+
+- a node silent for `watchdog.heartbeat_timeout` seconds is lost, and so is one drained meanwhile
+  (a health check found it bad, or an admin took it out; Slurm itself would let the job run on):
+  the step is stopped at once (not when Slurm notices, after SlurmdTimeout), a silent node is
+  marked DOWN with a reason naming the run,
+  and training starts again from the latest checkpoint on the survivors and a spare node, in the
+  same job. With no spare left, it exits exits.NODES_LOST naming the lost nodes, and the job script
+  requeues the job without them;
+- the batch host itself lost: the job script and this supervisor die with it; the launchers on
+  the other nodes notice that their heartbeats go unanswered and tell Slurm (toolkit/launch/node.py);
+- a dead or hung rank, or a failed collective, on nodes that still answer: the same nodes start
+  again from the latest checkpoint, after a short backoff, at most `watchdog.max_restarts` times;
+- a user error (4) or running out of memory (5) goes back to the job script unchanged: restarting
+  would fail the same way (the script retries out of memory once, with a smaller micro batch);
+- under HyperPod's `srun --auto-resume=1`, HyperPod replaces a faulty node and restarts the step
+  itself: the supervisor then only watches and records, so that no fault is restarted twice.
+
+The codes are those of toolkit/watch/exits.py.
+Every decision is a line in the batch log and in <run dir>/events.jsonl.
+
+    python -m toolkit.watch.supervise -- srun [options] python -m toolkit.launch
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit.launch.rendezvous import job_secret
+from toolkit.slurm.client import CliSlurmClient, SlurmClient
+from toolkit.watch import exits
+from toolkit.watch.heartbeat import Receiver
+
+SILENT_AT_END_S = 3.0  # a node quiet this long before srun ended was lost, whatever srun says
+STOP_GRACE_S = 5.0
+DRAIN_CHECK_S = 5.0  # how often the step's nodes are checked for a drain
+
+
+@dataclass
+class Lost:
+    nodes: list[str]
+    why: str
+    drained: bool = False  # taken out by someone else: not marked DOWN again
+
+@dataclass
+class Outcome:
+    code: int | None  # srun's exit status; None when the supervisor stopped the step
+    lost: Lost | None
+
+
+def log(message: str) -> None:
+    print(f"ft: {time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
+def record(run_dir: Path, event: str, **fields) -> None:
+    """The run's timeline (what `ft status` reads): one JSON line per start, fault and decision."""
+    line = json.dumps({"time": round(time.time(), 3), "job": os.environ.get("SLURM_JOB_ID", ""), "event": event,
+                       **fields})
+    descriptor = os.open(run_dir / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(descriptor, "a") as handle:
+        handle.write(line + "\n")
+
+
+def master_port(job_id: int, start: int) -> int:
+    """A fresh port pair per start (torch's store, and the rendezvous one above it): a step left
+    over from an earlier start may still hold the previous pair."""
+    return 20000 + (job_id % 2000) * 10 + (2 * start) % 10
+
+
+class Supervisor:
+    def __init__(self, command: list[str], run_dir: Path, slurm: SlurmClient | None = None):
+        self.command, self.run_dir = command, run_dir
+        recipe = json.loads((run_dir / "recipe.json").read_text())
+        self.watchdog = recipe["watchdog"]
+        self.needed = recipe["resources"]["nodes"]
+        self.slurm = slurm or CliSlurmClient()
+        self.job_id = os.environ.get("SLURM_JOB_ID", "0")
+        self.allocation = self.slurm.hostnames(os.environ["SLURM_JOB_NODELIST"])
+        self.excluded: list[str] = []
+        self.receiver = Receiver(job_secret())
+        self.node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # the batch host
+        self.address = socket.gethostbyname(self.node)
+        self.process: subprocess.Popen | None = None
+        self.stopping = False  # the time limit is near, or the job is ending: no restart
+        self.auto_resume = any(arg.startswith("--auto-resume") for arg in command)  # HyperPod restarts itself
+
+    # -- one start of the training ---------------------------------------------------------------
+    def start(self, nodes: list[str]) -> subprocess.Popen:
+        start = self.receiver.next_start()
+        exits.clear_exit_status(self.run_dir)
+        env = dict(os.environ, MASTER_ADDR=nodes[0], MASTER_PORT=str(master_port(int(self.job_id), start)),
+                   FT_WATCH_ADDR=self.address, FT_WATCH_PORT=str(self.receiver.port), FT_WATCH_START=str(start),
+                   FT_WATCH_NODE=self.node, FT_WATCH_TIMEOUT=str(self.watchdog["heartbeat_timeout"]))
+        # --overlap: a step that spanned a lost node lingers until Slurm declares the node DOWN, and
+        # holds its share of the survivors meanwhile (measured on Slurm 22.05).
+        argv = [self.command[0], f"--nodelist={','.join(nodes)}", "--overlap", *self.command[1:]]
+        log(f"start {start}: training on {', '.join(nodes)}"
+            + (f" (spare: {', '.join(self.spares())})" if self.spares() else ""))
+        record(self.run_dir, "start", start=start, nodes=nodes, spares=self.spares())
+        return subprocess.Popen(argv, env=env)
+
+    def watch(self, process: subprocess.Popen, nodes: list[str]) -> Outcome:
+        began, reported, drain_checked = time.monotonic(), False, time.monotonic()
+        timeout, startup = float(self.watchdog["heartbeat_timeout"]), float(self.watchdog["startup_timeout"])
+        while True:
+            self.receiver.poll(time.monotonic() + 0.5)
+            now = time.monotonic()
+            code = process.poll()
+            if code is not None:
+                if code:  # the code of whichever rank or launcher ended the step, not srun's (exits.py)
+                    code = exits.read_exit_status(self.run_dir) or code
+                quiet = self.silent(nodes, now, SILENT_AT_END_S)
+                return Outcome(code, Lost(quiet, f"no heartbeat for {SILENT_AT_END_S:.0f} s") if quiet else None)
+            if self.stopping:
+                continue
+            silent = self.silent(nodes, now, timeout)
+            silent += [n for n in nodes if n not in self.receiver.nodes and now - began > startup]
+            lost = Lost(silent, f"no heartbeat for {timeout:.0f} s") if silent else None
+            if lost is None and now - drain_checked > DRAIN_CHECK_S and not self.auto_resume:
+                drain_checked = now
+                drained = self.slurm.drained(nodes)
+                if drained:
+                    why = "drained: " + "; ".join(f"{node}: {reason}" for node, reason in sorted(drained.items()))
+                    lost = Lost(sorted(drained), why, drained=True)
+            if lost and self.auto_resume:
+                if not reported:
+                    log(f"{lost.why} on {', '.join(lost.nodes)}: left to HyperPod's --auto-resume")
+                    record(self.run_dir, "node_silent", nodes=lost.nodes, left_to="auto-resume")
+                reported = True
+            elif lost:
+                log(f"{lost.why} ({', '.join(lost.nodes)}): stopping the step")
+                self.stop_step(process)
+                return Outcome(None, lost)
+
+    def silent(self, nodes: list[str], now: float, limit: float) -> list[str]:
+        """Nodes heard from before that went quiet, without saying goodbye."""
+        return [node for node in nodes if (seen := self.receiver.nodes.get(node)) is not None
+                and "exit_code" not in seen.message and now - seen.last > limit]
+
+    def stop_step(self, process: subprocess.Popen) -> None:
+        """srun ends a step on two interrupts within a second; it is killed if it does not."""
+        for _ in range(2):
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                time.sleep(0.3)
+        try:
+            process.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    # -- decisions --------------------------------------------------------------------------------
+    def spares(self) -> list[str]:
+        return [n for n in self.allocation if n not in self.excluded][self.needed:]
+
+    def exclude(self, lost: Lost) -> None:
+        for node in lost.nodes:
+            self.excluded.append(node)
+            if lost.drained:  # someone else took it out, with their reason: left as it is
+                log(f"node {node} left out: {lost.why}")
+                record(self.run_dir, "node_lost", node=node, reason=lost.why, marked_down=False)
+                continue
+            reason = f"ft: {lost.why} (run {os.environ.get('FT_RUN_ID', '?')}, job {self.job_id})"
+            marked = self.slurm.mark_node_down(node, reason)
+            log(f"node {node} {'marked DOWN' if marked else 'left out (marking it DOWN needs operator rights)'}: "
+                f"{lost.why}")
+            record(self.run_dir, "node_lost", node=node, reason=lost.why, marked_down=marked)
+
+    def run(self) -> int:
+        restarts, most = 0, int(self.watchdog["max_restarts"])
+        while True:
+            nodes = [n for n in self.allocation if n not in self.excluded][:self.needed]
+            if len(nodes) < self.needed:
+                return self.hand_back_lost()
+            self.process = self.start(nodes)
+            outcome = self.watch(self.process, nodes)
+            if outcome.lost and not self.stopping:
+                self.exclude(outcome.lost)
+            elif outcome.code == 0 or self.stopping or self.auto_resume or outcome.code in exits.NOT_RESTARTED:
+                record(self.run_dir, "end", code=outcome.code)
+                return outcome.code if outcome.code is not None else 1
+            elif not self.receiver.nodes:  # no launcher ever started: the job script's to judge
+                record(self.run_dir, "end", code=outcome.code, why="the step did not start")
+                return outcome.code
+            restarts += 1
+            if restarts > most:
+                log(f"{most} restarts in this job already: giving up (watchdog.max_restarts)")
+                record(self.run_dir, "end", code=outcome.code or 1, why="max_restarts")
+                return outcome.code or 1
+            pause = 0 if outcome.lost else min(2 ** (restarts - 1), 30)
+            log(f"restart {restarts} of at most {most}"
+                + (f" in {pause} s" if pause else "") + ": training resumes from the latest checkpoint")
+            record(self.run_dir, "restart", restart=restarts, after=("node_lost" if outcome.lost else
+                                                                     f"exit {outcome.code}"))
+            time.sleep(pause)
+
+    def hand_back_lost(self) -> int:
+        """No spare left: the job script requeues the job without the lost nodes."""
+        marks = os.environ.get("FT_LAUNCH_MARKS")
+        if marks:
+            Path(marks, "lost-nodes").write_text("\n".join(self.excluded) + "\n")
+        log(f"no spare node left for {', '.join(self.excluded)}: the job requeues without them")
+        record(self.run_dir, "end", code=exits.NODES_LOST, why="no spare node left", lost=self.excluded)
+        return exits.NODES_LOST
+
+    def on_signal(self, signum, _frame) -> None:
+        """USR2 (time limit near) and TERM (the job ends): passed on to the step; no restart after."""
+        self.stopping = True
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signum)
+
+
+def main(argv: list[str]) -> int:
+    if "--" not in argv or argv.index("--") == len(argv) - 1:
+        print("usage: python -m toolkit.watch.supervise -- srun [options] COMMAND", file=sys.stderr)
+        return 2
+    supervisor = Supervisor(argv[argv.index("--") + 1:], Path(os.environ["FT_RUN_DIR"]))
+    signal.signal(signal.SIGUSR2, supervisor.on_signal)
+    signal.signal(signal.SIGTERM, supervisor.on_signal)
+    return supervisor.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
