@@ -29,6 +29,14 @@ def runs(lab) -> Path:
     return folder
 
 
+@pytest.fixture(autouse=True)
+def cancel_leftovers(runs):
+    """A run a failed test leaves behind would hold nodes the next tests need: cancelled."""
+    yield
+    for record in runs.glob("*/run.json"):
+        ft("cancel", record.parent.name, runs_dir=runs)
+
+
 def recipe(folder: Path, name: str, **sections) -> Path:
     document = yaml.safe_load(TINY.read_text())
     document["data"]["train"] = str(TINY.parent / document["data"]["train"])

@@ -12,11 +12,12 @@ def write_lines(path, entries) -> None:
 
 
 def test_goodput_counts_first_time_steps_only_and_names_where_the_rest_went(tmp_path):
+    t = 1_700_000_000
     write_lines(tmp_path / "events.jsonl", [
-        {"time": 100, "event": "start", "start": 1}, {"time": 125, "event": "restart", "after": "exit 6"},
-        {"time": 127, "event": "start", "start": 2}, {"time": 142, "event": "end", "code": 0}])
-    first = [{"step": step, "time": 109 + step} for step in range(1, 11)]  # 1 s a step; first after 10 s
-    second = [{"step": step, "time": 129 + step} for step in range(6, 13)]  # resumed from the step-5 checkpoint
+        {"time": t + 100, "event": "start", "start": 1}, {"time": t + 125, "event": "restart", "after": "exit 6"},
+        {"time": t + 127, "event": "start", "start": 2}, {"time": t + 142, "event": "end", "code": 0}])
+    first = [{"step": step, "time": t + 109 + step} for step in range(1, 11)]  # 1 s a step; first after 10 s
+    second = [{"step": step, "time": t + 129 + step} for step in range(6, 13)]  # resumed from the step-5 checkpoint
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in first + second) + '{"step": 1, "ti\n')
 
     spent = timeline(tmp_path)
@@ -35,3 +36,21 @@ def test_no_timeline_before_the_watchdog_recorded_a_start(tmp_path):
     assert timeline(tmp_path) is None
     (tmp_path / "events.jsonl").write_text("not json\n")
     assert timeline(tmp_path) is None
+
+
+def test_torn_forged_or_skewed_lines_never_break_the_accounts(tmp_path):
+    (tmp_path / "events.jsonl").write_text("\n".join([
+        '{"time": 1700000050, "event": "end", "code": 0}',  # written last, read first
+        '{"time": 1700000000, "event": "start"}',
+        '{"time": ' + "9" * 400 + ', "event": "restart"}',  # an integer no float can hold
+        '{"time": NaN, "event": "node_lost"}', '{"time": 1e300, "event": "restart"}',
+        '{"time": "soon", "event": "start"}', '[]', '{"time": 1700000010, "event": 5}']) + "\n")
+    (tmp_path / "metrics.jsonl").write_text("\n".join([
+        '{"step": 1, "time": 1700000005}', '{"step": 2, "time": 1700000006}',
+        '{"step": 3, "time": 1600000000}',  # another node's clock, far behind
+        '{"step": -4, "time": 1700000007}', '{"step": 5, "time": Infinity}']) + "\n")
+
+    spent = timeline(tmp_path)
+
+    assert spent["wall_s"] == 50 and spent["finished"] and spent["faults"] == []
+    assert 0 <= spent["goodput"] <= 1 and spent["productive_s"] == 1 and spent["starting_s"] == 5

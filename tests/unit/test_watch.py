@@ -85,6 +85,11 @@ def test_a_rank_is_hung_when_late_by_k_median_steps_and_at_least_the_floor():
     assert fast.hung(now=began + 0.1 + 4) == {} and fast.hung(now=began + 0.1 + 6)
     fast.feed(0, b"save 10\n", now=began + 1)
     assert fast.hung(now=began + 50) == {} and "save 10" in fast.hung(now=began + 62)[0]
+    # The save over, the worker says so: a rank stuck right after a checkpoint is hung after the
+    # floor, not after the startup limit (a hang injected just after a save once went unseen).
+    fast.feed(0, b"step 10\n", now=began + 2)
+    assert fast.hung(now=began + 2 + 4) == {} and fast.hung(now=began + 2 + 6)
+    assert len(fast.ranks[0].intervals) == 9  # the save's time is not a step's
 
 
 def test_progress_lines_split_across_reads_count_and_junk_does_not():
@@ -153,6 +158,10 @@ FAKE_SRUN = textwrap.dedent("""
     with open(os.environ["FAKE_LOG"], "a") as log:
         log.write(json.dumps({"start": start, "nodes": nodes, "argv": sys.argv[1:]}) + "\\n")
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    for node in nodes:  # each launcher's mark as it starts (toolkit/launch/node.py)
+        if node != plan.get("unstarted"):
+            open(os.path.join(os.environ["FT_LAUNCH_MARKS"], node), "w").close()
+    nodes = [n for n in nodes if n != plan.get("unstarted")]
     senders = {n: Sender(os.environ["FT_WATCH_ADDR"], int(os.environ["FT_WATCH_PORT"]),
                          os.environ["FT_JOB_SECRET"].encode(), n, start, dict) for n in nodes}
     for node, sender in senders.items():
@@ -193,7 +202,7 @@ class FakeSlurm:
 
 
 def supervised(tmp_path, monkeypatch, allocation: list[str], nodes: int, plan: dict, srun_options=(), drains=None,
-               **watchdog):
+               during=None, **watchdog):
     from toolkit.watch.supervise import Supervisor
 
     (tmp_path / "recipe.json").write_text(json.dumps({
@@ -212,8 +221,11 @@ def supervised(tmp_path, monkeypatch, allocation: list[str], nodes: int, plan: d
     slurm = FakeSlurm(allocation, drains)
     supervisor = Supervisor([str(srun), *srun_options, "python", "-m", "toolkit.launch"], tmp_path, slurm)
     began = time.monotonic()
+    if during:  # something done to the supervisor from outside while it runs (a signal, say)
+        threading.Thread(target=during, args=(supervisor,), daemon=True).start()
     code = supervisor.run()
-    starts = [json.loads(line) for line in (tmp_path / "srun.log").read_text().splitlines()]
+    log = tmp_path / "srun.log"
+    starts = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     return code, starts, events, slurm, time.monotonic() - began
 
@@ -273,3 +285,73 @@ def test_a_node_drained_under_the_job_is_left_out_for_the_spare(tmp_path, monkey
     assert slurm.downed == []  # a drain is someone else's, reason and all
     lost = [e for e in events if e["event"] == "node_lost"]
     assert lost[0]["node"] == "n2" and "XID 79" in lost[0]["reason"]
+
+
+def test_junk_bytes_stop_neither_the_supervisors_reader_nor_a_launchers_heartbeat():
+    receiver = Receiver(SECRET, host="127.0.0.1").listen()
+    sender = Sender("127.0.0.1", receiver.port, SECRET, "node1", receiver.next_start(), state=dict).start()
+    time.sleep(1.3)  # its first heartbeat binds the launcher's socket
+    attacker = __import__("socket").socket(__import__("socket").AF_INET, __import__("socket").SOCK_DGRAM)
+    for junk in (b"\xff", b"\xff" * 64 + b" {}", b"a" * 64 + b" \xff\xfe", b" "):
+        attacker.sendto(junk, ("127.0.0.1", receiver.port))
+        attacker.sendto(junk, ("127.0.0.1", sender.socket.getsockname()[1]))
+    time.sleep(3.5)
+    assert receiver.seen()["node1"].seq >= 3 and sender.thread.is_alive() and sender.answered_seq >= 2
+    sender.stop(0)
+    receiver.close()
+
+
+def test_answers_keep_coming_while_the_supervisor_waits_on_a_slow_slurm():
+    receiver = Receiver(SECRET, host="127.0.0.1").listen()
+    silences = []
+    sender = Sender("127.0.0.1", receiver.port, SECRET, "node2", receiver.next_start(), state=dict, silence_s=1.5,
+                    on_silence=silences.append).start()
+    time.sleep(4)  # what a sinfo that takes 4 s does to the supervisor's own loop
+    sender.stop(0)
+    receiver.close()
+    assert silences == []
+
+
+def test_a_stop_signal_in_the_restart_pause_is_not_lost(tmp_path, monkeypatch):
+    def signal_in_the_pause(supervisor):
+        events = tmp_path / "events.jsonl"
+        wait_until = time.monotonic() + 20
+        while time.monotonic() < wait_until and not (events.exists() and '"restart"' in events.read_text()):
+            time.sleep(0.05)
+        supervisor.on_signal(15, None)
+
+    code, starts, events, _, _ = supervised(tmp_path, monkeypatch, ["n1"], 1, {"1": {"exit": 1, "seconds": 0.3}},
+                                            during=signal_in_the_pause)
+    from toolkit.watch import exits
+
+    assert code == exits.STOPPED and len(starts) == 1  # no new start after the signal
+
+
+def test_a_finished_run_is_never_restarted_and_a_quiet_node_at_a_success_is_not_lost(tmp_path, monkeypatch):
+    (tmp_path / "done").write_text("120\n")  # written by rank 0 after the export
+    code, starts, _, _, _ = supervised(tmp_path, monkeypatch, ["n1"], 1, {"1": {"exit": 1, "seconds": 0.3}})
+    assert code == 0 and starts == []
+    (tmp_path / "done").unlink()
+    for used in ("events.jsonl",):
+        (tmp_path / used).unlink()
+    code, starts, events, slurm, _ = supervised(tmp_path, monkeypatch, ["n1", "n2", "n3"], 2,
+                                                {"1": {"lose": "n2", "seconds": 0.3, "linger": 1.0}})
+    assert code == 0 and len(starts) == 1 and slurm.downed == []
+
+
+def test_the_supervisors_own_verdict_is_what_the_job_script_reads(tmp_path, monkeypatch):
+    from toolkit.watch import exits
+
+    code, _, _, _, _ = supervised(tmp_path, monkeypatch, ["n1", "n2"], 2, {"1": {"lose": "n2"}})
+    assert code == exits.NODES_LOST and exits.read_exit_status(tmp_path) == exits.NODES_LOST
+    (tmp_path / "exit-status").write_text("²\n")
+    assert exits.read_exit_status(tmp_path) is None
+
+
+def test_a_step_that_did_not_start_on_every_node_goes_back_to_the_job_script(tmp_path, monkeypatch):
+    """srun could not launch on n2 (a node lost between allocation and launch): the job script
+    tells a lost node from a refusal (tests/unit/test_job_script_launch.py), not the supervisor."""
+    code, starts, events, slurm, _ = supervised(tmp_path, monkeypatch, ["n1", "n2"], 2,
+                                                {"1": {"unstarted": "n2", "exit": 233, "seconds": 0.5}})
+    assert code == 233 and len(starts) == 1 and slurm.downed == []
+    assert events[-1]["nodes"] == ["n2"]

@@ -119,7 +119,7 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
                       f"starting {spent['starting_s']:.0f} s, recovering {spent['recovering_s']:.0f} s, "
                       f"other {spent['other_s']:.0f} s")
         for fault in spent["faults"]:
-            when = datetime.fromtimestamp(fault["time"]).strftime("%H:%M:%S")
+            when = datetime.fromtimestamp(fault["time"]).strftime("%H:%M:%S")  # a plausible time (timeline.py)
             what = ", ".join(f"{key} {plain(value)}" for key, value in fault.items() if key not in ("time", "event"))
             console.print(f"  {when} {plain(fault['event'])}: {what}")
     table = Table(title="attempts", title_justify="left")

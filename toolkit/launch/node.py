@@ -81,17 +81,35 @@ def start_heartbeat(node: str) -> Sender | None:
                   state=dict, silence_s=silence, on_silence=lambda quiet: batch_host_lost(node, quiet)).start()
 
 
+SLURMD_PORT = int(os.environ.get("FT_SLURMD_PORT", "6818"))  # Slurm's default SlurmdPort
+
+
+def slurmd_answers(address: str, timeout: float = 3.0) -> bool:
+    """Whether the batch host's slurmd accepts a connection: a second opinion, independent of the
+    heartbeats (which a flood of junk could drown), before a node is called lost."""
+    try:
+        with socket.create_connection((address, SLURMD_PORT), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def batch_host_lost(node: str, quiet: float) -> None:
     """The supervisor stopped answering: its node (the batch host) is lost, and the job script with
     it. Slurm would notice only after SlurmdTimeout; any surviving node tells it now (marking the
-    node DOWN requeues the job; without operator rights, the job is requeued directly)."""
+    node DOWN requeues the job; without operator rights, the job is requeued directly). Only when
+    the node's slurmd does not answer either: a supervisor gone on a live node is Slurm's to see."""
     from toolkit.slurm.client import CliSlurmClient
 
     batch_host, job = os.environ.get("FT_WATCH_NODE", ""), os.environ.get("SLURM_JOB_ID", "")
     if not batch_host or batch_host == node or not job:
         return
+    if slurmd_answers(os.environ.get("FT_WATCH_ADDR", batch_host)):
+        log(f"the supervisor on {batch_host} did not answer for {quiet:.0f} s, but the node's slurmd does: "
+            "left to Slurm")
+        return
     why = (f"ft: batch host of job {job} (run {os.environ.get('FT_RUN_ID', '?')}) lost: its supervisor did not "
-           f"answer for {quiet:.0f} s")
+           f"answer for {quiet:.0f} s, nor its slurmd")
     slurm = CliSlurmClient()
     if slurm.mark_node_down(batch_host, why):
         log(f"{why}: marked {batch_host} DOWN, so that Slurm requeues the job now")

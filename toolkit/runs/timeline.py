@@ -12,11 +12,18 @@ Goodput is productive time over the wall time since the first start.
 
 from __future__ import annotations
 
+import bisect
 import json
 import time
 from pathlib import Path
 
 FAULTS = {"node_lost", "restart", "node_silent"}
+EARLIEST, LATEST = 1e9, 1e11  # plausible Unix times (2001 to the year 5138): anything else is torn or forged
+MAX_LINES = 1_000_000
+
+
+def plausible_time(value) -> bool:
+    return type(value) in (int, float) and EARLIEST <= value <= LATEST  # False for NaN, inf and huge ints
 
 
 def read_lines(path: Path, required: dict[str, type | tuple]) -> list[dict]:
@@ -31,25 +38,31 @@ def read_lines(path: Path, required: dict[str, type | tuple]) -> list[dict]:
             entry = json.loads(line)
         except (ValueError, RecursionError):
             continue
-        if isinstance(entry, dict) and all(isinstance(entry.get(k), kind) for k, kind in required.items()):
+        if isinstance(entry, dict) and all(isinstance(entry.get(k), kind) for k, kind in required.items()) \
+                and ("time" not in required or plausible_time(entry["time"])):
             entries.append(entry)
+        if len(entries) >= MAX_LINES:
+            break
     return entries
 
 
 def timeline(run_dir: Path, now: float | None = None) -> dict | None:
     """The run's time accounts, or None before the watchdog recorded a start."""
-    events = read_lines(run_dir / "events.jsonl", {"time": (int, float), "event": str})
-    metrics = read_lines(run_dir / "metrics.jsonl", {"time": (int, float), "step": int})
+    events = sorted(read_lines(run_dir / "events.jsonl", {"time": (int, float), "event": str}),
+                    key=lambda e: e["time"])
+    metrics = sorted((m for m in read_lines(run_dir / "metrics.jsonl", {"time": (int, float), "step": int})
+                      if 0 <= m["step"] < 10**12), key=lambda m: m["time"])
     starts = [e["time"] for e in events if e["event"] == "start"]
     if not starts:
         return None
     ended = events[-1]["event"] == "end" and events[-1].get("code") == 0
-    end = events[-1]["time"] if ended else (now or time.time())
+    end = max(events[-1]["time"] if ended else (now or time.time()), starts[0])
     wall = max(end - starts[0], 1e-9)
+    metrics = [m for m in metrics if starts[0] <= m["time"] <= end]  # clocks of other nodes may disagree
     productive = redone = starting = 0.0
     best, previous = 0, None
-    for entry in sorted(metrics, key=lambda m: m["time"]):
-        began = max((s for s in starts if s <= entry["time"]), default=starts[0])
+    for entry in metrics:
+        began = starts[max(bisect.bisect_right(starts, entry["time"]) - 1, 0)]
         if previous is None or began > previous["time"]:  # a start's first step: the wait was starting
             starting += entry["time"] - began
         elif entry["step"] > best:
@@ -69,5 +82,5 @@ def timeline(run_dir: Path, now: float | None = None) -> dict | None:
     accounted = productive + redone + starting + recovering
     return {"wall_s": round(wall, 1), "productive_s": round(productive, 1), "redone_s": round(redone, 1),
             "starting_s": round(starting, 1), "recovering_s": round(recovering, 1),
-            "other_s": round(max(wall - accounted, 0.0), 1), "goodput": round(productive / wall, 3),
+            "other_s": round(max(wall - accounted, 0.0), 1), "goodput": round(min(productive / wall, 1.0), 3),
             "starts": len(starts), "faults": faults, "finished": ended}

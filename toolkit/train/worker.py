@@ -321,6 +321,7 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
             store.publish(step)
         dist.barrier()
         last_save = time.monotonic()
+        progress.report("step", step)  # the save is over: the hang rule's step clock again, from now
         checkpoint_seconds += last_save - save_started
         checkpoints_written += 1
         log(rank, f"checkpoint step {step} saved in {last_save - save_started:.2f} s")

@@ -46,7 +46,7 @@ def read_exit_status(run_dir: Path) -> int | None:
         text = (run_dir / STATUS_FILE).read_text(errors="replace").strip()
     except OSError:
         return None
-    return int(text) if text.isdigit() and len(text) <= 3 else None
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 3 else None
 
 
 def clear_exit_status(run_dir: Path) -> None:

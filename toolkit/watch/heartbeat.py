@@ -2,15 +2,16 @@
 
 UDP, because a heartbeat that is late is worthless and a reader must never wait on a peer: the
 supervisor reads whole datagrams of bounded size and never blocks on anyone. Anyone on the cluster
-network can send to the port, so every datagram carries an HMAC under the job's secret
-(FT_JOB_SECRET, in the job's environment only) and a sequence number that must grow: a forged or
-replayed heartbeat is dropped and never keeps a dead node alive. Each start of the training (the
-supervisor may start it several times in one job) has its own number: a launcher left over from an
-earlier start is not mistaken for one of the current start.
+network can send to the port, so a datagram counts only when it comes from a node of the job and
+carries an HMAC under the job's secret (FT_JOB_SECRET, in the job's environment only), compared as
+bytes whatever it holds, and a sequence number that must grow: a forged, replayed or malformed
+datagram is dropped and never keeps a dead node alive, nor stops the reader. Each start of the
+training (the supervisor may start it several times in one job) has its own number: a launcher
+left over from an earlier start is not mistaken for one of the current start.
 
-The supervisor answers each heartbeat (sealed the same way): a launcher that hears nothing back for
-long knows the batch host is lost, and says so to Slurm (the job script died with it, so nobody
-else in the job can).
+The supervisor answers each heartbeat, from a thread of its own that never waits on anything else
+(a slow Slurm command in the supervisor must not look like a lost batch host). An answer names the
+heartbeat it answers: a launcher that hears no fresh answer for long knows the batch host is lost.
 """
 
 from __future__ import annotations
@@ -27,31 +28,34 @@ from dataclasses import dataclass, field
 
 MAX_DATAGRAM = 4096
 INTERVAL_S = 1.0
+RECEIVE_BUFFER = 4 << 20  # room for a burst of junk without losing the real heartbeats
+ANSWERS_PER_BEAT = 64  # datagrams a launcher reads per heartbeat: a flood never starves the sending
 
 
 def seal(secret: bytes, message: dict) -> bytes:
-    body = json.dumps(message, sort_keys=True, separators=(",", ":"))
-    return (hmac.new(secret, body.encode(), hashlib.sha256).hexdigest() + " " + body).encode()
+    body = json.dumps(message, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(secret, body, hashlib.sha256).hexdigest().encode() + b" " + body
 
 
 def unseal(secret: bytes, datagram: bytes) -> dict | None:
-    """The message, or None when it is not one this job's launchers sent."""
+    """The message, or None when it is not one sealed with this job's secret (whatever the bytes)."""
     if len(datagram) > MAX_DATAGRAM:
         return None
-    mac, _, body = datagram.decode("ascii", errors="replace").partition(" ")
-    if not hmac.compare_digest(mac, hmac.new(secret, body.encode(), hashlib.sha256).hexdigest()):
+    mac, _, body = datagram.partition(b" ")
+    if not hmac.compare_digest(mac, hmac.new(secret, body, hashlib.sha256).hexdigest().encode()):
         return None
     try:
         message = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
-    return message if isinstance(message, dict) and isinstance(message.get("seq"), int) else None
+    return message if isinstance(message, dict) and type(message.get("seq")) is int else None
 
 
 class Sender:
     """A launcher's heartbeat: `state()` (its ranks' steps, its exit code once known) sent every
-    INTERVAL_S until stopped; a last datagram says goodbye. `on_silence` is called once when the
-    supervisor, having answered before, has not answered for `silence_s` seconds."""
+    INTERVAL_S until stopped; a last datagram says goodbye. `on_silence` is called once, in a
+    thread of its own, when the supervisor, having answered before, has answered none of the
+    heartbeats of the last `silence_s` seconds."""
 
     def __init__(self, address: str, port: int, secret: bytes, node: str, start: int, state: Callable[[], dict],
                  silence_s: float = 0, on_silence: Callable[[float], None] | None = None):
@@ -60,7 +64,7 @@ class Sender:
         self.socket.setblocking(False)
         self.seq = 0
         self.exit_code: int | None = None  # sent with every heartbeat once the launcher is ending
-        self.answered: float | None = None  # monotonic time of the supervisor's newest answer
+        self.answered: float | None = None  # monotonic time of the supervisor's newest fresh answer
         self.answered_seq = 0  # the newest heartbeat it answered
         self.silence_s, self.on_silence = silence_s, on_silence
         self.stopped = threading.Event()
@@ -83,20 +87,23 @@ class Sender:
             self.read_answers()
             if (self.on_silence and self.answered is not None
                     and time.monotonic() - self.answered > self.silence_s):
-                self.on_silence(time.monotonic() - self.answered)
-                self.on_silence = None
+                report, self.on_silence = self.on_silence, None
+                quiet = time.monotonic() - self.answered
+                threading.Thread(target=report, args=(quiet,), name="ft-silence", daemon=True).start()
 
     def read_answers(self) -> None:
-        while True:
+        for _ in range(ANSWERS_PER_BEAT):
             try:
-                datagram = self.socket.recv(MAX_DATAGRAM + 1)
-            except (BlockingIOError, OSError):
+                datagram, source = self.socket.recvfrom(MAX_DATAGRAM + 1)
+            except OSError:  # nothing more to read (or an ICMP error from an earlier send)
                 return
+            if source != self.target:
+                continue
             answer = unseal(self.secret, datagram)
-            if answer and answer.get("answer") == self.node and answer.get("start") == self.start_number:
-                self.answered = time.monotonic()
-                if isinstance(answer.get("to"), int):
-                    self.answered_seq = max(self.answered_seq, answer["to"])
+            fresh = answer and answer.get("answer") == self.node and answer.get("start") == self.start_number \
+                and type(answer.get("to")) is int and self.answered_seq < answer["to"] <= self.seq
+            if fresh:  # a replayed answer names a heartbeat answered before: it proves nothing
+                self.answered, self.answered_seq = time.monotonic(), answer["to"]
 
     def stop(self, exit_code: int, linger: float = 0.0) -> None:
         """Say goodbye. A launcher that failed first lingers until the supervisor answers, or until
@@ -121,45 +128,80 @@ class NodeSeen:
 
 
 class Receiver:
-    """The supervisor's side: who was heard from, and when."""
+    """The supervisor's side: who was heard from, and when. `listen()` reads and answers in a
+    thread of its own; `poll()` does the same in the caller (tests). `sources`, when given, are
+    the only addresses heard (the job's nodes): anything else is dropped before its HMAC is
+    computed, so a flood costs little."""
 
-    def __init__(self, secret: bytes, host: str = "0.0.0.0"):
-        self.secret = secret
+    def __init__(self, secret: bytes, host: str = "0.0.0.0", sources: set[str] | None = None):
+        self.secret, self.sources = secret, sources
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with contextlib.suppress(OSError):
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
         self.socket.bind((host, 0))
-        self.socket.settimeout(0.2)
         self.port = self.socket.getsockname()[1]
         self.nodes: dict[str, NodeSeen] = {}
         self.refused = 0
         self.answers = 0
         self.start_number = 0
+        self.lock = threading.Lock()
+        self.closed = threading.Event()
+
+    def listen(self) -> Receiver:
+        threading.Thread(target=self._listen, name="ft-heartbeats", daemon=True).start()
+        return self
+
+    def _listen(self) -> None:
+        while not self.closed.is_set():
+            self.poll(time.monotonic() + 0.5)
 
     def poll(self, until: float) -> None:
-        """Read every datagram that arrives before `until` (monotonic)."""
-        while (remaining := until - time.monotonic()) > 0:
-            self.socket.settimeout(remaining)
+        """Read and answer every datagram that arrives before `until` (monotonic)."""
+        while (remaining := until - time.monotonic()) > 0 and not self.closed.is_set():
             try:
-                datagram, sender = self.socket.recvfrom(MAX_DATAGRAM + 1)
+                self.socket.settimeout(remaining)
+                datagram, source = self.socket.recvfrom(MAX_DATAGRAM + 1)
             except (TimeoutError, BlockingIOError):
                 return
-            message = unseal(self.secret, datagram)
-            node = message.get("node") if message else None
+            except OSError:
+                if self.closed.is_set():
+                    return
+                continue
+            try:
+                self.take(datagram, source)
+            except Exception:  # noqa: BLE001 - no datagram, however made, stops the reader
+                self.refused += 1
+
+    def take(self, datagram: bytes, source: tuple[str, int]) -> None:
+        if self.sources is not None and source[0] not in self.sources:
+            self.refused += 1
+            return
+        message = unseal(self.secret, datagram)
+        node = message.get("node") if message else None
+        with self.lock:
             seen = self.nodes.get(node) if isinstance(node, str) else None
             if not isinstance(node, str) or message.get("start") != self.start_number or (
                     seen and message["seq"] <= seen.seq):
                 self.refused += 1
-                continue
+                return
             self.nodes[node] = NodeSeen(time.monotonic(), message["seq"], message)
             self.answers += 1
-            with contextlib.suppress(OSError):
-                self.socket.sendto(seal(self.secret, {"answer": node, "start": self.start_number,
-                                                      "seq": self.answers, "to": message["seq"]}), sender)
+            answer = seal(self.secret, {"answer": node, "start": self.start_number, "seq": self.answers,
+                                        "to": message["seq"]})
+        with contextlib.suppress(OSError):
+            self.socket.sendto(answer, source)
 
     def next_start(self) -> int:
         """A new start of the training: only its launchers are heard from now on."""
-        self.nodes.clear()
-        self.start_number += 1
-        return self.start_number
+        with self.lock:
+            self.nodes.clear()
+            self.start_number += 1
+            return self.start_number
+
+    def seen(self) -> dict[str, NodeSeen]:
+        with self.lock:
+            return dict(self.nodes)
 
     def close(self) -> None:
+        self.closed.set()
         self.socket.close()

@@ -61,6 +61,7 @@ class RankProgress:
     intervals: deque = field(default_factory=lambda: deque(maxlen=50))
 
     def report(self, phase: str, step: int, now: float) -> None:
+        """A step's time counts only between two steps (a save, or the start, is not a step)."""
         if phase == "step" and self.phase == "step" and step > self.step:
             self.intervals.append(now - self.since)
         self.phase, self.step, self.since = phase, step, now
@@ -105,6 +106,7 @@ class NodeProgress:
                                f"limit {progress.limit(self.rule):.0f} s)")
         return found
 
-    def summary(self) -> dict[str, list]:
-        """What the heartbeat carries: each rank's phase and step."""
-        return {str(rank): [p.phase, p.step] for rank, p in self.ranks.items()}
+    def summary(self, most: int = 32) -> dict[str, list]:
+        """What the heartbeat carries: each rank's phase and step (the first `most` ranks: a
+        heartbeat stays one small datagram however many workers a node runs)."""
+        return {str(rank): [p.phase, p.step] for rank, p in list(self.ranks.items())[:most]}

@@ -26,16 +26,19 @@ Every decision is a line in the batch log and in <run dir>/events.jsonl.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.errors import FtError
 from toolkit.launch.rendezvous import job_secret
 from toolkit.slurm.client import CliSlurmClient, SlurmClient
 from toolkit.watch import exits
@@ -44,6 +47,7 @@ from toolkit.watch.heartbeat import Receiver
 SILENT_AT_END_S = 3.0  # a node quiet this long before srun ended was lost, whatever srun says
 STOP_GRACE_S = 5.0
 DRAIN_CHECK_S = 5.0  # how often the step's nodes are checked for a drain
+CHECKPOINT_GRACE_S = 120.0  # how long ranks on a drained node may take to checkpoint before the stop
 
 
 @dataclass
@@ -77,6 +81,30 @@ def master_port(job_id: int, start: int) -> int:
     return 20000 + (job_id % 2000) * 10 + (2 * start) % 10
 
 
+def addresses(nodes: list[str]) -> dict[str, str]:
+    """The nodes' addresses, for those that resolve."""
+    found = {}
+    for node in nodes:
+        with contextlib.suppress(OSError):
+            found[node] = socket.gethostbyname(node)
+    return found
+
+
+def reachable_address(node: str, peers: dict[str, str]) -> str:
+    """This host's address as the other nodes reach it. A host name may resolve to loopback (a
+    127.0.1.1 line in /etc/hosts): then the address of the interface that routes to a peer."""
+    own = peers.get(node) or socket.gethostbyname(node)
+    if not own.startswith("127."):
+        return own
+    for address in peers.values():
+        if address.startswith("127."):
+            continue
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))  # no packet is sent: this only picks the route
+            return probe.getsockname()[0]
+    return own
+
+
 class Supervisor:
     def __init__(self, command: list[str], run_dir: Path, slurm: SlurmClient | None = None):
         self.command, self.run_dir = command, run_dir
@@ -87,17 +115,31 @@ class Supervisor:
         self.job_id = os.environ.get("SLURM_JOB_ID", "0")
         self.allocation = self.slurm.hostnames(os.environ["SLURM_JOB_NODELIST"])
         self.excluded: list[str] = []
-        self.receiver = Receiver(job_secret())
         self.node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # the batch host
-        self.address = socket.gethostbyname(self.node)
+        peers = addresses(self.allocation)
+        self.address = reachable_address(self.node, peers)
+        # Heartbeats are heard only from the job's nodes (where all of them resolve).
+        sources = set(peers.values()) | {self.address} if len(peers) == len(self.allocation) else None
+        self.receiver = Receiver(job_secret(), sources=sources).listen()
         self.process: subprocess.Popen | None = None
-        self.stopping = False  # the time limit is near, or the job is ending: no restart
+        self.stopping = threading.Event()  # the time limit is near, or the job is ending: no restart
         self.auto_resume = any(arg.startswith("--auto-resume") for arg in command)  # HyperPod restarts itself
+        self.marks = Path(os.environ["FT_LAUNCH_MARKS"]) if os.environ.get("FT_LAUNCH_MARKS") else None
+
+    def unstarted(self, nodes: list[str]) -> list[str]:
+        """Nodes of the last start whose launcher never started: the step failed to launch there."""
+        if self.marks is None:
+            seen = self.receiver.seen()
+            return [n for n in nodes if n not in seen]
+        return [n for n in nodes if not (self.marks / n).exists()]
 
     # -- one start of the training ---------------------------------------------------------------
     def start(self, nodes: list[str]) -> subprocess.Popen:
         start = self.receiver.next_start()
         exits.clear_exit_status(self.run_dir)
+        for node in nodes:  # each launcher leaves its mark as it starts (toolkit/launch/node.py)
+            with contextlib.suppress(FileNotFoundError, TypeError):
+                (self.marks / node).unlink()
         env = dict(os.environ, MASTER_ADDR=nodes[0], MASTER_PORT=str(master_port(int(self.job_id), start)),
                    FT_WATCH_ADDR=self.address, FT_WATCH_PORT=str(self.receiver.port), FT_WATCH_START=str(start),
                    FT_WATCH_NODE=self.node, FT_WATCH_TIMEOUT=str(self.watchdog["heartbeat_timeout"]))
@@ -113,22 +155,20 @@ class Supervisor:
         began, reported, drain_checked = time.monotonic(), False, time.monotonic()
         timeout, startup = float(self.watchdog["heartbeat_timeout"]), float(self.watchdog["startup_timeout"])
         while True:
-            self.receiver.poll(time.monotonic() + 0.5)
+            time.sleep(0.5)
             now = time.monotonic()
             code = process.poll()
             if code is not None:
-                if code:  # the code of whichever rank or launcher ended the step, not srun's (exits.py)
-                    code = exits.read_exit_status(self.run_dir) or code
-                quiet = self.silent(nodes, now, SILENT_AT_END_S)
-                return Outcome(code, Lost(quiet, f"no heartbeat for {SILENT_AT_END_S:.0f} s") if quiet else None)
-            if self.stopping:
+                return self.ended(code, nodes)
+            if self.stopping.is_set():
                 continue
-            silent = self.silent(nodes, now, timeout)
-            silent += [n for n in nodes if n not in self.receiver.nodes and now - began > startup]
+            seen = self.receiver.seen()
+            silent = self.silent(seen, nodes, now, timeout)
+            silent += [n for n in nodes if n not in seen and now - began > startup]
             lost = Lost(silent, f"no heartbeat for {timeout:.0f} s") if silent else None
             if lost is None and now - drain_checked > DRAIN_CHECK_S and not self.auto_resume:
                 drain_checked = now
-                drained = self.slurm.drained(nodes)
+                drained = self.drained(nodes)
                 if drained:
                     why = "drained: " + "; ".join(f"{node}: {reason}" for node, reason in sorted(drained.items()))
                     lost = Lost(sorted(drained), why, drained=True)
@@ -138,17 +178,49 @@ class Supervisor:
                     record(self.run_dir, "node_silent", nodes=lost.nodes, left_to="auto-resume")
                 reported = True
             elif lost:
-                log(f"{lost.why} ({', '.join(lost.nodes)}): stopping the step")
-                self.stop_step(process)
+                log(f"{lost.why} ({', '.join(lost.nodes)}): stopping the step"
+                    + (" after a checkpoint" if lost.drained else ""))
+                self.stop_step(process, checkpoint_first=lost.drained)
                 return Outcome(None, lost)
 
-    def silent(self, nodes: list[str], now: float, limit: float) -> list[str]:
-        """Nodes heard from before that went quiet, without saying goodbye."""
-        return [node for node in nodes if (seen := self.receiver.nodes.get(node)) is not None
-                and "exit_code" not in seen.message and now - seen.last > limit]
+    def ended(self, code: int, nodes: list[str]) -> Outcome:
+        """srun is done. After a failure, a node that neither said goodbye nor kept beating was
+        lost (it may have died a moment before srun gave up): wait for the launchers' goodbyes, at
+        most heartbeat_timeout, to tell. A success, a user error or a requested stop is what it
+        says, whatever the heartbeats."""
+        if code:  # the code of whichever rank or launcher ended the step, not srun's (exits.py)
+            code = exits.read_exit_status(self.run_dir) or code
+        if code == 0 or code in exits.NOT_RESTARTED or self.auto_resume or self.stopping.is_set():
+            return Outcome(code, None)
+        deadline = time.monotonic() + float(self.watchdog["heartbeat_timeout"])
+        while True:
+            now, seen = time.monotonic(), self.receiver.seen()
+            waiting = [n for n in nodes if n in seen and "exit_code" not in seen[n].message]
+            quiet = self.silent(seen, nodes, now, SILENT_AT_END_S)
+            if set(waiting) <= set(quiet) or now > deadline:  # every node said goodbye, or went quiet
+                return Outcome(code, Lost(quiet, "no heartbeat and no goodbye") if quiet else None)
+            time.sleep(0.2)
 
-    def stop_step(self, process: subprocess.Popen) -> None:
-        """srun ends a step on two interrupts within a second; it is killed if it does not."""
+    @staticmethod
+    def silent(seen: dict, nodes: list[str], now: float, limit: float) -> list[str]:
+        """Nodes heard from before that went quiet, without saying goodbye."""
+        return [node for node in nodes if node in seen and "exit_code" not in seen[node].message
+                and now - seen[node].last > limit]
+
+    def drained(self, nodes: list[str]) -> dict[str, str]:
+        try:
+            return self.slurm.drained(nodes)
+        except FtError as exc:  # Slurm slow or away: no news is taken as good news, and logged
+            log(f"could not check the nodes' state ({exc.message}); checking again in {DRAIN_CHECK_S:.0f} s")
+            return {}
+
+    def stop_step(self, process: subprocess.Popen, checkpoint_first: bool = False) -> None:
+        """srun ends a step on two interrupts within a second; it is killed if it does not. A node
+        drained under the job is sound for now: the ranks checkpoint first (USR2), within reason."""
+        if checkpoint_first and process.poll() is None:
+            process.send_signal(signal.SIGUSR2)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=min(CHECKPOINT_GRACE_S, float(self.watchdog["startup_timeout"])))
         for _ in range(2):
             if process.poll() is None:
                 process.send_signal(signal.SIGINT)
@@ -171,38 +243,61 @@ class Supervisor:
                 record(self.run_dir, "node_lost", node=node, reason=lost.why, marked_down=False)
                 continue
             reason = f"ft: {lost.why} (run {os.environ.get('FT_RUN_ID', '?')}, job {self.job_id})"
-            marked = self.slurm.mark_node_down(node, reason)
+            try:
+                marked = self.slurm.mark_node_down(node, reason)
+            except FtError:
+                marked = False
             log(f"node {node} {'marked DOWN' if marked else 'left out (marking it DOWN needs operator rights)'}: "
                 f"{lost.why}")
             record(self.run_dir, "node_lost", node=node, reason=lost.why, marked_down=marked)
 
+    def finished(self) -> bool:
+        return (self.run_dir / exits.DONE_SENTINEL).exists()
+
+    def end(self, code: int, **why) -> int:
+        """The supervisor's own verdict: what the job script reads (an older rank's exit-status
+        must not override it)."""
+        exits.clear_exit_status(self.run_dir)
+        if code:
+            exits.leave_exit_status(self.run_dir, code)
+        record(self.run_dir, "end", code=code, **why)
+        return code
+
     def run(self) -> int:
         restarts, most = 0, int(self.watchdog["max_restarts"])
         while True:
+            if self.finished():  # a failure after the run's end (an upload, say) never reruns it
+                return self.end(0, why="the run had finished")
+            if self.stopping.is_set():
+                return self.end(exits.STOPPED, why="stopped before a new start")
             nodes = [n for n in self.allocation if n not in self.excluded][:self.needed]
             if len(nodes) < self.needed:
                 return self.hand_back_lost()
             self.process = self.start(nodes)
+            if self.stopping.is_set():  # the signal came while srun was starting: pass it on now
+                self.process.send_signal(signal.SIGUSR2)
             outcome = self.watch(self.process, nodes)
-            if outcome.lost and not self.stopping:
+            if outcome.lost and not self.stopping.is_set():
                 self.exclude(outcome.lost)
-            elif outcome.code == 0 or self.stopping or self.auto_resume or outcome.code in exits.NOT_RESTARTED:
+            elif outcome.code == 0 or self.stopping.is_set() or self.auto_resume or outcome.code in exits.NOT_RESTARTED:
                 record(self.run_dir, "end", code=outcome.code)
                 return outcome.code if outcome.code is not None else 1
-            elif not self.receiver.nodes:  # no launcher ever started: the job script's to judge
-                record(self.run_dir, "end", code=outcome.code, why="the step did not start")
+            elif self.unstarted(nodes):  # a node lost at step launch, or refused it: the job script's to judge
+                record(self.run_dir, "end", code=outcome.code, why="the step did not start on every node",
+                       nodes=self.unstarted(nodes))
                 return outcome.code
+            if self.finished():
+                return self.end(0, why="the run had finished")
             restarts += 1
             if restarts > most:
                 log(f"{most} restarts in this job already: giving up (watchdog.max_restarts)")
-                record(self.run_dir, "end", code=outcome.code or 1, why="max_restarts")
-                return outcome.code or 1
+                return self.end(outcome.code or 1, why="max_restarts")
             pause = 0 if outcome.lost else min(2 ** (restarts - 1), 30)
             log(f"restart {restarts} of at most {most}"
                 + (f" in {pause} s" if pause else "") + ": training resumes from the latest checkpoint")
             record(self.run_dir, "restart", restart=restarts, after=("node_lost" if outcome.lost else
                                                                      f"exit {outcome.code}"))
-            time.sleep(pause)
+            self.stopping.wait(pause)  # a signal in the pause is not lost: the loop looks first
 
     def hand_back_lost(self) -> int:
         """No spare left: the job script requeues the job without the lost nodes."""
@@ -210,12 +305,11 @@ class Supervisor:
         if marks:
             Path(marks, "lost-nodes").write_text("\n".join(self.excluded) + "\n")
         log(f"no spare node left for {', '.join(self.excluded)}: the job requeues without them")
-        record(self.run_dir, "end", code=exits.NODES_LOST, why="no spare node left", lost=self.excluded)
-        return exits.NODES_LOST
+        return self.end(exits.NODES_LOST, why="no spare node left", lost=self.excluded)
 
     def on_signal(self, signum, _frame) -> None:
         """USR2 (time limit near) and TERM (the job ends): passed on to the step; no restart after."""
-        self.stopping = True
+        self.stopping.set()
         if self.process and self.process.poll() is None:
             self.process.send_signal(signum)
 
