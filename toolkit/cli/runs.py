@@ -100,10 +100,10 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
         return
     job = current.job
     console.print(f"run [bold]{plain(run_id)}[/]: {_coloured(current.state)}"
-                  + (f" (from {job.source}, nodes {plain(job.nodes or '-')})" if job else ""))
+                  + (f" (Slurm's {job.source}; nodes {plain(job.nodes or '-')})" if job else ""))
     if job and job.reason and job.reason != "None":
         console.print(f"  reason: {plain(job.reason)}")
-    console.print(f"  run directory {plain(current.run_dir)}")
+    console.print(f"  run directory {plain(current.run_dir)}", soft_wrap=True)
     if current.tracking:
         console.print(f"  metrics: {plain(current.tracking.get('wandb'))} (W&B {plain(current.tracking.get('mode'))})",
                       soft_wrap=True)  # a path is easier to copy unbroken
@@ -111,17 +111,17 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
         done = current.summary
         console.print(f"  done: {done['steps']} steps, {done['tokens']} tokens, final loss {done['final_loss']:.4f}, "
                       f"{done['wall_seconds']} s, {done['gpu_hours']} GPU-hours{_cost(current)}; "
-                      f"output {plain(done['output'])}")
+                      f"output {plain(done['output'])}", soft_wrap=True)  # lines whole, paths unbroken
     if current.timeline:
         spent = current.timeline
         console.print(f"  goodput {spent['goodput']:.0%} of {spent['wall_s']:.0f} s since the first start: "
                       f"training {spent['productive_s']:.0f} s, redone after faults {spent['redone_s']:.0f} s, "
                       f"starting {spent['starting_s']:.0f} s, recovering {spent['recovering_s']:.0f} s, "
-                      f"other {spent['other_s']:.0f} s")
+                      f"other {spent['other_s']:.0f} s", soft_wrap=True)
         for fault in spent["faults"]:
             when = datetime.fromtimestamp(fault["time"]).strftime("%H:%M:%S")  # a plausible time (timeline.py)
             what = ", ".join(f"{key} {plain(value)}" for key, value in fault.items() if key not in ("time", "event"))
-            console.print(f"  {when} {plain(fault['event'])}: {what}")
+            console.print(f"  {when} {plain(fault['event'])}: {what}", soft_wrap=True)
     table = Table(title="attempts", title_justify="left")
     for column in ("job", "requeue", "start", "nodes", "started"):
         table.add_column(column)

@@ -184,22 +184,20 @@ class Supervisor:
                 return Outcome(None, lost)
 
     def ended(self, code: int, nodes: list[str]) -> Outcome:
-        """srun is done. After a failure, a node that neither said goodbye nor kept beating was
-        lost (it may have died a moment before srun gave up): wait for the launchers' goodbyes, at
-        most heartbeat_timeout, to tell. A success, a user error or a requested stop is what it
-        says, whatever the heartbeats."""
+        """srun is done. After a failure, a node already quiet for SILENT_AT_END_S when srun ended,
+        without a goodbye, was lost. Not one that srun's own stop killed as it ended (it had no time
+        to say goodbye: its silence starts with the end), nor any node of a step that did not
+        launch everywhere (the job script judges those, from srun's messages). A node lost only
+        just before the end is found at the next start, which cannot launch on it. A success, a
+        user error or a requested stop is what it says, whatever the heartbeats."""
         if code:  # the code of whichever rank or launcher ended the step, not srun's (exits.py)
             code = exits.read_exit_status(self.run_dir) or code
-        if code == 0 or code in exits.NOT_RESTARTED or self.auto_resume or self.stopping.is_set():
+        if code == 0 or code in exits.NOT_RESTARTED or self.auto_resume or self.stopping.is_set() \
+                or self.unstarted(nodes):
             return Outcome(code, None)
-        deadline = time.monotonic() + float(self.watchdog["heartbeat_timeout"])
-        while True:
-            now, seen = time.monotonic(), self.receiver.seen()
-            waiting = [n for n in nodes if n in seen and "exit_code" not in seen[n].message]
-            quiet = self.silent(seen, nodes, now, SILENT_AT_END_S)
-            if set(waiting) <= set(quiet) or now > deadline:  # every node said goodbye, or went quiet
-                return Outcome(code, Lost(quiet, "no heartbeat and no goodbye") if quiet else None)
-            time.sleep(0.2)
+        quiet = self.silent(self.receiver.seen(), nodes, time.monotonic(), SILENT_AT_END_S)
+        return Outcome(code, Lost(quiet, f"no heartbeat for {SILENT_AT_END_S:.0f} s before the step ended")
+                       if quiet else None)
 
     @staticmethod
     def silent(seen: dict, nodes: list[str], now: float, limit: float) -> list[str]:
