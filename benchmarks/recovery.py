@@ -2,11 +2,11 @@
 
   slurm-native   the tiny 2-node LoRA run with ft's watchdog off: Slurm notices the dead node after
                  SlurmdTimeout, marks it DOWN and requeues the job (--requeue)
-  ft, no spare   the watchdog on: the node is noticed by its missing heartbeat and the job requeued
+  ft-no-spare    the watchdog on: the node is noticed by its missing heartbeat and the job requeued
                  at once (or, the batch host lost, the other node reports it)
-  ft, one spare  the watchdog on, resources.spare_nodes 1: training goes on inside the same job
+  ft-one-spare   the watchdog on, resources.spare_nodes 1: training goes on inside the same job
 
-For each, --kills times (alternately the batch host's node and the other one): a fresh run, a
+For each, --kills times (alternately the other node and the batch host's): a fresh run, a
 crash of a node once training has passed its first checkpoint, then the seconds from the crash to
 the first new training step (rank 0's stamped metrics), and the steps lost (the last step before
 the crash minus the step training resumed from). The lab is healed after every crash (`ft lab up`).
@@ -43,8 +43,8 @@ from toolkit.lab import chaos, lifecycle  # noqa: E402
 
 RECIPE = REPO / "recipes" / "tiny-lora-sft.yaml"
 MODES = {"slurm-native": {"watchdog": {"enabled": False}},
-         "ft, no spare": {"watchdog": {}},
-         "ft, one spare": {"watchdog": {}, "resources": {"spare_nodes": 1}}}
+         "ft-no-spare": {"watchdog": {}},
+         "ft-one-spare": {"watchdog": {}, "resources": {"spare_nodes": 1}}}
 
 
 def ft(env: dict, *args: str) -> str:
@@ -54,7 +54,7 @@ def ft(env: dict, *args: str) -> str:
 
 def goodput(env: dict, work: Path, args) -> dict:
     found = {}
-    clean = goodput_run(env, recipe_for(work, "ft, no spare", args.heartbeat_timeout, args.goodput_steps), None)
+    clean = goodput_run(env, recipe_for(work, "ft-no-spare", args.heartbeat_timeout, args.goodput_steps), None)
     print(f"\ngoodput, a crash every {args.crash_every:.0f} s ({args.goodput_steps} steps; uninterrupted: "
           f"{clean['seconds']:.0f} s from the first step to the end):", flush=True)
     for mode in args.modes.split(","):
@@ -75,7 +75,7 @@ def recipe_for(work: Path, mode: str, heartbeat_timeout: float, steps: int = 100
         document.setdefault(section, {}).update(values)
     if document["watchdog"].get("enabled", True):
         document["watchdog"]["heartbeat_timeout"] = heartbeat_timeout
-    path = work / f"{mode.replace(', ', '-').replace(' ', '-')}-{steps}.yaml"
+    path = work / f"{mode}-{steps}.yaml"
     path.write_text(yaml.safe_dump(document))
     return path
 
@@ -164,7 +164,7 @@ def main() -> None:
         recipe = recipe_for(work, mode, args.heartbeat_timeout)
         results[mode] = []
         for kill in range(args.kills):
-            outcome = one_kill(env, recipe, victim_rank=kill % 2)
+            outcome = one_kill(env, recipe, victim_rank=(kill + 1) % 2)  # the other node first, then the batch host
             results[mode].append(outcome)
             print(f"{mode}: kill {kill + 1}: {outcome['seconds']:.1f} s to the first new step, "
                   f"{outcome['steps_lost']} steps lost ({outcome['victim']})", flush=True)
