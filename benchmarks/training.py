@@ -1,23 +1,27 @@
-"""Benchmark ft's training runtime against a bare DeepSpeed loop, in one run on this machine.
+"""Benchmark ft's training runtime against a bare DeepSpeed loop, in one run on one machine.
 
-One rank (gloo on the CPU), the same model, data, batches and DeepSpeed configuration:
+One rank (gloo and fp32 on the CPU; with --device cuda, NCCL and bf16 on one GPU), the same model,
+data, batches and DeepSpeed configuration:
 
   bare loop        deepspeed.initialize + forward/backward/step, nothing else
-  ft worker        toolkit.train.worker (token cache, metrics, signals, NaN checks), no checkpoints
+  ft worker        toolkit.train.worker (token cache, metrics, per-step agreement, NaN checks), no checkpoints
   ft checkpoints   the same with a checkpoint every --every steps
 
 Robust on a shared, noisy machine: --pairs alternating bare / ft runs (the order flips every pair,
-so drift hits both sides alike), the first --warmup steps of every run excluded (steps are timed
-as they finish: the bare loop stamps each, the ft worker's metrics.jsonl lines are stamped as they
-appear), and the median ratio printed with its spread (target: ft >= 0.97x the bare loop).
-Then the per-step cost of each piece ft adds, measured on its own in one process: the metrics line
-(JSON + append), the step's collective with its .item() synchronisations, the NaN check, signal
-handling, and the token cache's load. Finally the time each ft checkpoint costs against a bare
-synchronous engine.save_checkpoint of the same state, and what checkpoints cost at ft's default
-cadence (every 100 steps; target <= 1% of wall clock).
+so drift hits both sides alike), the first --warmup steps of every run excluded, and the median
+ratio printed with its spread (target: ft >= 0.97x the bare loop). Steps are timed as they finish:
+the bare loop stamps each (synchronising the GPU at the two stamps the rate is taken between), the
+ft worker's metrics.jsonl lines are stamped as they appear, which is when ft reads its losses
+(every 10 steps, a synchronisation): --warmup and --steps are multiples of 10.
+Then the per-step cost of each piece ft adds, measured on its own in one process with ft's own
+classes: the loss window read every 10 steps with its metrics lines, the per-step agreement (a CPU
+collective), the NaN check, the stop flag, and the token cache's load. Finally the time each ft
+checkpoint costs against a bare synchronous engine.save_checkpoint of the same state, and what
+checkpoints cost at ft's default cadence (every 100 steps; target <= 1% of wall clock).
 The model is a Llama of --hidden x --layers, fully fine-tuned, so a checkpoint holds hundreds of
 MB (weights and Adam state).
-    python benchmarks/training.py [--pairs 5] [--steps 40] [--warmup 5] [--hidden 768] [--layers 6]
+    python benchmarks/training.py [--pairs 5] [--steps 40] [--warmup 10] [--hidden 768] [--layers 6]
+    python benchmarks/training.py --device cuda --hidden 2048 --layers 8      # on a GPU
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,7 +40,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from toolkit.train.workers import CPU_MALLOC  # noqa: E402 - the checkout's own toolkit
+
 DATA = REPO / "recipes" / "data" / "tiny-sft.jsonl"
+PRECISION = {"cpu": "fp32", "cuda": "bf16"}
+LOG_EVERY_STEPS = 10  # the recipe's default: ft reads losses every 10 steps
 
 BARE_LOOP = r"""
 import json, os, sys, time
@@ -49,8 +60,11 @@ from toolkit.train.data import Example, batch_indices, collate, rank_slice
 from toolkit.train.worker import deepspeed_config
 
 recipe = json.loads(Path(sys.argv[1]).read_text())
-steps = recipe["training"]["steps"]
-deepspeed.init_distributed(dist_backend="gloo")
+warmup, steps = int(sys.argv[3]), recipe["training"]["steps"]
+backend = os.environ["FT_DIST_BACKEND"]
+if backend == "nccl":
+    torch.cuda.set_device(0)
+deepspeed.init_distributed(dist_backend=backend)
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_pretrained(recipe["model"]["base"], dtype=torch.float32)
 counter = load_length_counter(recipe["model"]["base"])
@@ -59,15 +73,18 @@ examples = [Example(i, l) for i, l, _ in encode_rows(rows, "prompt_completion", 
 config = deepspeed_config(recipe, 1, steps)
 engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
 tokens, started, stamps, step_tokens = 0, time.monotonic(), [], []
-for step in range(steps):
-    indices = batch_indices(step, 42, len(examples), config["train_batch_size"])
+for step in range(1, steps + 1):
+    indices = batch_indices(step - 1, 42, len(examples), config["train_batch_size"])
     for micro in range(config["gradient_accumulation_steps"]):
         chosen = rank_slice(indices, 0, 1, config["train_micro_batch_size_per_gpu"], micro)
         batch = collate([examples[i] for i in chosen], 2)
         tokens += int(batch["attention_mask"].sum())
+        batch = {key: value.to(engine.device) for key, value in batch.items()}
         loss = engine(**batch).loss
         engine.backward(loss)
         engine.step()
+    if backend == "nccl" and step in (warmup, steps):  # the two stamps the rate is taken between
+        torch.cuda.synchronize()
     stamps.append(time.monotonic())
     step_tokens.append(tokens)
 seconds = time.monotonic() - started
@@ -89,7 +106,7 @@ def build_model(folder: Path, hidden: int, layers: int) -> Path:
     return path
 
 
-def recipe_for(model: Path, steps: int, every: int | None) -> dict:
+def recipe_for(model: Path, steps: int, every: int | None, device: str) -> dict:
     return {
         "name": "bench", "model": {"base": str(model), "revision": None, "params_b": None},
         "method": {"kind": "full", "rank": None, "alpha": None, "dropout": 0.0, "target_modules": None},
@@ -97,20 +114,24 @@ def recipe_for(model: Path, steps: int, every: int | None) -> dict:
         "data": {"train": str(DATA), "eval": None, "format": "prompt_completion", "max_seq_len": 128,
                  "eval_fraction": 0.0, "too_long": "reject"},
         "training": {"steps": steps, "epochs": None, "learning_rate": 1e-4, "lr_schedule": "constant",
-                     "warmup_steps": 0, "micro_batch": 4, "global_batch": 8, "precision": "fp32", "seed": 42,
+                     "warmup_steps": 0, "micro_batch": 4, "global_batch": 8, "precision": PRECISION[device], "seed": 42,
                      "zero_stage": 2, "gradient_checkpointing": False, "max_grad_norm": 1.0},
         "checkpoint": {"every_steps": every, "every_minutes": None, "keep_last": 2, "staging": None,
                        "s3_mirror": None},
-        "tracking": {"wandb": {"project": None, "entity": None, "mode": "disabled", "tags": []}},
+        "tracking": {"wandb": {"project": None, "entity": None, "mode": "disabled", "tags": []},
+                     "log_every_steps": LOG_EVERY_STEPS},
         "env": {},
     }
 
 
-def environment(work: Path, port: int) -> dict:
-    return dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port), FT_DIST_BACKEND="gloo", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="2",
-                FT_SHARED_ROOT=str(work / "shared"),
-                TORCH_EXTENSIONS_DIR="/var/lib/ft-lab/shared/cache/torch_extensions")
+def environment(work: Path, port: int, device: str) -> dict:
+    common = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=str(port), FT_SHARED_ROOT=str(work / "shared"))
+    if device == "cuda":
+        return common | {"FT_DIST_BACKEND": "nccl", "TORCH_EXTENSIONS_DIR": str(work / "torch_extensions")}
+    # Both sides get what ft's launcher gives a CPU worker (toolkit.train.workers.worker_env).
+    return common | CPU_MALLOC | {"FT_DIST_BACKEND": "gloo", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2",
+                                  "TORCH_EXTENSIONS_DIR": "/var/lib/ft-lab/shared/cache/torch_extensions"}
 
 
 PIECES = r"""
@@ -118,36 +139,40 @@ import json, math, os, sys, tempfile, time
 from pathlib import Path
 import deepspeed, torch
 import torch.distributed as dist
+from toolkit.train.step_signals import Agreement, LossWindow
+from toolkit.train.worker import Tracker
 
-deepspeed.init_distributed(dist_backend="gloo")
-repeat = int(sys.argv[1])
+backend, repeat, every = os.environ["FT_DIST_BACKEND"], int(sys.argv[1]), int(sys.argv[2])
+device = "cuda" if backend == "nccl" else "cpu"
+if device == "cuda":
+    torch.cuda.set_device(0)
+deepspeed.init_distributed(dist_backend=backend)
 
 def per_call(function):
     function()
+    if device == "cuda":
+        torch.cuda.synchronize()
     started = time.perf_counter()
     for _ in range(repeat):
         function()
+    if device == "cuda":
+        torch.cuda.synchronize()
     return (time.perf_counter() - started) / repeat
 
-losses = [torch.tensor(2.5), torch.tensor(2.4)]
-stop_requested = False
+loss = torch.tensor(2.5, device=device)
+window, agreement = LossWindow(every, 1), Agreement(dist, backend)
 with tempfile.TemporaryDirectory() as folder:
-    metrics = Path(folder) / "metrics.jsonl"
+    tracker = Tracker(Path(folder), {"tracking": {"wandb": {"mode": "disabled"}}}, 0)
 
-    def metrics_line():  # what the worker's Tracker.log does on rank 0, W&B off
-        with open(metrics, "a") as handle:
-            handle.write(json.dumps({"step": 1, "loss": 2.5, "lr": 1e-4, "tokens": 1234}) + "\n")
+    def read_window():  # a window of `every` steps: stack, collective, one read; per step
+        for step in range(every):
+            window.add(step, loss, None, 1e-4, 1234)
+        return tracker.log(window.read(dist))
 
-    def collective():  # the step's one all_reduce, with the .item() calls around it
-        signals = torch.tensor([torch.stack(losses).mean().item(), float(stop_requested), 0.0, 0.0],
-                               dtype=torch.float64)
-        dist.all_reduce(signals)
-        return signals[0].item(), signals[1].item(), signals[2].item()
-
-    costs = {"metrics line (JSON + append)": per_call(metrics_line),
-             "collective + .item() synchronisations": per_call(collective),
+    costs = {f"loss window + metrics (read every {every} steps)": per_call(read_window) / every,
+             "agreement (CPU collective of 2 flags)": per_call(lambda: agreement.agree(False, False)),
              "NaN check": per_call(lambda: math.isfinite(2.5)),
-             "signal flag (stop requested?)": per_call(lambda: float(stop_requested) > 0)}
+             "signal flag (stop requested?)": per_call(lambda: float(False) > 0)}
 print(json.dumps(costs))
 """
 
@@ -174,25 +199,30 @@ print(json.dumps({"seconds": time.perf_counter() - started, "sequences": len(exa
 
 
 def watch_metrics(path: Path, stamps: dict, stop: threading.Event) -> None:
-    """Stamp each metrics line as it appears: when the worker finished that step."""
-    seen = 0
+    """Stamp each metrics line as it appears: when the worker finished that step. Between lines it
+    only stats the file (microseconds): reading it each time would take CPU from the worker."""
+    size = 0
     while not stop.is_set():
-        if path.exists():
-            lines = path.read_text().splitlines()
-            now = time.monotonic()
-            for line in lines[seen:]:
-                with contextlib.suppress(ValueError):
-                    entry = json.loads(line)
-                    stamps[entry["step"]] = (now, entry["tokens"])
-            seen = len(lines)
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_size != size:
+                now = time.monotonic()
+                with open(path, "rb") as handle:
+                    handle.seek(size)
+                    chunk = handle.read()
+                complete = chunk[:chunk.rfind(b"\n") + 1]  # a line still being written waits
+                size += len(complete)
+                for line in complete.splitlines():
+                    with contextlib.suppress(ValueError):
+                        entry = json.loads(line)
+                        stamps[entry["step"]] = (now, entry["tokens"])
         time.sleep(0.005)
 
 
-def run_ft(work: Path, name: str, recipe: dict, port: int) -> dict:
+def run_ft(work: Path, name: str, recipe: dict, port: int, device: str) -> dict:
     run_dir = work / name
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "recipe.json").write_text(json.dumps(recipe))
-    env = environment(work, port) | {"FT_RUN_DIR": str(run_dir), "FT_RUN_ID": name}
+    env = environment(work, port, device) | {"FT_RUN_DIR": str(run_dir), "FT_RUN_ID": name}
     stamps: dict[int, tuple[float, int]] = {}
     stop = threading.Event()
     watcher = threading.Thread(target=watch_metrics, args=(run_dir / "metrics.jsonl", stamps, stop), daemon=True)
@@ -210,27 +240,33 @@ def run_ft(work: Path, name: str, recipe: dict, port: int) -> dict:
 
 
 def rate_after_warmup(result: dict, warmup: int) -> float:
-    """Tokens per second from the end of step `warmup` to the end of the last step."""
+    """Tokens per second from the end of step `warmup` to the end of the last step. ft writes its
+    metrics lines when it reads the losses (every LOG_EVERY_STEPS steps, a synchronisation), so both
+    ends are steps where it reads them: their lines appear when the step has truly finished."""
     stamps, tokens = result["stamps"], result["step_tokens"]
     return (tokens[-1] - tokens[warmup - 1]) / (stamps[-1] - stamps[warmup - 1])
 
 
-def run_bare(work: Path, model: Path, steps: int, pair: int) -> dict:
+def run_bare(work: Path, model: Path, args, pair: int) -> dict:
     recipe_path = work / "bare.json"
-    recipe_path.write_text(json.dumps(recipe_for(model, steps, None)))
-    output = subprocess.run([sys.executable, "-c", BARE_LOOP, str(recipe_path), str(work / f"bare-ckpt-{pair}")],
-                            env=environment(work, 29611), check=True, capture_output=True, text=True, cwd=REPO)
+    recipe_path.write_text(json.dumps(recipe_for(model, args.steps, None, args.device)))
+    output = subprocess.run([sys.executable, "-c", BARE_LOOP, str(recipe_path), str(work / f"bare-ckpt-{pair}"),
+                             str(args.warmup)], env=environment(work, 29611, args.device), check=True,
+                            capture_output=True, text=True, cwd=REPO)
     return json.loads(output.stdout.strip().splitlines()[-1])
 
 
-def measure_pieces(work: Path, model: Path, steps: int) -> tuple[dict, dict]:
-    pieces = json.loads(subprocess.run([sys.executable, "-c", PIECES, "2000"], env=environment(work, 29641),
-                                       check=True, capture_output=True, text=True, cwd=REPO).stdout.splitlines()[-1])
+def run_script(script: str, arguments: list[str], env: dict) -> dict:
+    output = subprocess.run([sys.executable, "-c", script, *arguments], env=env, check=True, capture_output=True,
+                            text=True, cwd=REPO)
+    return json.loads(output.stdout.splitlines()[-1])
+
+
+def measure_pieces(work: Path, model: Path, args) -> tuple[dict, dict]:
+    pieces = run_script(PIECES, ["200", str(LOG_EVERY_STEPS)], environment(work, 29641, args.device))
     recipe_path = work / "cache.json"
-    recipe_path.write_text(json.dumps(recipe_for(model, steps, None)))
-    cache = json.loads(subprocess.run([sys.executable, "-c", TOKEN_CACHE_LOAD, str(recipe_path), str(work / "cache")],
-                                      env=environment(work, 29651), check=True, capture_output=True, text=True,
-                                      cwd=REPO).stdout.splitlines()[-1])
+    recipe_path.write_text(json.dumps(recipe_for(model, args.steps, None, args.device)))
+    cache = run_script(TOKEN_CACHE_LOAD, [str(recipe_path), str(work / "cache")], environment(work, 29651, args.device))
     return pieces, cache
 
 
@@ -238,13 +274,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pairs", type=int, default=5, help="alternating bare / ft runs (at least 5 for the target)")
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=5, help="steps excluded at the start of every run")
+    parser.add_argument("--warmup", type=int, default=10, help="steps excluded at the start of every run")
     parser.add_argument("--every", type=int, default=10, help="checkpoint cadence of the checkpoint run, in steps")
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: one GPU, NCCL, bf16 (give a larger --hidden/--layers)")
     args = parser.parse_args()
     if not 0 < args.warmup < args.steps:
         parser.error("--warmup must be between 0 and --steps")
+    if args.warmup % LOG_EVERY_STEPS or args.steps % LOG_EVERY_STEPS:
+        parser.error(f"--warmup and --steps must be multiples of {LOG_EVERY_STEPS}, the steps ft reads losses at")
     with tempfile.TemporaryDirectory(prefix="ft-bench-train-", dir="/var/tmp") as tmp:
         work = Path(tmp)
         model = build_model(work, args.hidden, args.layers)
@@ -252,32 +292,40 @@ def main() -> None:
         for pair in range(args.pairs):
             results = {}
             for side in (("bare", "ft") if pair % 2 == 0 else ("ft", "bare")):
-                results[side] = (run_bare(work, model, args.steps, pair) if side == "bare"
-                                 else run_ft(work, f"ft-plain-{pair}", recipe_for(model, args.steps, None), 29621))
+                results[side] = (run_bare(work, model, args, pair) if side == "bare"
+                                 else run_ft(work, f"ft-plain-{pair}", recipe_for(model, args.steps, None, args.device),
+                                             29621, args.device))
             bare_rate, ft_rate = (rate_after_warmup(results[side], args.warmup) for side in ("bare", "ft"))
             bare_rates.append(bare_rate)
             ft_rates.append(ft_rate)
             ratios.append(ft_rate / bare_rate)
             bare_saves.append(results["bare"]["save_seconds"])
+            saved = work / f"bare-ckpt-{pair}"
+            state_mb = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file()) / 2**20
+            shutil.rmtree(saved)  # a larger model's state is many GB: keep one on disk at a time
             print(f"  pair {pair + 1}/{args.pairs} ({'bare first' if pair % 2 == 0 else 'ft first'}): bare "
                   f"{bare_rate:7.0f} tok/s, ft {ft_rate:7.0f} tok/s, x{ft_rate / bare_rate:.3f}", flush=True)
-        pieces, cache = measure_pieces(work, model, args.steps)
-        checkpointed = run_ft(work, "ft-ckpt", recipe_for(model, args.steps, args.every), 29631)
-        state_mb = sum(f.stat().st_size for f in (work / "bare-ckpt-0").rglob("*") if f.is_file()) / 2**20
+        pieces, cache = measure_pieces(work, model, args)
+        checkpointed = run_ft(work, "ft-ckpt", recipe_for(model, args.steps, args.every, args.device), 29631,
+                              args.device)
 
+    report(args, ratios, bare_rates, ft_rates, bare_saves, pieces, cache, checkpointed, state_mb)
+
+
+def report(args, ratios, bare_rates, ft_rates, bare_saves, pieces, cache, checkpointed, state_mb) -> None:
     median = statistics.median(ratios)
     tokens_per_step = checkpointed["step_tokens"][-1] / args.steps  # the same batches in every run
     step_seconds = tokens_per_step / statistics.median(bare_rates)
-    print(f"model {args.hidden}x{args.layers}, checkpoint state {state_mb:.0f} MB, {args.steps} steps "
-          f"({args.warmup} of warm-up excluded), {args.pairs} alternating pairs")
+    print(f"model {args.hidden}x{args.layers} on {args.device} ({PRECISION[args.device]}), checkpoint state "
+          f"{state_mb:.0f} MB, {args.steps} steps ({args.warmup} of warm-up excluded), {args.pairs} alternating pairs")
     print(f"  bare loop       {statistics.median(bare_rates):9.0f} tokens/s (median)")
     print(f"  ft worker       {statistics.median(ft_rates):9.0f} tokens/s (median)")
     print(f"  ratio           x{median:.3f} median, spread x{min(ratios):.3f} .. x{max(ratios):.3f} "
           f"({'met' if median >= 0.97 and args.pairs >= 5 else 'MISSED'} target >= 0.97x over >= 5 pairs)")
     print(f"  per-step cost of what ft adds (a step of the bare loop: {step_seconds * 1e3:.1f} ms):")
     for piece, seconds in pieces.items():
-        print(f"    {piece:40s} {seconds * 1e6:9.1f} us  ({seconds / step_seconds * 100:.3f}% of a step)")
-    print(f"    {'token cache load (once per run)':40s} {cache['seconds'] * 1e3:9.1f} ms  "
+        print(f"    {piece:48s} {seconds * 1e6:9.1f} us  ({seconds / step_seconds * 100:.3f}% of a step)")
+    print(f"    {'token cache load (once per run)':48s} {cache['seconds'] * 1e3:9.1f} ms  "
           f"({cache['seconds'] / (step_seconds * args.steps) * 100:.3f}% of {args.steps} steps)")
     per_checkpoint = checkpointed["checkpoint_seconds"] / checkpointed["checkpoints"]
     share = per_checkpoint / (per_checkpoint + 100 * step_seconds)

@@ -1,6 +1,8 @@
 """Failure is normal: faults injected into real ft runs on the lab (`ft chaos`), each run ending
 COMPLETED with the weights of an uninterrupted run (atol 1e-5). Inside the same Slurm job: a node
-lost mid-training is replaced by the spare node the job holds; a hung rank has its stacks dumped and
+lost mid-training is replaced by the spare node the job holds; a node whose GPU fails is drained by
+its own health check, its ranks checkpoint, and with no spare left the job requeues itself at once
+without it; a hung rank has its stacks dumped and
 training restarts from the latest checkpoint, and so does a killed rank. A lost batch host (the job
 script dies with it) is reported to Slurm by the other nodes, and the job requeued at once: this is
 also what plain Slurm does for a node it declares DOWN (`--requeue`), through an ft run. A
@@ -18,7 +20,7 @@ import yaml
 
 from tests.support.slurm import cancel, sbatch, wait_for, write_script
 from tests.support.training import TINY, assert_same_weights, ft, submit, wait_done
-from toolkit.lab import chaos
+from toolkit.lab import chaos, lifecycle
 
 pytest.importorskip("deepspeed", reason="the training stack (ft[train]) is not installed")
 
@@ -53,42 +55,10 @@ def events(run: dict) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def after_first_checkpoint(run: dict) -> None:
-    latest = Path(run["run_dir"]) / "checkpoints" / "latest"
-    wait_for("the first checkpoint", latest.exists, timeout=300, interval=0.5)
-
-
 def finished(run: dict, runs: Path) -> None:
     state = wait_done(run["run_id"], timeout=420, runs_dir=runs)
     assert state == "COMPLETED", ft("logs", run["run_id"], "--rank", "0", runs_dir=runs).stdout[-3000:] + \
         (Path(run["run_dir"]) / "logs" / f"slurm-{run['job_id']}.out").read_text()[-3000:]
-
-
-def one_job(run: dict) -> None:
-    """Recovered inside the allocation: every start was of the first job, none a requeue."""
-    attempts = [json.loads(line) for line in (Path(run["run_dir"]) / "attempts.jsonl").read_text().splitlines()]
-    assert {a["job_id"] for a in attempts} == {run["job_id"]} and {a["restart"] for a in attempts} == {0}
-    assert len(attempts) == 2, attempts  # the first start and the one after the fault
-
-
-def test_a_lost_node_is_replaced_by_a_spare_in_the_same_job(tiny_baseline, runs, heal_lab):
-    run = submit(recipe(runs, "spare", resources={"spare_nodes": 1}, watchdog={"heartbeat_timeout": 5}),
-                 runs_dir=runs)
-    after_first_checkpoint(run)
-    crashed = chaos.crash_rank_node(run["run_id"], 1).node
-
-    finished(run, runs)
-    one_job(run)
-    timeline = events(run)
-    lost = [e for e in timeline if e["event"] == "node_lost"]
-    assert [e["node"] for e in lost] == [crashed] and lost[0]["marked_down"]
-    starts = [e for e in timeline if e["event"] == "start"]
-    assert crashed in starts[0]["nodes"] and crashed not in starts[1]["nodes"]
-    reason = subprocess.run(["sinfo", "--noheader", "-n", crashed, "-o", "%E"], capture_output=True,
-                            text=True).stdout
-    assert run["run_id"] in reason and "no heartbeat" in reason
-    assert "resumed from checkpoint step-" in (Path(run["run_dir"]) / "logs" / "rank-0.log").read_text()
-    assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after losing {crashed}")
 
 
 def checkpoint_after(run: dict, step: int) -> None:
@@ -98,11 +68,55 @@ def checkpoint_after(run: dict, step: int) -> None:
              timeout=300, interval=0.3)
 
 
+def latest_step(run: dict) -> int:
+    return int((Path(run["run_dir"]) / "checkpoints" / "latest").read_text().strip().split("-")[1])
+
+
+def reasons(*nodes: str) -> dict[str, str]:
+    return {node: subprocess.run(["sinfo", "--noheader", "-n", node, "-o", "%E"], capture_output=True,
+                                 text=True).stdout.strip() for node in nodes}
+
+
+def test_a_lost_node_is_replaced_by_a_spare_and_a_bad_gpu_with_no_spare_left_requeues(tiny_baseline, runs,
+                                                                                      heal_lab):
+    run = submit(recipe(runs, "spare", resources={"spare_nodes": 1}, watchdog={"heartbeat_timeout": 5}),
+                 runs_dir=runs)
+    checkpoint_after(run, 0)  # the first one
+    first = chaos.crash_rank_node(run["run_id"], 1).node
+    wait_for("the restart on the spare", lambda: len([e for e in events(run) if e["event"] == "start"]) == 2,
+             timeout=120, interval=0.3)
+    checkpoint_after(run, latest_step(run))  # trained on the spare
+    second = chaos.fail_gpu(run["run_id"], 1)[0].node  # the spare's GPU: its health check drains it
+    slurm_out = Path(run["run_dir"]) / "logs" / f"slurm-{run['job_id']}.out"
+    wait_for("the requeue", lambda: slurm_out.exists() and f"requeued without {second}" in slurm_out.read_text(),
+             timeout=120, interval=0.5)
+    out_of_service = reasons(first, second)
+    lifecycle.up()  # the requeued job wants three nodes again: the crashed node and the GPU come back
+
+    finished(run, runs)
+    timeline = events(run)
+    lost = [e for e in timeline if e["event"] == "node_lost"]
+    assert [e["node"] for e in lost] == [first, second]
+    assert lost[0]["marked_down"] and not lost[1]["marked_down"]  # a drain keeps the health check's reason
+    assert run["run_id"] in out_of_service[first] and "no heartbeat" in out_of_service[first], out_of_service
+    assert "10-gpu-devices: found 3 of" in out_of_service[second], out_of_service
+    starts = [e for e in timeline if e["event"] == "start"]
+    assert first in starts[0]["nodes"] and first not in starts[1]["nodes"] and second in starts[1]["nodes"]
+    attempts = [json.loads(line) for line in (Path(run["run_dir"]) / "attempts.jsonl").read_text().splitlines()]
+    # The spare took over inside the first job; with none left, the same job was requeued.
+    assert [(a["job_id"], a["restart"]) for a in attempts[:2]] == [(run["job_id"], 0)] * 2
+    assert attempts[-1]["job_id"] == run["job_id"] and attempts[-1]["restart"] >= 1
+    rank0 = (Path(run["run_dir"]) / "logs" / "rank-0.log").read_text()
+    stopped = rank0.split("stopping at step ", 1)[1].split(" ", 1)[0]  # the drained node's ranks checkpointed
+    assert f"resumed from checkpoint step-{int(stopped):08d}" in rank0  # and no step was lost
+    assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after losing {first}, then {second}")
+
+
 def test_a_hung_rank_then_a_killed_one_are_restarted_on_the_same_nodes(tiny_baseline, runs):
     run = submit(recipe(runs, "hang", watchdog={"hang_floor": 5, "hang_factor": 10}), runs_dir=runs)
-    after_first_checkpoint(run)
+    checkpoint_after(run, 0)  # the first one
     hung = chaos.hang_rank(run["run_id"], 1)
-    checkpoint_after(run, int((Path(run["run_dir"]) / "checkpoints" / "latest").read_text().split("-")[1]))
+    checkpoint_after(run, latest_step(run))
     chaos.kill_rank(run["run_id"], 0)
 
     finished(run, runs)
@@ -125,7 +139,7 @@ def test_a_hung_rank_then_a_killed_one_are_restarted_on_the_same_nodes(tiny_base
 
 def test_a_lost_batch_host_is_reported_by_the_survivors_and_the_job_requeued(tiny_baseline, runs, heal_lab):
     run = submit(recipe(runs, "batch-host", watchdog={"heartbeat_timeout": 5}), runs_dir=runs)
-    after_first_checkpoint(run)
+    checkpoint_after(run, 0)  # the first one
     crashed = chaos.crash_rank_node(run["run_id"], 0).node  # rank 0 runs on the batch host
 
     finished(run, runs)
@@ -140,7 +154,7 @@ def test_a_lost_batch_host_is_reported_by_the_survivors_and_the_job_requeued(tin
 
 def test_a_preempted_free_run_checkpoints_and_resumes_where_it_stopped(lab, tiny_baseline, runs, shared_tmp):
     run = submit(recipe(runs, "free", resources={"tier": "free"}), runs_dir=runs)
-    after_first_checkpoint(run)
+    checkpoint_after(run, 0)  # the first one
     script = write_script(shared_tmp / "premium.sh", "srun sleep 5\n")
     premium = sbatch(script, "--partition=premium", f"--nodes={len(lab.nodes)}", f"--output={shared_tmp}/p-%j")
     try:

@@ -60,7 +60,8 @@ def sbatch_options(script: str) -> dict[str, str]:
 
 def test_header_asks_slurm_for_what_the_recipe_needs():
     options = sbatch_options(rendered("llama3-8b-full-32gpu", "hyperpod"))
-    assert options["nodes"] == "4" and options["ntasks-per-node"] == "1"
+    assert options["nodes"] == "5" and options["ntasks-per-node"] == "1"  # 4 training and a spare
+    assert "no-kill" in options  # Slurm takes a failed node out of the job and lets it run on
     assert options["gpus-per-node"] == "8"
     assert options["time"] == "2-00:00:00"
     assert options["partition"] == "urgent"  # tier premium on hyperpod

@@ -38,3 +38,13 @@ def crash(run_id: str = RUN, rank: int = RANK) -> None:
 
     found = crash_rank_node(run_id, rank)
     console.print(f"{plain(found.node)} (running rank {rank}) crashed")
+
+
+@app.command("gpu-bad")
+def gpu_bad(run_id: str = RUN, rank: int = RANK) -> None:
+    """A GPU of the node a rank runs on falls off the bus: the node's health check drains it."""
+    from toolkit.lab.chaos import fail_gpu
+
+    found, device = fail_gpu(run_id, rank)
+    console.print(f"{plain(found.node)} (running rank {rank}) lost GPU {plain(device.name)}: its health check "
+                  "drains it within seconds; `ft lab up` puts the GPU back")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from toolkit.errors import FtError
 from toolkit.lab.lifecycle import crash, require_root
-from toolkit.lab.manifest import LabManifest
+from toolkit.lab.manifest import LabManifest, state_dir
 from toolkit.lab.processes import netns_pids
 
 
@@ -58,3 +58,17 @@ def crash_rank_node(run_id: str, rank: int) -> RankProcess:
     found = find_rank(run_id, rank)
     crash(found.node)
     return found
+
+
+def fail_gpu(run_id: str, rank: int) -> tuple[RankProcess, Path]:
+    """A GPU falls off the bus on the node a rank runs on. The lab's GPUs are device files (gres.conf
+    names them, as /dev/nvidiaN on a real node): one goes, and the node's own health check
+    (HealthCheckProgram, every few seconds on the lab) drains it, as it would a real node; ft's
+    watchdog then sees the drain. `ft lab up` puts the device back, and the health check resumes
+    the node it drained."""
+    found = find_rank(run_id, rank)
+    devices = sorted((state_dir() / "dev" / found.node).glob("nvidia[0-9]*"))
+    if not devices:
+        raise FtError(f"{found.node} has no GPU device left to fail", hint="`ft lab up` puts them back")
+    devices[-1].unlink()
+    return found, devices[-1]

@@ -202,6 +202,10 @@ class WandbSpec(Strict):
 
 class TrackingSpec(Strict):
     wandb: WandbSpec = WandbSpec()
+    log_every_steps: Annotated[int, Field(ge=1, le=1000, description=(
+        "Steps between reads of the loss: one host synchronisation and one collective, and the NaN "
+        "check with them. Every step's metrics are still recorded. A checkpoint, a stop and the last "
+        "step read it first"))] = 10
 
 
 class Recipe(Strict):

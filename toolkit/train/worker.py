@@ -23,6 +23,7 @@ from pathlib import Path
 
 from toolkit.train.checkpoint import CheckpointStore, step_of
 from toolkit.train.data import Example, batch_indices, collate, rank_slice
+from toolkit.train.step_signals import Agreement, LossWindow, StepRecord
 from toolkit.watch import exits, stacks
 from toolkit.watch.exits import leave_exit_status
 from toolkit.watch.progress import Reporter
@@ -112,6 +113,18 @@ def dpo_loss(engine, batch, beta: float):
     return loss, accuracy
 
 
+def seed_step(seed: int, device) -> None:
+    """Dropout and every other random draw of a step follow from (seed, step, rank): a resumed run
+    repeats exactly what the uninterrupted one would have done. Only the generators a step draws
+    from are seeded (the host's and the rank's GPU): torch.manual_seed seeds every backend torch
+    knows (CUDA, XPU, MTIA, MPS) and cost 1.5 ms a step on the CPU here, 1.5% of a small step."""
+    import torch
+
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)  # the current device: set to LOCAL_RANK's at start
+
+
 def total_steps(recipe: dict, dataset_size: int) -> int:
     training = recipe["training"]
     if training.get("steps"):
@@ -137,14 +150,19 @@ class Tracker:
             link = getattr(self.wandb, "url", None) or str(Path(self.wandb.dir).parent)
             (run_dir / "tracking.json").write_text(json.dumps({"wandb": link, "mode": wandb_spec["mode"]}) + "\n")
 
-    def log(self, step: int, metrics: dict) -> None:
-        if not self.enabled:
+    def log(self, records: list[StepRecord]) -> None:
+        """Several steps at once: one append to metrics.jsonl (see step_signals for why batched)."""
+        if not self.enabled or not records:
             return
+        metrics = [{"loss": r.loss, "lr": r.lr, "tokens": r.tokens}
+                   | ({"reward_accuracy": r.accuracy} if r.accuracy is not None else {}) for r in records]
         with open(self.path, "a") as handle:
-            handle.write(json.dumps({"step": step, "time": round(time.time(), 3), **metrics}) + "\n")
+            handle.write("".join(json.dumps({"step": r.step, "time": round(r.time, 3), **m}) + "\n"
+                                 for r, m in zip(records, metrics, strict=True)))
         if self.wandb:
             try:
-                self.wandb.log(metrics, step=step)
+                for record, values in zip(records, metrics, strict=True):
+                    self.wandb.log(values, step=record.step)
             except Exception as exc:  # noqa: BLE001 - W&B failing (its service killed, say) never stops training
                 print(f"warning: W&B stopped taking metrics ({type(exc).__name__}: {exc}); they go on in "
                       f"{self.path} only", flush=True)
@@ -166,20 +184,23 @@ class Tracker:
                 print(f"warning: W&B did not finish cleanly ({type(exc).__name__}: {exc})", flush=True)
 
 
-def load_base_model(model_path: Path, method: str):
-    """The base model: 4-bit NF4 with double quantization for QLoRA (bitsandbytes), else fp32 weights
-    (DeepSpeed casts for bf16/fp16 training)."""
+def load_base_model(model_path: Path, method: str, precision: str):
+    """The base model in the training precision: 4-bit NF4 with double quantization for QLoRA
+    (bitsandbytes, computing in that precision), else plain weights. DeepSpeed casts the module to
+    bf16/fp16 anyway, so loading it so changes no value and halves the host memory and the load time
+    (an 8B rank loading fp32 peaked at 45.7 GiB: benchmarks/GPU.md)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     if method != "qlora":
-        return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     from peft import prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig
 
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                      bnb_4bit_compute_dtype=torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=quantization, dtype=torch.float32)
+                                      bnb_4bit_compute_dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=quantization, dtype=dtype)
     quantized = sum(type(module).__name__ == "Linear4bit" for module in model.modules())
     print(f"QLoRA: {quantized} linear layers in 4-bit NF4", flush=True)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
@@ -273,7 +294,7 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
     model_path = resolve_model(recipe["model"]["base"], recipe["model"]["revision"], shared_root, user_cache)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     method = recipe["method"]
-    model = load_base_model(model_path, method["kind"])
+    model = load_base_model(model_path, method["kind"], recipe["training"]["precision"])
     if recipe["training"]["gradient_checkpointing"]:
         model.gradient_checkpointing_enable()
     if method["kind"] in ("lora", "qlora"):
@@ -328,14 +349,31 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
 
     fault_oom = int(os.environ.get("FT_FAULT_OOM_AT_STEP", "0"))
     fault_nan = int(os.environ.get("FT_FAULT_NAN_AT_STEP", "0"))
+    window = LossWindow(recipe["tracking"].get("log_every_steps", 1), world)
+    agreement = Agreement(dist, backend)
+
+    def read_losses() -> None:
+        """The pending steps' losses: NaN check, metrics, the log line every 10 steps."""
+        records = window.read(dist)
+        for record in records:
+            loss = record.loss if record.step != fault_nan else float("nan")
+            if not math.isfinite(loss):
+                log(rank, f"loss is {loss} at step {record.step}: stopping. Try a lower learning rate "
+                          f"(now {recipe['training']['learning_rate']}), gradient clipping (max_grad_norm), "
+                          "and `ft validate` on the data.")
+                tracker.log([r for r in records if r.step < record.step])
+                leave_exit_status(run_dir, exits.USER_ERROR)  # every rank: whichever srun stops last
+                sys.exit(exits.USER_ERROR)
+            if rank == 0 and (record.step % 10 == 0 or record.step == start + 1):
+                log(rank, f"step {record.step}/{steps} loss {loss:.4f}")
+        tracker.log(records)
+
     log(rank, f"training steps {start}..{steps} world={world} micro batch {config['train_micro_batch_size_per_gpu']} "
               f"accumulation={accumulation} backend={backend}")
     step = start
     for step in range(start + 1, steps + 1):
         indices = batch_indices(step - 1, recipe["training"]["seed"], len(examples), config["train_batch_size"])
-        # Dropout and every other random draw follow from (seed, step, rank): a resumed run
-        # repeats exactly what the uninterrupted one would have done.
-        torch.manual_seed(recipe["training"]["seed"] * 1_000_003 + step * 4099 + rank)
+        seed_step(recipe["training"]["seed"] * 1_000_003 + step * 4099 + rank, engine.device)
         losses, accuracies = [], []
         try:
             for micro in range(accumulation):
@@ -361,28 +399,14 @@ def main() -> None:  # noqa: C901 - the training loop reads best in one place
                       f"{exc}")
             leave_exit_status(run_dir, exits.OUT_OF_MEMORY)
             sys.exit(exits.OUT_OF_MEMORY)
-        # One collective per step: the mean loss, whether any rank wants to stop, and the save clock.
-        signals = torch.tensor([torch.stack(losses).mean().item(), float(_stop_requested),
-                                float(time.monotonic() - last_save >= every_seconds > 0),
-                                torch.stack(accuracies).mean().item() if accuracies else 0.0], dtype=torch.float64,
-                               device=engine.device)  # NCCL reduces only GPU tensors
-        dist.all_reduce(signals)
-        mean_loss = signals[0].item() / world if step != fault_nan else float("nan")
-        if not math.isfinite(mean_loss):
-            log(rank, f"loss is {mean_loss} at step {step}: stopping. Try a lower learning rate "
-                      f"(now {recipe['training']['learning_rate']}), gradient clipping (max_grad_norm), "
-                      "and `ft validate` on the data.")
-            leave_exit_status(run_dir, exits.USER_ERROR)  # every rank: whichever srun stops last
-            sys.exit(exits.USER_ERROR)
         progress.report("step", step)
-        metrics = {"loss": mean_loss, "lr": engine.get_lr()[0], "tokens": tokens * world}
-        if dpo:
-            metrics["reward_accuracy"] = signals[3].item() / world
-        tracker.log(step, metrics)
-        if rank == 0 and (step % 10 == 0 or step == start + 1):
-            log(rank, f"step {step}/{steps} loss {mean_loss:.4f}")
-        stop_now = signals[1].item() > 0
-        if (every_steps and step % every_steps == 0) or signals[2].item() > 0 or stop_now or step == steps:
+        window.add(step, torch.stack(losses).mean(), torch.stack(accuracies).mean() if accuracies else None,
+                   engine.get_lr()[0], tokens * world)
+        stop_now, clock_due = agreement.agree(_stop_requested, time.monotonic() - last_save >= every_seconds > 0)
+        save_now = bool(every_steps and step % every_steps == 0) or clock_due or stop_now or step == steps
+        if save_now or window.due(step) or step == start + 1:
+            read_losses()
+        if save_now:
             save(step)
         if stop_now and step < steps:
             log(rank, f"stopping at step {step} on request (checkpoint saved); the job continues after requeue")
