@@ -88,8 +88,9 @@ def test_a_lost_node_is_replaced_by_a_spare_and_a_bad_gpu_with_no_spare_left_req
     checkpoint_after(run, latest_step(run))  # trained on the spare
     second = chaos.fail_gpu(run["run_id"], 1)[0].node  # the spare's GPU: its health check drains it
     slurm_out = Path(run["run_dir"]) / "logs" / f"slurm-{run['job_id']}.out"
-    wait_for("the requeue", lambda: slurm_out.exists() and f"requeued without {second}" in slurm_out.read_text(),
-             timeout=120, interval=0.5)
+    wait_for("the requeue", lambda: slurm_out.exists() and any(
+        "is requeued without" in line and second in line.split() for line in slurm_out.read_text().splitlines()),
+        timeout=120, interval=0.5)
     out_of_service = reasons(first, second)
     lifecycle.up()  # the requeued job wants three nodes again: the crashed node and the GPU come back
 
