@@ -30,7 +30,7 @@ from toolkit.watch.progress import PROGRESS_FD, HangRule, NodeProgress
 
 # Training on CPUs (the lab): glibc hands each large freed buffer back to the kernel, and the next
 # step faults it in again, zeroed. A third of a CPU step went to the kernel so (a 768x6 Llama: 20 s
-# of 61 s); with the buffers kept in the heap the same loop ran 1.2-1.5x faster (benchmarks/TRAINING.md).
+# of 61 s); with the buffers kept in the heap the same loop ran 1.3-1.5x faster (benchmarks/TRAINING.md).
 # The mmap threshold is glibc's largest; the heap keeps its peak, which every step reaches again.
 CPU_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(16 << 30),
               "MALLOC_TOP_PAD_": str(256 << 20)}
