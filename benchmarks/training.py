@@ -10,9 +10,10 @@ data, batches and DeepSpeed configuration:
 Robust on a shared, noisy machine: --pairs alternating bare / ft runs (the order flips every pair,
 so drift hits both sides alike), the first --warmup steps of every run excluded, and the median
 ratio printed with its spread (target: ft >= 0.97x the bare loop). Steps are timed as they finish:
-the bare loop stamps each (synchronising the GPU at the two stamps the rate is taken between), the
-ft worker's metrics.jsonl lines are stamped as they appear, which is when ft reads its losses
-(every 10 steps, a synchronisation): --warmup and --steps are multiples of 10.
+the bare loop stamps each (synchronising the GPU at the two stamps the rate is taken between); on
+the CPU ft's metrics.jsonl lines carry their step's end, on a GPU they are stamped as they appear,
+which is when ft reads its losses (every 10 steps, a synchronisation): --warmup and --steps are
+multiples of 10.
 Then the per-step cost of each piece ft adds, measured on its own in one process with ft's own
 classes: the loss window read every 10 steps with its metrics lines, the per-step agreement (a CPU
 collective), the NaN check, the stop flag, and the token cache's load. Finally the time each ft
@@ -225,15 +226,23 @@ def run_ft(work: Path, name: str, recipe: dict, port: int, device: str) -> dict:
     env = environment(work, port, device) | {"FT_RUN_DIR": str(run_dir), "FT_RUN_ID": name}
     stamps: dict[int, tuple[float, int]] = {}
     stop = threading.Event()
+    # On the CPU a step has finished when the host has queued it: each metrics line's own time is
+    # when its step ended, and no watcher thread takes a core from the worker's two compute
+    # threads (the bare side has none). On a GPU the lines are stamped as they appear.
     watcher = threading.Thread(target=watch_metrics, args=(run_dir / "metrics.jsonl", stamps, stop), daemon=True)
-    watcher.start()
+    if device == "cuda":
+        watcher.start()
     try:
         with open(run_dir / "logs" / "rank-0.log", "w") as log:
             subprocess.run([sys.executable, "-m", "toolkit.train.worker"], env=env, check=True, cwd=REPO,
                            stdout=log, stderr=subprocess.STDOUT)
     finally:
         stop.set()
-        watcher.join()
+        if watcher.is_alive():
+            watcher.join()
+    if device != "cuda":
+        for entry in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+            stamps[entry["step"]] = (entry["time"], entry["tokens"])
     summary = json.loads((run_dir / "summary.json").read_text())
     return summary | {"stamps": [stamps[step][0] for step in sorted(stamps)],
                       "step_tokens": [stamps[step][1] for step in sorted(stamps)]}

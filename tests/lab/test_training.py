@@ -113,22 +113,11 @@ def test_nan_loss_stops_at_once_as_a_user_error(lab, runs_env, shared_tmp):
     assert not (Path(run["run_dir"]) / "output").exists()
 
 
-def test_out_of_memory_retries_once_with_half_the_micro_batch(lab, runs_env, shared_tmp):
-    run = submit(faulty_recipe(shared_tmp, FT_FAULT_OOM_AT_STEP="25"))
-
-    assert wait_done(run["run_id"]) == "COMPLETED"
-    batch_log = (Path(run["run_dir"]) / "logs" / f"slurm-{run['job_id']}.out").read_text()
-    assert "retrying once with a smaller micro batch" in batch_log
-    rank0 = (Path(run["run_dir"]) / "logs" / "rank-0.log").read_text()
-    assert "out of memory at step 25 with micro batch 4" in rank0
-    assert "resumed from checkpoint step-00000020" in rank0
-    assert "micro batch 2 accumulation=4" in rank0  # same global batch of 16 over 2 ranks
-    assert json.loads((Path(run["run_dir"]) / "summary.json").read_text())["steps"] == 30
-
-
-def test_out_of_memory_retry_with_an_odd_micro_batch_keeps_the_global_batch(lab, runs_env, shared_tmp):
+def test_out_of_memory_retries_once_from_the_checkpoint_with_a_micro_batch_that_keeps_the_global_batch(
+        lab, runs_env, shared_tmp):
     """Halving 5 would give 2, which does not divide a rank's 5 examples: DeepSpeed would refuse the
-    batch. The retry takes the rule the login side shows (`ft recipe explain`): micro batch 1."""
+    batch. The retry takes the rule the login side shows (`ft recipe explain`): micro batch 1. (The
+    rule's other cases, plain halving among them, are unit tests: tests/unit/test_recipes.py.)"""
     recipe = yaml.safe_load(faulty_recipe(shared_tmp, FT_FAULT_OOM_AT_STEP="25").read_text())
     recipe["training"].update(micro_batch=5, global_batch=10)
     path = shared_tmp / "odd.yaml"
@@ -139,9 +128,13 @@ def test_out_of_memory_retry_with_an_odd_micro_batch_keeps_the_global_batch(lab,
     run = submit(path)
 
     assert wait_done(run["run_id"]) == "COMPLETED", ft("logs", run["run_id"], "--rank", "0").stdout[-3000:]
+    batch_log = (Path(run["run_dir"]) / "logs" / f"slurm-{run['job_id']}.out").read_text()
+    assert batch_log.count("retrying once with a smaller micro batch") == 1
     rank0 = (Path(run["run_dir"]) / "logs" / "rank-0.log").read_text()
     assert "out of memory at step 25 with micro batch 5" in rank0
+    assert "resumed from checkpoint step-00000020" in rank0
     assert "micro batch 1 accumulation=5" in rank0  # the same global batch of 10 over 2 ranks
+    assert json.loads((Path(run["run_dir"]) / "summary.json").read_text())["steps"] == 30
 
 
 def test_dpo_learns_to_prefer_the_chosen_answers(lab, runs_env):
