@@ -4,8 +4,13 @@
   ft submit            `ft submit --preflight` of the tiny 2-node recipe, a full process
   bare submitit        a process that submits the same 2-node job with plain submitit
   bare sbatch          `sbatch` of the same rendered script
+  import floor         a process that only imports what `ft render` cannot do without: typer (the
+                       CLI), pydantic (the recipe's checks: one model made), yaml (the recipe),
+                       jinja2 (the script)
+  import floor+submit  the same and submitit (what `ft submit` cannot do without)
 
-Prints medians and the ratio ft submit / bare submitit (target <= 1.3x). Submitted jobs are
+Prints medians, the ratio ft submit / bare submitit (target <= 1.3x), and each ft command against
+its import floor: what ft itself adds on top of the libraries it is built on. Submitted jobs are
 cancelled right away. python benchmarks/control_plane.py [--rounds N]
 """
 
@@ -48,7 +53,11 @@ def main() -> None:
     script = work / "job.sbatch"
     subprocess.run([*ft, "render", str(RECIPE), "--preflight", "--run-id", "bench", "-o", str(script)],
                    check=True, env=env, capture_output=True)
-    samples: dict[str, list[float]] = {"ft render": [], "ft submit": [], "bare submitit": [], "bare sbatch": []}
+    samples: dict[str, list[float]] = {"ft render": [], "ft submit": [], "bare submitit": [], "bare sbatch": [],
+                                       "import floor": [], "import floor+submit": []}
+    # pydantic imports its model machinery when a first model is made: the floor makes one.
+    floor = ("import typer, yaml, jinja2\nfrom pydantic import BaseModel, Field\n"
+             "class Floor(BaseModel):\n    x: int = Field(1, ge=0)\nFloor(x=1)\n")
     jobs: list[str] = []
     for _ in range(args.rounds):
         seconds, _ = timed([*ft, "render", str(RECIPE)], env)
@@ -63,6 +72,8 @@ def main() -> None:
         samples["bare sbatch"].append(seconds)
         jobs.append(out.strip().split(";")[0])
         subprocess.run(["scancel", *jobs[-3:]], env=env, check=False)
+        samples["import floor"].append(timed([sys.executable, "-c", floor], env)[0])
+        samples["import floor+submit"].append(timed([sys.executable, "-c", "import submitit\n" + floor], env)[0])
     medians = {name: statistics.median(values) for name, values in samples.items()}
     print(f"median of {args.rounds} rounds")
     for name, value in medians.items():
@@ -70,6 +81,11 @@ def main() -> None:
     print(f"ft render: {'met' if medians['ft render'] <= 0.150 else 'MISSED'} target <= 150 ms")
     ratio = medians["ft submit"] / medians["bare submitit"]
     print(f"ft submit / bare submitit: x{ratio:.2f} ({'met' if ratio <= 1.3 else 'MISSED'} target <= 1.3x)")
+    floor_ratio = (medians["import floor+submit"] + medians["bare sbatch"]) / medians["bare submitit"]
+    print(f"  (the libraries alone, imported, plus one sbatch: x{floor_ratio:.2f} a bare submitit submit)")
+    print(f"ft render / its import floor: x{medians['ft render'] / medians['import floor']:.2f}; "
+          f"ft submit / its floor (imports + sbatch): "
+          f"x{medians['ft submit'] / (medians['import floor+submit'] + medians['bare sbatch']):.2f}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ timed steps):
 
   peft       the bare loop: transformers + peft + torch AdamW, nothing else (the reference)
   deepspeed  ft's runtime path in this process: deepspeed.init_distributed (NCCL on a GPU) and
-             deepspeed.initialize with toolkit.train.worker.deepspeed_config (bf16, ZeRO-2), batches from the
+             deepspeed.initialize with toolkit.train.engine.deepspeed_config (bf16, ZeRO-2), batches from the
              worker's collate, engine forward/backward/step. Then probes of the worker's own statements
              on this backend (a CPU batch into the engine, an all_reduce of a CPU tensor, flash attention
              with the attention mask the worker passes)
@@ -250,9 +250,11 @@ def run_peft(model, args, config: dict, compiled: bool) -> None:
 
 # --- deepspeed: ft's runtime path in this process --------------------------------------------------
 
-def recipe_for(model_path: str, data_path: str, args, config: dict, steps: int) -> dict:
-    """A recipe as toolkit.train.worker reads it (recipe.json): LoRA, bf16 (fp32 on a CPU), ZeRO-2."""
-    return {
+def spec_for(model_path: str, data_path: str, args, config: dict, steps: int) -> dict:
+    """A run spec as toolkit.train.worker reads it (recipe.json): LoRA, bf16 (fp32 on a CPU), ZeRO-2, one rank."""
+    derived = {"workers_per_node": 1, "world_size": 1, "gradient_accumulation": 1,
+               "out_of_memory_micro_batch": max(1, config["micro_batch"] // 2), "partition": "bench", "qos": None}
+    return {"derived": derived, "recipe": {
         "name": "gpu-lora-bench", "model": {"base": model_path, "revision": None, "params_b": None},
         "method": {"kind": "lora", "rank": args.rank, "alpha": args.alpha, "dropout": 0.0,
                    "target_modules": args.targets},
@@ -268,7 +270,7 @@ def recipe_for(model_path: str, data_path: str, args, config: dict, steps: int) 
                        "s3_mirror": None},
         "tracking": {"wandb": {"project": None, "entity": None, "mode": "disabled", "tags": []}},
         "env": {},
-    }
+    }}
 
 
 def distributed_env(args) -> dict:
@@ -289,14 +291,16 @@ def run_deepspeed(model, args, config: dict) -> None:
     import deepspeed
     import torch.distributed as dist
 
+    from toolkit.recipe.run_spec import RunSpec, batch_plan
     from toolkit.train.data import Example, collate
-    from toolkit.train.worker import deepspeed_config
+    from toolkit.train.engine import deepspeed_config
 
     backend = os.environ["FT_DIST_BACKEND"]
     deepspeed.init_distributed(dist_backend=backend)  # as the worker does
     set_checkpointing(model, config["gc"])
     total = args.warmup + args.steps
-    ds_config = deepspeed_config(recipe_for("unused", "unused", args, config, total), dist.get_world_size(), total)
+    training = RunSpec.model_validate(spec_for("unused", "unused", args, config, total)).recipe.training
+    ds_config = deepspeed_config(training, batch_plan(training, dist.get_world_size()), total)
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
     micro = ds_config["train_micro_batch_size_per_gpu"]
@@ -400,7 +404,7 @@ def run_worker(args) -> None:
         model_dir, data = write_worker_inputs(work, args)
         run_dir = work / "shared" / "runs" / "bench"
         (run_dir / "logs").mkdir(parents=True)
-        (run_dir / "recipe.json").write_text(json.dumps(recipe_for(str(model_dir), str(data), args, config, total)))
+        (run_dir / "recipe.json").write_text(json.dumps(spec_for(str(model_dir), str(data), args, config, total)))
         env = dict(os.environ, **distributed_env(args), FT_RUN_DIR=str(run_dir), FT_RUN_ID="bench",
                    FT_SHARED_ROOT=str(work / "shared"), PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))

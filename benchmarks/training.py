@@ -57,21 +57,22 @@ from transformers import AutoModelForCausalLM
 from toolkit.data.encode import encode_rows
 from toolkit.data.readers import open_rows
 from toolkit.data.tokenizer import load_length_counter
+from toolkit.recipe.run_spec import RunSpec, batch_plan
 from toolkit.train.data import Example, batch_indices, collate, rank_slice
-from toolkit.train.worker import deepspeed_config
+from toolkit.train.engine import deepspeed_config
 
-recipe = json.loads(Path(sys.argv[1]).read_text())
-warmup, steps = int(sys.argv[3]), recipe["training"]["steps"]
+recipe = RunSpec.model_validate_json(Path(sys.argv[1]).read_text()).recipe
+warmup, steps = int(sys.argv[3]), recipe.training.steps
 backend = os.environ["FT_DIST_BACKEND"]
 if backend == "nccl":
     torch.cuda.set_device(0)
 deepspeed.init_distributed(dist_backend=backend)
 torch.manual_seed(0)
-model = AutoModelForCausalLM.from_pretrained(recipe["model"]["base"], dtype=torch.float32)
-counter = load_length_counter(recipe["model"]["base"])
-rows = [r.data for r in open_rows(recipe["data"]["train"])[0] if r.data]
-examples = [Example(i, l) for i, l, _ in encode_rows(rows, "prompt_completion", counter, recipe["data"]["max_seq_len"])]
-config = deepspeed_config(recipe, 1, steps)
+model = AutoModelForCausalLM.from_pretrained(recipe.model.base, dtype=torch.float32)
+counter = load_length_counter(recipe.model.base)
+rows = [r.data for r in open_rows(recipe.data.train)[0] if r.data]
+examples = [Example(i, l) for i, l, _ in encode_rows(rows, "prompt_completion", counter, recipe.data.max_seq_len)]
+config = deepspeed_config(recipe.training, batch_plan(recipe.training, 1), steps)
 engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
 tokens, started, stamps, step_tokens = 0, time.monotonic(), [], []
 for step in range(1, steps + 1):
@@ -107,8 +108,11 @@ def build_model(folder: Path, hidden: int, layers: int) -> Path:
     return path
 
 
-def recipe_for(model: Path, steps: int, every: int | None, device: str) -> dict:
-    return {
+def spec_for(model: Path, steps: int, every: int | None, device: str) -> dict:
+    """The run spec (recipe.json) of one rank: the recipe and what the login side derives from it."""
+    derived = {"workers_per_node": 1, "world_size": 1, "gradient_accumulation": 2, "out_of_memory_micro_batch": 2,
+               "partition": "bench", "qos": None}
+    return {"derived": derived, "recipe": {
         "name": "bench", "model": {"base": str(model), "revision": None, "params_b": None},
         "method": {"kind": "full", "rank": None, "alpha": None, "dropout": 0.0, "target_modules": None},
         "objective": {"kind": "sft", "beta": None},
@@ -122,7 +126,7 @@ def recipe_for(model: Path, steps: int, every: int | None, device: str) -> dict:
         "tracking": {"wandb": {"project": None, "entity": None, "mode": "disabled", "tags": []},
                      "log_every_steps": LOG_EVERY_STEPS},
         "env": {},
-    }
+    }}
 
 
 def environment(work: Path, port: int, device: str) -> dict:
@@ -141,7 +145,9 @@ from pathlib import Path
 import deepspeed, torch
 import torch.distributed as dist
 from toolkit.train.step_signals import Agreement, LossWindow
-from toolkit.train.worker import Tracker
+from toolkit.recipe.run_spec import RunSpec
+from toolkit.runs.layout import RunLayout
+from toolkit.train.tracking import Tracker
 
 backend, repeat, every = os.environ["FT_DIST_BACKEND"], int(sys.argv[1]), int(sys.argv[2])
 device = "cuda" if backend == "nccl" else "cpu"
@@ -163,7 +169,7 @@ def per_call(function):
 loss = torch.tensor(2.5, device=device)
 window, agreement = LossWindow(every, 1), Agreement(dist, backend)
 with tempfile.TemporaryDirectory() as folder:
-    tracker = Tracker(Path(folder), {"tracking": {"wandb": {"mode": "disabled"}}}, 0)
+    tracker = Tracker(RunLayout(Path(folder)), RunSpec.model_validate_json(open(sys.argv[3]).read()).recipe, 0)
 
     def read_window():  # a window of `every` steps: stack, collective, one read; per step
         for step in range(every):
@@ -182,10 +188,10 @@ import json, sys, time
 from pathlib import Path
 from toolkit.data.recipe_data import dataset_key, token_cache
 from toolkit.data.tokenizer import load_length_counter
-from toolkit.recipe.schema import Recipe
-from toolkit.train.worker import build_cache
+from toolkit.recipe.run_spec import RunSpec
+from toolkit.train.dataset import build_cache
 
-recipe = Recipe.model_validate(json.loads(open(sys.argv[1]).read()))
+recipe = RunSpec.model_validate_json(open(sys.argv[1]).read()).recipe
 counter = load_length_counter(recipe.model.base)
 key = dataset_key(recipe, recipe.data.train, counter, "train")
 cache = token_cache(Path(sys.argv[2]))
@@ -219,10 +225,10 @@ def watch_metrics(path: Path, stamps: dict, stop: threading.Event) -> None:
         time.sleep(0.005)
 
 
-def run_ft(work: Path, name: str, recipe: dict, port: int, device: str) -> dict:
+def run_ft(work: Path, name: str, spec: dict, port: int, device: str) -> dict:
     run_dir = work / name
     (run_dir / "logs").mkdir(parents=True)
-    (run_dir / "recipe.json").write_text(json.dumps(recipe))
+    (run_dir / "recipe.json").write_text(json.dumps(spec))
     env = environment(work, port, device) | {"FT_RUN_DIR": str(run_dir), "FT_RUN_ID": name}
     stamps: dict[int, tuple[float, int]] = {}
     stop = threading.Event()
@@ -258,7 +264,7 @@ def rate_after_warmup(result: dict, warmup: int) -> float:
 
 def run_bare(work: Path, model: Path, args, pair: int) -> dict:
     recipe_path = work / "bare.json"
-    recipe_path.write_text(json.dumps(recipe_for(model, args.steps, None, args.device)))
+    recipe_path.write_text(json.dumps(spec_for(model, args.steps, None, args.device)))
     output = subprocess.run([sys.executable, "-c", BARE_LOOP, str(recipe_path), str(work / f"bare-ckpt-{pair}"),
                              str(args.warmup)], env=environment(work, 29611, args.device), check=True,
                             capture_output=True, text=True, cwd=REPO)
@@ -272,9 +278,9 @@ def run_script(script: str, arguments: list[str], env: dict) -> dict:
 
 
 def measure_pieces(work: Path, model: Path, args) -> tuple[dict, dict]:
-    pieces = run_script(PIECES, ["200", str(LOG_EVERY_STEPS)], environment(work, 29641, args.device))
     recipe_path = work / "cache.json"
-    recipe_path.write_text(json.dumps(recipe_for(model, args.steps, None, args.device)))
+    recipe_path.write_text(json.dumps(spec_for(model, args.steps, None, args.device)))
+    pieces = run_script(PIECES, ["200", str(LOG_EVERY_STEPS), str(recipe_path)], environment(work, 29641, args.device))
     cache = run_script(TOKEN_CACHE_LOAD, [str(recipe_path), str(work / "cache")], environment(work, 29651, args.device))
     return pieces, cache
 
@@ -302,7 +308,7 @@ def main() -> None:
             results = {}
             for side in (("bare", "ft") if pair % 2 == 0 else ("ft", "bare")):
                 results[side] = (run_bare(work, model, args, pair) if side == "bare"
-                                 else run_ft(work, f"ft-plain-{pair}", recipe_for(model, args.steps, None, args.device),
+                                 else run_ft(work, f"ft-plain-{pair}", spec_for(model, args.steps, None, args.device),
                                              29621, args.device))
             bare_rate, ft_rate = (rate_after_warmup(results[side], args.warmup) for side in ("bare", "ft"))
             bare_rates.append(bare_rate)
@@ -315,7 +321,7 @@ def main() -> None:
             print(f"  pair {pair + 1}/{args.pairs} ({'bare first' if pair % 2 == 0 else 'ft first'}): bare "
                   f"{bare_rate:7.0f} tok/s, ft {ft_rate:7.0f} tok/s, x{ft_rate / bare_rate:.3f}", flush=True)
         pieces, cache = measure_pieces(work, model, args)
-        checkpointed = run_ft(work, "ft-ckpt", recipe_for(model, args.steps, args.every, args.device), 29631,
+        checkpointed = run_ft(work, "ft-ckpt", spec_for(model, args.steps, args.every, args.device), 29631,
                               args.device)
 
     report(args, ratios, bare_rates, ft_rates, bare_saves, pieces, cache, checkpointed, state_mb)

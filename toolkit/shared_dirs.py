@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import pwd
 import stat
+import tempfile
 from pathlib import Path
 
 from toolkit.errors import FtError
@@ -140,3 +141,18 @@ def user_name(uid: int) -> str:
         return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
     except KeyError:
         return f"uid {uid}"
+
+
+def write_atomically(path: Path, text: str, mode: int = 0o600) -> None:
+    """Write a file so that readers see the old or the new content, never a half-written one. The
+    mode is set explicitly, whatever the umask: ft's files are private to their owner by default."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "w") as handle:
+            os.fchmod(handle.fileno(), mode)
+            handle.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise

@@ -17,8 +17,10 @@ import yaml
 
 from toolkit.errors import FtError
 from toolkit.recipe.resolve import ResolvedRecipe, resolve
-from toolkit.render.sbatch import RunPlacement, render, write_atomically
+from toolkit.render.sbatch import RunPlacement, render
+from toolkit.runs.layout import RunLayout
 from toolkit.runs.store import JobRecord, RunRecord, RunStore, validate_key
+from toolkit.shared_dirs import write_atomically
 from toolkit.slurm import commands
 from toolkit.slurm.client import CliSlurmClient
 
@@ -70,14 +72,14 @@ def _executor(folder: Path, script: str):
 
 def _sbatch(run_dir: Path, script: str) -> str:
     os.environ.setdefault("SLURM_CONF", commands.slurm_env()["SLURM_CONF"])  # never let sbatch ask DNS
-    folder = run_dir / "submitit"
+    folder = RunLayout(run_dir).submitit
     folder.mkdir(exist_ok=True)
     executor = _executor(folder, script)
     try:
         job = executor._submit_command("ft-run")  # the script above is the whole job; no pickle
     except Exception as exc:  # submitit raises FailedJobError/CalledProcessError with sbatch's text
         raise SubmitError(f"sbatch refused the job: {exc}".strip(),
-                          hint=f"the rendered script is in {run_dir / 'job.sbatch'}") from None
+                          hint=f"the rendered script is in {RunLayout(run_dir).script}") from None
     return str(job.job_id)
 
 
@@ -110,17 +112,18 @@ def _submit_new(resolved: ResolvedRecipe, store: RunStore, key: str | None, mode
     version = CliSlurmClient().version()  # this cluster's Slurm decides which options the script uses
     run_id = store.claim_run_dir(resolved.recipe.name)
     run_dir = store.run_dir(run_id)
+    layout = RunLayout(run_dir)
     try:
         script = render(resolved, RunPlacement(run_id, str(run_dir), key), mode=mode, slurm_version=version)
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)  # errors here leave nothing
         raise
-    shutil.copyfile(resolved.path, run_dir / "recipe.yaml")
-    write_atomically(run_dir / "recipe.resolved.yaml",
+    shutil.copyfile(resolved.path, layout.recipe_source)
+    write_atomically(layout.recipe_resolved,
                      yaml.safe_dump(resolved.recipe.model_dump(mode="json"), sort_keys=False))
-    write_atomically(run_dir / "job.sbatch", script, mode=0o700)
+    write_atomically(layout.script, script, mode=0o700)
     if reports:
-        write_atomically(run_dir / "data-report.json",
+        write_atomically(layout.data_report,
                          json.dumps([report.to_dict() for report in reports], indent=1) + "\n")
     record = RunRecord(run_id, resolved.recipe.name, str(resolved.path.resolve()), resolved.profile.name, mode,
                        time.time(), key)
@@ -130,6 +133,5 @@ def _submit_new(resolved: ResolvedRecipe, store: RunStore, key: str | None, mode
     except SubmitError:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-done: no run without a job
         raise
-    record.jobs.append(JobRecord(job_id, time.time()))
-    store.save(record)
+    record = store.add_job(run_id, JobRecord(job_id, time.time()))  # the job may have registered first
     return Submission(record, run_dir, created=True)

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from tests.support.slurm import job_fields, wait_for
+from toolkit.runs.layout import RunLayout
 from toolkit.runs.store import RunStore
 from toolkit.slurm import commands
 from toolkit.slurm.client import CliSlurmClient
@@ -67,6 +68,24 @@ def test_two_node_run_goes_through_to_completion_with_status_and_logs(lab, runs_
     assert "COMPLETED" in table.stdout and "attempts" in table.stdout
 
 
+def test_a_script_rendered_then_submitted_with_plain_sbatch_shows_in_ls_and_status(lab, runs_dir, shared_tmp):
+    script = shared_tmp / "by-hand.sbatch"
+    rendered = ft("render", str(TINY), "--preflight", "--run-id", "by-hand", "-o", str(script))
+    assert rendered.returncode == 0, rendered.stderr
+    listed = json.loads(ft("ls", "--json").stdout)
+    assert [(entry["run_id"], entry["jobs"], entry["job"]) for entry in listed] == [("by-hand", [], None)]
+
+    held = commands.run(["sbatch", "--parsable", "--hold", str(script)]).stdout.strip().split(";")[0]
+    pending = json.loads(ft("status", "by-hand", "--json").stdout)
+    assert (pending["job"]["job_id"], pending["state"]) == (held, "PENDING")  # found by the script's comment
+    commands.run(["scontrol", "release", held])
+
+    status = wait_finished("by-hand")
+    assert status["state"] == "COMPLETED"
+    assert [job["job_id"] for job in status["jobs"]] == [held]  # the job recorded itself as it started
+    assert [attempt["job_id"] for attempt in status["attempts"]] == [held]
+
+
 def test_slurm_runs_exactly_the_script_ft_render_writes(lab, runs_dir):
     run = submit(str(TINY), "--preflight")
     kept = (Path(run["run_dir"]) / "job.sbatch").read_text()
@@ -110,7 +129,8 @@ def test_hostile_strings_arrive_on_every_node_and_never_execute(lab, runs_dir, s
     assert len(records) == 2
     for record in records:
         assert json.loads(record.read_text())["env"] == recipe["env"]
-    assert json.loads((Path(run["run_dir"]) / "recipe.json").read_text())["data"]["train"] == recipe["data"]["train"]
+    spec = RunLayout(Path(run["run_dir"])).read_spec()
+    assert spec.recipe.data.train == recipe["data"]["train"]
 
 
 def test_a_job_slurm_refuses_leaves_no_run_behind(lab, runs_dir, shared_tmp):

@@ -157,7 +157,7 @@ def test_a_cached_report_still_gets_the_recipe_s_own_checks(tmp_path, monkeypatc
 def test_a_worker_fills_the_cache_exactly_as_validation_does(tmp_path, monkeypatch, rows, fmt):
     """A run submitted with --skip-validation tokenizes in the worker: same tokens, same split."""
     from toolkit.recipe.schema import Recipe
-    from toolkit.train.worker import build_cache
+    from toolkit.train.dataset import build_cache
 
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))

@@ -80,8 +80,8 @@ def test_lora_rank_follows_model_size(name, size, rank):
 def test_gradient_accumulation_is_derived(tmp_path):
     path = write(tmp_path, yaml.safe_dump(MINIMAL | {"training": {"micro_batch": 2, "global_batch": 128}}))
     resolved = resolve(path, "hyperpod")
-    assert resolved.world_size == 16
-    assert resolved.gradient_accumulation == 4  # 128 / (2 x 16)
+    assert resolved.derived.world_size == 16
+    assert resolved.derived.gradient_accumulation == 4  # 128 / (2 x 16)
 
 
 def test_global_batch_not_divisible_is_an_error_with_the_fix(tmp_path):
@@ -107,7 +107,7 @@ def test_explicit_values_win_and_say_so(tmp_path):
 def test_shipped_recipes_resolve(recipe):
     cluster = "lab" if recipe.startswith("tiny") else "hyperpod"
     resolved = resolve(REPO / "recipes" / recipe, cluster)
-    assert resolved.gradient_accumulation >= 1
+    assert resolved.derived.gradient_accumulation >= 1
 
 
 def test_explain_shows_values_and_their_sources():
@@ -145,8 +145,12 @@ def test_bad_recipe_exits_2_and_renders_nothing(tmp_path):
     (10, 40, 2, 5),
 ])
 def test_the_out_of_memory_micro_batch_keeps_the_global_batch(micro, global_batch, world, expected):
-    from toolkit.recipe.schema import out_of_memory_micro_batch
+    from toolkit.recipe.run_spec import batch_plan
+    from toolkit.recipe.schema import TrainingSpec
 
-    chosen = out_of_memory_micro_batch(micro, global_batch, world)
-    assert chosen == expected
-    assert (global_batch // world) % chosen == 0 and chosen <= max(1, micro // 2)
+    training = TrainingSpec(micro_batch=micro, global_batch=global_batch)
+    plan = batch_plan(training, world, out_of_memory_retry=True)
+    assert plan.micro_batch == expected
+    assert (global_batch // world) % plan.micro_batch == 0 and plan.micro_batch <= max(1, micro // 2)
+    assert plan.micro_batch * plan.gradient_accumulation * world == global_batch  # the same global batch
+    assert batch_plan(training, world) == type(plan)(micro, global_batch // (micro * world))

@@ -14,6 +14,7 @@ import yaml
 
 from toolkit.recipe.resolve import resolve
 from toolkit.render.sbatch import RenderError, RunPlacement, render, shell_quote
+from toolkit.runs.layout import RunLayout
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"
@@ -52,6 +53,27 @@ def test_is_valid_bash_and_shellcheck_clean(recipe, cluster, tmp_path):
 
 def test_rendering_is_deterministic():
     assert rendered("llama3-8b-lora-sft", "hyperpod") == rendered("llama3-8b-lora-sft", "hyperpod")
+
+
+def test_the_compiled_template_is_kept_in_a_private_cache_and_gives_the_same_script(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = rendered("llama3-8b-lora-sft", "hyperpod")
+    folder = tmp_path / "cache" / "ft" / "templates"
+    (entry,) = folder.iterdir()
+    assert (folder.stat().st_mode & 0o777, entry.stat().st_mode & 0o077) == (0o700, 0)
+    assert rendered("llama3-8b-lora-sft", "hyperpod") == first  # from the cache: the same bytes
+    entry.write_bytes(b"not bytecode")  # a damaged entry is compiled anew, never trusted
+    assert rendered("llama3-8b-lora-sft", "hyperpod") == first
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a folder owned by another user")
+def test_a_cache_folder_another_user_owns_is_never_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    planted = tmp_path / "cache" / "ft" / "templates"
+    planted.mkdir(parents=True)
+    os.chown(tmp_path / "cache" / "ft", 4242, 4242)
+    assert rendered("llama3-8b-lora-sft", "hyperpod") == (GOLDEN / "llama3-8b-lora-sft__hyperpod.sbatch").read_text()
+    assert list(planted.iterdir()) == []  # nothing written where another user could swap it
 
 
 def sbatch_options(script: str) -> dict[str, str]:
@@ -119,11 +141,9 @@ def test_hostile_strings_reach_the_job_exactly_and_never_execute(tmp_path):
     seen = dict(item.split("=", 1) for item in (tmp_path / "run" / "env.bin").read_text().split("\0") if "=" in item)
     for name, value in resolved.recipe.env.items():
         assert seen[name] == value
-    import json
-
-    carried = json.loads((tmp_path / "run" / "recipe.json").read_text())
-    assert carried["data"]["train"] == resolved.recipe.data.train
-    assert carried["model"]["base"] == resolved.recipe.model.base
+    carried = RunLayout(tmp_path / "run").read_spec()  # what the job's processes read: typed
+    assert carried.recipe == resolved.recipe
+    assert carried.derived == resolved.derived
 
 
 def test_no_secret_value_is_ever_written(tmp_path, monkeypatch):

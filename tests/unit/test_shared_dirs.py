@@ -186,14 +186,16 @@ def test_validation_ignores_a_token_cache_another_user_made_and_says_so(tmp_path
 
 @needs_root
 def test_a_worker_whose_user_cache_was_made_by_another_user_caches_in_its_run_folder(tmp_path, capsys):
-    from toolkit.train.worker import cache_root
+    from toolkit.train.dataset import cache_root
 
     made_by_another_user(tmp_path / "shared" / "cache" / f"uid-{os.getuid()}")
     run_dir = private_dir(tmp_path / "run")
-    assert cache_root(str(tmp_path / "shared"), run_dir) == run_dir / "cache"
-    assert "is a folder of uid 4242, not yours" in capsys.readouterr().out
+    warnings = []
+    assert cache_root(str(tmp_path / "shared"), run_dir, warnings.append) == run_dir / "cache"
+    assert "is a folder of uid 4242, not yours" in warnings[0]
     (tmp_path / "elsewhere").mkdir()
-    assert cache_root(str(tmp_path / "elsewhere"), run_dir) == tmp_path / "elsewhere" / "cache" / f"uid-{os.getuid()}"
+    assert cache_root(str(tmp_path / "elsewhere"), run_dir, warnings.append) == \
+        tmp_path / "elsewhere" / "cache" / f"uid-{os.getuid()}"
 
 
 @needs_root

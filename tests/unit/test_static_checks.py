@@ -44,7 +44,12 @@ def login_side_modules() -> list[Path]:
     return sorted(p for p in TOOLKIT.rglob("*.py") if "train" not in p.relative_to(TOOLKIT).parts)
 
 
+TRAINING_STACK = {"torch", "transformers", "deepspeed", "peft", "bitsandbytes", "accelerate"}
+
+
 def test_no_login_side_module_imports_the_training_side():
+    """Every import of every login-side module, at its top or inside a function (which the test
+    below, importing them, cannot see): none reaches the training side or its stack."""
     import ast
 
     offenders = []
@@ -54,7 +59,8 @@ def test_no_login_side_module_imports_the_training_side():
             names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             offenders += [(relative, name) for name in names
-                          if name.startswith("toolkit.train") and (relative, name) not in TRAINING_ENTRY]
+                          if (name.startswith("toolkit.train") and (relative, name) not in TRAINING_ENTRY)
+                          or name.split(".")[0] in TRAINING_STACK]
     assert offenders == []
 
 
@@ -72,3 +78,30 @@ def test_importing_every_login_side_module_loads_no_training_stack():
                             cwd=TOOLKIT.parent)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+def test_run_directory_names_are_spelled_only_by_the_layout():
+    """One module owns what a run directory holds (toolkit/runs/layout.py): no other module, and not
+    the job script's template, spells a file name of it."""
+    import ast
+
+    from toolkit.runs import layout
+
+    names = {layout.RECORD, layout.RECIPE_SOURCE, layout.RECIPE_RESOLVED, layout.SCRIPT, layout.DATA_REPORT,
+             layout.SPEC, layout.ATTEMPTS, layout.EVENTS, layout.EXIT_STATUS, layout.METRICS, layout.TRACKING,
+             layout.SUMMARY, layout.LAUNCH_FAILURES}
+    offenders = []
+    for path in sorted(TOOLKIT.rglob("*.py")):
+        if path.name == "layout.py":
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and node.body
+                      and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                offenders += [(str(path.relative_to(TOOLKIT.parent)), name) for name in names
+                              if node.value == name or node.value.endswith("/" + name)]
+    template = (TOOLKIT.parent / "sbatch_templates" / "job.sbatch.j2").read_text()
+    offenders += [("sbatch_templates/job.sbatch.j2", name) for name in names if name in template]
+    assert offenders == []

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.run_specs import run_spec, write_run_spec
+from toolkit.recipe.schema import WatchdogSpec
+from toolkit.runs.layout import RunLayout
 from toolkit.watch.heartbeat import Receiver, Sender, seal
 from toolkit.watch.progress import HangRule, NodeProgress, Reporter
 
@@ -93,7 +96,7 @@ def test_a_rank_is_hung_when_late_by_k_median_steps_and_at_least_the_floor():
 
 
 def test_progress_lines_split_across_reads_count_and_junk_does_not():
-    progress = NodeProgress([0], HangRule())
+    progress = NodeProgress([0], HangRule.of(WatchdogSpec()))
     progress.feed(0, b"ste")
     progress.feed(0, b"p 7\nstep x\nwhatever 9\n" + b"z" * 10_000)
     assert progress.summary() == {"0": ["step", 7]}
@@ -138,7 +141,7 @@ def test_a_hung_worker_has_its_stacks_dumped_then_is_stopped(tmp_path):
     threading.Thread(target=read_progress, args=({0: read_end}, progress, lock), daemon=True).start()
     began = time.monotonic()
 
-    code = supervise(tmp_path, "here", {0: worker}, progress, lock, watching=True)
+    code = supervise(RunLayout(tmp_path), "here", {0: worker}, progress, lock, watching=True)
 
     assert code == exits.HUNG and worker.poll() is not None
     assert exits.read_exit_status(tmp_path) == exits.HUNG  # srun would report 15 for the ranks it stopped
@@ -205,9 +208,8 @@ def supervised(tmp_path, monkeypatch, allocation: list[str], nodes: int, plan: d
                during=None, **watchdog):
     from toolkit.watch.supervise import Supervisor
 
-    (tmp_path / "recipe.json").write_text(json.dumps({
-        "resources": {"nodes": nodes}, "watchdog": {"heartbeat_timeout": 2, "startup_timeout": 30,
-                                                    "max_restarts": 3, **watchdog}}))
+    write_run_spec(tmp_path, run_spec(nodes, {"heartbeat_timeout": 2, "startup_timeout": 30, "max_restarts": 3,
+                                              **watchdog}))
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     srun = tmp_path / "srun"
     srun.write_text(f"#!{sys.executable}\n{FAKE_SRUN}")

@@ -17,7 +17,7 @@ def byte_progress(label: str):
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                  console=err_console, transient=True) as progress:
+                  console=err_console.get(), transient=True) as progress:
         tasks: dict[str, int] = {}
 
         def update(name: str, done: int, total: int | None) -> None:

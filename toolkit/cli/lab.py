@@ -5,18 +5,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import typer
-from rich.table import Table
 
 from toolkit.cli.output import console, plain, print_json, task_spinner
 from toolkit.errors import FtError
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from toolkit.lab.status import LabStatus
 
 app = typer.Typer(help="The local lab: a real multi-node Slurm cluster on this machine.", no_args_is_help=True)
 
 
 def status_tables(status: LabStatus) -> list[Table]:
+    from rich.table import Table
+
     daemons = Table(title=f"lab [bold]{status.cluster}[/]: daemons", title_justify="left")
     daemons.add_column("daemon")
     daemons.add_column("pid", justify="right")
@@ -128,6 +131,8 @@ def smoke(
         print_json({"job_id": result.job_id, "state": result.state, "tasks": result.tasks,
                     "seconds": result.seconds})
     else:
+        from rich.table import Table
+
         table = Table(title=f"smoke job {result.job_id}: {result.state} in {result.seconds:.1f} s",
                       title_justify="left")
         for column in ("rank", "node", "hostname", "address", "CUDA_VISIBLE_DEVICES"):

@@ -1,4 +1,5 @@
-"""How the CLI prints: rich for people, JSON for scripts, and errors in one format."""
+"""How the CLI prints: rich for people, JSON for scripts, and errors in one format. rich is imported
+on first use: a command that prints JSON or a script imports none of it (the login side starts fast)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,27 @@ import re
 import sys
 from contextlib import contextmanager
 
-from rich.console import Console
-from rich.markup import escape
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+class LazyConsole:
+    """rich's Console, made on first use."""
+
+    def __init__(self, **options) -> None:
+        self._options = options
+        self._console = None
+
+    def get(self):
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(highlight=False, **self._options)
+        return self._console
+
+    def __getattr__(self, name: str):
+        return getattr(self.get(), name)
+
+
+console = LazyConsole()
+err_console = LazyConsole(stderr=True)
 
 # C0 and C1 control characters but newline and tab: an escape sequence in a recipe value, a path
 # or a Slurm reason must not reach the terminal.
@@ -21,6 +38,8 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 def plain(value: object) -> str:
     """Text from users, files or Slurm, safe to put in rich output: shown as written, never read as
     markup ([red], [/]), control characters made visible."""
+    from rich.markup import escape
+
     text = _CONTROL.sub(lambda match: repr(match.group())[1:-1], str(value))
     return escape(text)
 
@@ -37,6 +56,9 @@ def print_error(message: str, hint: str | None = None) -> None:
 
 @contextmanager
 def task_spinner(title: str):
-    """A spinner naming the running step; yields a callback that updates it."""
+    """A spinner naming the running step, on a terminal; yields a callback that updates it."""
+    if not sys.stderr.isatty():  # a script or a log: nothing to animate
+        yield lambda step: None
+        return
     with err_console.status(f"{title}…") as status:
         yield lambda step: status.update(f"{title}: [dim]{step}[/]")

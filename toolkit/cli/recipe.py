@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import typer
-from rich.table import Table
 
 from toolkit.cli.output import console, plain, print_json
 
@@ -23,13 +23,12 @@ def explain(recipe: Path = RECIPE, cluster: str = CLUSTER,
 
     resolved = resolve(recipe, cluster)
     values = resolved.values()
-    derived = {"derived.world_size": resolved.world_size,
-               "derived.gradient_accumulation": resolved.gradient_accumulation,
-               "derived.out_of_memory_micro_batch": resolved.out_of_memory_micro_batch,
-               "derived.partition": resolved.partition}
+    derived = {f"derived.{name}": value for name, value in resolved.derived.model_dump(mode="json").items()}
     if as_json:
         print_json({"values": values | derived, "sources": resolved.sources})
         return
+    from rich.table import Table
+
     table = Table(title=f"{plain(recipe)} on {plain(resolved.profile.name)}", title_justify="left")
     for column in ("field", "value", "from"):
         table.add_column(column)
@@ -66,8 +65,10 @@ def render_command(
 ) -> None:
     """Render the standalone sbatch script of a recipe."""
     from toolkit.recipe.resolve import resolve
-    from toolkit.render.sbatch import RunPlacement, render, write_atomically
-    from toolkit.runs.store import RunStore
+    from toolkit.render.sbatch import RunPlacement, render
+    from toolkit.runs.layout import RunLayout
+    from toolkit.runs.store import RunRecord, RunStore
+    from toolkit.shared_dirs import write_atomically
 
     resolved = resolve(recipe, cluster)
     run_id = run_id or resolved.recipe.name
@@ -80,4 +81,7 @@ def render_command(
         return
     store.create_run_dir(run_id, exist_ok=True)  # the script's log folder must exist at sbatch time
     write_atomically(output, script, mode=0o700)
+    if not RunLayout(run_dir).record.exists():  # `ft ls` shows it now; its job adds itself as it starts
+        store.save(RunRecord(run_id, resolved.recipe.name, str(recipe.resolve()), resolved.profile.name,
+                             "preflight" if preflight else "train", time.time()))
     console.print(f"wrote {plain(output)}: sbatch it as is, or edit it first (its logs go to {plain(run_dir)}/logs)")

@@ -8,10 +8,10 @@ from datetime import datetime
 from pathlib import Path
 
 import typer
-from rich.table import Table
 
 from toolkit.cli.output import console, plain, print_json, task_spinner
 from toolkit.errors import FtError
+from toolkit.runs.layout import RunLayout
 
 STATE_COLOURS = {"RUNNING": "green", "COMPLETED": "green", "PENDING": "yellow", "REQUEUED": "yellow",
                  "FAILED": "red", "NODE_FAIL": "red", "CANCELLED": "magenta", "TIMEOUT": "red"}
@@ -79,6 +79,8 @@ def ls(cluster: str = typer.Option(None, "--cluster", "-c"), limit: int = typer.
     if as_json:
         print_json([status.to_dict() for status in statuses])
         return
+    from rich.table import Table
+
     table = Table(title=f"runs in {plain(store.root)}", title_justify="left")
     for column in ("run", "state", "job", "mode", "submitted"):
         table.add_column(column)
@@ -122,6 +124,8 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
             when = datetime.fromtimestamp(fault["time"]).strftime("%H:%M:%S")  # a plausible time (timeline.py)
             what = ", ".join(f"{key} {plain(value)}" for key, value in fault.items() if key not in ("time", "event"))
             console.print(f"  {when} {plain(fault['event'])}: {what}", soft_wrap=True)
+    from rich.table import Table
+
     table = Table(title="attempts", title_justify="left")
     for column in ("job", "requeue", "start", "nodes", "started"):
         table.add_column(column)
@@ -159,7 +163,7 @@ def logs(run_id: str = typer.Argument(...), follow: bool = typer.Option(False, "
             elif chunk:
                 typer.echo(chunk, nl=False)
         elif not follow:
-            available = sorted(p.name for p in (store.run_dir(run_id) / "logs").glob("*"))
+            available = sorted(p.name for p in RunLayout(store.run_dir(run_id)).logs.glob("*"))
             raise FtError(f"no log at {path} yet", hint="logs so far: " + (", ".join(available) or "none"))
         if not follow:
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -12,6 +13,7 @@ from toolkit.errors import FtError
 from toolkit.paths import state_home
 from toolkit.slurm import commands
 from toolkit.slurm.client import CliSlurmClient
+from toolkit.slurm.commands import SlurmCommandError, SlurmUnavailable
 
 
 def describe_task() -> dict:
@@ -61,7 +63,8 @@ def run_smoke(nodes: int = 2, gpus_per_node: int = 2, partition: str = "standard
             break
         time.sleep(0.5)
     else:
-        commands.run(["scancel", job.job_id], check=False)
+        with contextlib.suppress(SlurmUnavailable, SlurmCommandError):
+            client.cancel([job.job_id])
         raise FtError(f"smoke job {job.job_id} did not finish within {timeout_s:.0f} s (last state {state})",
                       hint="see `ft lab status` and the Slurm logs in /var/log/slurm")
     if state != "COMPLETED":

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from toolkit.lab.manifest import LabManifest
 from toolkit.lab.processes import daemon_pid, netns_exists
-from toolkit.slurm import commands
+from toolkit.slurm.client import CliSlurmClient
 from toolkit.slurm.commands import SlurmUnavailable
 
 # Node states in which a node serves jobs (drained nodes respond but take no new work).
@@ -80,8 +80,7 @@ def bridge_up(bridge: str) -> bool:
 
 def slurm_nodes(manifest: LabManifest) -> dict[str, dict]:
     os.environ.setdefault("SLURM_CONF", manifest.slurm_conf)
-    data = commands.run_json(["sinfo", "--Node"], timeout=10)
-    return {node["name"]: node for node in data.get("nodes", [])}
+    return {node["name"]: node for node in CliSlurmClient(timeout=10).nodes()}
 
 
 def collect(manifest: LabManifest) -> LabStatus:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from toolkit.launch.rendezvous import RendezvousError, barrier, job_secret
+from toolkit.runs.layout import RunLayout
 from toolkit.watch.heartbeat import Sender
 
 EXIT_FAILED = 1
@@ -36,7 +37,7 @@ def record_attempt(run_dir: Path, job_id: str, restart: int, nodes: list[str]) -
     """One line per start of the job (requeues included): what `ft status` lists as attempts."""
     entry = {"job_id": job_id, "restart": restart, "start": int(os.environ.get("FT_WATCH_START", "1")),
              "nodes": nodes, "started": time.time()}
-    with open(run_dir / "attempts.jsonl", "a") as handle:
+    with open(RunLayout(run_dir).attempts, "a") as handle:
         handle.write(json.dumps(entry) + "\n")
 
 
@@ -47,17 +48,18 @@ def preflight(run_dir: Path) -> int:
     expected = int(os.environ.get("SLURM_GPUS_ON_NODE", "0") or 0)
     if len(visible) != expected:
         problems.append(f"{len(visible)} GPUs visible, {expected} allocated")
+    layout = RunLayout(run_dir)
     try:
-        recipe = json.loads((run_dir / "recipe.json").read_text())
-    except (OSError, ValueError) as exc:
+        recipe_env = layout.read_spec().recipe.env
+    except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         problems.append(f"recipe unreadable: {exc}")
-        recipe = {"env": {}}
+        recipe_env = {}
     # What this node sees: the recipe's environment arrives exactly as written, or the check fails.
-    env_seen = {name: os.environ.get(name) for name in recipe.get("env", {})}
-    for name, value in recipe.get("env", {}).items():
+    env_seen = {name: os.environ.get(name) for name in recipe_env}
+    for name, value in recipe_env.items():
         if env_seen[name] != value:
             problems.append(f"environment variable {name} differs from the recipe's value")
-    probe = run_dir / "preflight" / socket.gethostname()
+    probe = layout.preflight / socket.gethostname()
     try:
         probe.parent.mkdir(parents=True, exist_ok=True)
         probe.write_text(json.dumps({"gpus": visible, "env": env_seen, "time": time.time()}))

@@ -14,7 +14,8 @@ from pydantic import BaseModel, ValidationError
 
 from toolkit.cluster.profile import ClusterProfile, load_profile
 from toolkit.errors import FtError
-from toolkit.recipe.schema import Method, Objective, Recipe, out_of_memory_micro_batch
+from toolkit.recipe.run_spec import Derived, RunSpec, batch_plan
+from toolkit.recipe.schema import Method, Objective, Recipe
 from toolkit.recipe.yaml_source import SourceMap, load_yaml
 
 TINY_MODEL = "tiny-llama"
@@ -37,36 +38,13 @@ class ResolvedRecipe:
     recipe: Recipe
     profile: ClusterProfile
     path: Path
+    derived: Derived
     sources: dict[str, str] = field(default_factory=dict)  # dotted field -> where its value came from
 
     @property
-    def world_size(self) -> int:
-        return self.recipe.resources.nodes * self.workers_per_node
-
-    @property
-    def workers_per_node(self) -> int:
-        if self.profile.cpu_workers_per_node:
-            return self.profile.cpu_workers_per_node
-        return self.recipe.resources.gpus_per_node or 1
-
-    @property
-    def gradient_accumulation(self) -> int:
-        training = self.recipe.training
-        return training.global_batch // (training.micro_batch * self.world_size)
-
-    @property
-    def out_of_memory_micro_batch(self) -> int:
-        """The micro batch of the job's one retry after running out of memory."""
-        training = self.recipe.training
-        return out_of_memory_micro_batch(training.micro_batch, training.global_batch, self.world_size)
-
-    @property
-    def partition(self) -> str:
-        return self.profile.tiers[self.recipe.resources.tier].partition
-
-    @property
-    def qos(self) -> str | None:
-        return self.profile.tiers[self.recipe.resources.tier].qos
+    def spec(self) -> RunSpec:
+        """What the job reads (recipe.json)."""
+        return RunSpec(recipe=self.recipe, derived=self.derived)
 
     def values(self) -> dict[str, Any]:
         """Dotted field -> value, for every leaf of the resolved recipe."""
@@ -193,8 +171,7 @@ class _Resolver:
             r.training.epochs = 1.0
             self.sources["training.epochs"] = "default: one pass over the data"
         self.check_resources()
-        workers = p.cpu_workers_per_node or r.resources.gpus_per_node or 1
-        world = r.resources.nodes * workers
+        world = r.resources.nodes * workers_per_node(r, p)
         self.default("training.global_batch", r.training.micro_batch * world, "one micro batch per rank")
         if r.training.global_batch % (r.training.micro_batch * world):
             self.problem("training.global_batch",
@@ -252,4 +229,19 @@ def resolve(path: Path, cluster: str | None = None) -> ResolvedRecipe:
         raise RecipeError(resolver.problems)
     for dotted, _ in _flatten(recipe.model_dump(mode="json")):
         sources.setdefault(dotted, "default: schema")
-    return ResolvedRecipe(recipe, profile, path, sources)
+    return ResolvedRecipe(recipe, profile, path, derive(recipe, profile), sources)
+
+
+def workers_per_node(recipe: Recipe, profile: ClusterProfile) -> int:
+    return profile.cpu_workers_per_node or recipe.resources.gpus_per_node or 1
+
+
+def derive(recipe: Recipe, profile: ClusterProfile) -> Derived:
+    """Every value that follows from the resolved recipe and its cluster: computed here only."""
+    workers = workers_per_node(recipe, profile)
+    world = recipe.resources.nodes * workers
+    tier = profile.tiers[recipe.resources.tier]
+    return Derived(workers_per_node=workers, world_size=world,
+                   gradient_accumulation=batch_plan(recipe.training, world).gradient_accumulation,
+                   out_of_memory_micro_batch=batch_plan(recipe.training, world, out_of_memory_retry=True).micro_batch,
+                   partition=tier.partition, qos=tier.qos)

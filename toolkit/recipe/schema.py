@@ -257,10 +257,3 @@ class Recipe(Strict):
                                  "a URL): export it in the shell you submit from instead")
         return value
 
-
-def out_of_memory_micro_batch(micro_batch: int, global_batch: int, world_size: int) -> int:
-    """The micro batch of the one retry after running out of memory: the largest one at most half
-    the recipe's that still divides each rank's share of the global batch, so the global batch
-    stays the same (halving an odd micro batch would break DeepSpeed's batch arithmetic)."""
-    per_rank = global_batch // world_size
-    return max(m for m in range(1, max(1, micro_batch // 2) + 1) if per_rank % m == 0)

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from toolkit.runs.layout import RunLayout
 from toolkit.runs.store import RunRecord, RunStore
 from toolkit.runs.timeline import read_lines, timeline
 from toolkit.slurm.client import JobInfo, SlurmClient
@@ -40,7 +41,7 @@ ATTEMPT_FIELDS = {"job_id": str, "restart": int, "nodes": list, "started": (int,
 def read_attempts(run_dir: Path) -> list[dict]:
     """One entry per start of the job. A torn or foreign line (a node lost mid-write) is skipped:
     it never hides the other attempts, nor breaks `ft ls` for every run."""
-    return read_lines(run_dir / "attempts.jsonl", ATTEMPT_FIELDS)
+    return read_lines(RunLayout(run_dir).attempts, ATTEMPT_FIELDS)
 
 
 def read_json(path: Path) -> dict | None:
@@ -52,18 +53,23 @@ def read_json(path: Path) -> dict | None:
 
 def run_status(store: RunStore, run_id: str, client: SlurmClient) -> RunStatus:
     record = store.load(run_id)
-    job = client.job(record.latest_job) if record.latest_job else None
+    # No job recorded: a script submitted with plain sbatch, whose job has not started (and so not
+    # registered itself) yet; Slurm knows it by the comment ft's script carries.
+    job_id = record.latest_job or client.queued_job(f"ft-run={run_id}")
+    job = client.job(job_id) if job_id else None
     run_dir = store.run_dir(run_id)
-    summary = read_json(run_dir / "summary.json")
+    layout = RunLayout(run_dir)
+    summary = read_json(layout.summary)
     if summary:
         summary = {key: value for key, value in summary.items() if key != "loss_curve"}
-    return RunStatus(record, run_dir, job, read_attempts(run_dir), read_json(run_dir / "tracking.json"), summary,
+    return RunStatus(record, run_dir, job, read_attempts(run_dir), read_json(layout.tracking), summary,
                      timeline(run_dir))
 
 
 def log_path(run_dir: Path, record: RunRecord, node: str | None = None, rank: int | None = None) -> Path:
+    layout = RunLayout(run_dir)
     if node is not None:
-        return run_dir / "logs" / f"node-{node}.log"
+        return layout.node_log(node)
     if rank is not None:
-        return run_dir / "logs" / f"rank-{rank}.log"
-    return run_dir / "logs" / f"slurm-{record.latest_job}.out"
+        return layout.rank_log(rank)
+    return layout.slurm_log(record.latest_job)

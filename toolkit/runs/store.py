@@ -19,12 +19,13 @@ import re
 import secrets
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from toolkit.errors import FtError, UsageError
-from toolkit.render.sbatch import RUN_ID_PATTERN, write_atomically
-from toolkit.shared_dirs import common_dir, private_dir
+from toolkit.runs.layout import RUN_ID_PATTERN, RunLayout
+from toolkit.shared_dirs import common_dir, private_dir, write_atomically
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 _ID_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"  # no 0/o/1/l/i: ids are typed by people
@@ -134,17 +135,31 @@ class RunStore:
         self.folder(self.root)
         if exist_ok:  # an existing folder is used only when it is this user's alone
             private_dir(run_dir)
-            private_dir(run_dir / "logs")
+            private_dir(RunLayout(run_dir).logs)
         else:
             run_dir.mkdir(mode=0o700)
-            (run_dir / "logs").mkdir(mode=0o700)
+            RunLayout(run_dir).logs.mkdir(mode=0o700)
         return run_dir
 
     def save(self, record: RunRecord) -> None:
-        write_atomically(self.run_dir(record.run_id) / "run.json", json.dumps(asdict(record), indent=2) + "\n")
+        write_atomically(RunLayout(self.run_dir(record.run_id)).record, json.dumps(asdict(record), indent=2) + "\n")
+
+    def add_job(self, run_id: str, job: JobRecord, adopt: Callable[[], RunRecord] | None = None) -> RunRecord:
+        """Add a job to a run's record, once (a requeued job keeps its id), under the run's lock: a
+        job registers itself as it starts (toolkit/runs/register.py) while `ft submit` records
+        it. `adopt`: the record of a run that has none yet (a script submitted with plain sbatch)."""
+        with _locked(self.run_dir(run_id) / ".run.lock"):
+            if adopt is not None and not RunLayout(self.run_dir(run_id)).record.exists():
+                record = adopt()
+            else:
+                record = self.load(run_id)
+            if job.job_id not in {known.job_id for known in record.jobs}:
+                record.jobs.append(job)
+                self.save(record)
+            return record
 
     def load(self, run_id: str) -> RunRecord:
-        path = self.run_dir(run_id) / "run.json"
+        path = RunLayout(self.run_dir(run_id)).record
         try:
             raw = json.loads(read_private_file(path))
         except FileNotFoundError:
@@ -178,16 +193,9 @@ class RunStore:
         digest = hashlib.sha256(key.encode()).hexdigest()[:32]
         return private_dir(self.folder(self.root / ".keys") / f"uid-{os.getuid()}") / f"{digest}.{suffix}"
 
-    @contextlib.contextmanager
     def key_lock(self, key: str):
         """Exclusive across processes and shells (flock on the shared filesystem)."""
-        path = self._key_path(key, "lock")
-        with open(path, "a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        return _locked(self._key_path(key, "lock"))
 
     def run_for_key(self, key: str) -> str | None:
         try:
@@ -202,3 +210,14 @@ class RunStore:
 
     def remember_key(self, key: str, run_id: str) -> None:
         write_atomically(self._key_path(key, "json"), json.dumps({"key": key, "run_id": run_id}) + "\n")
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Exclusive across processes, shells and nodes (flock on the shared filesystem)."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

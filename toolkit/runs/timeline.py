@@ -17,6 +17,8 @@ import json
 import time
 from pathlib import Path
 
+from toolkit.runs.layout import RunLayout
+
 FAULTS = {"node_lost", "restart", "node_silent"}
 EARLIEST, LATEST = 1e9, 1e11  # plausible Unix times (2001 to the year 5138): anything else is torn or forged
 MAX_LINES = 1_000_000
@@ -48,9 +50,9 @@ def read_lines(path: Path, required: dict[str, type | tuple]) -> list[dict]:
 
 def timeline(run_dir: Path, now: float | None = None) -> dict | None:
     """The run's time accounts, or None before the watchdog recorded a start."""
-    events = sorted(read_lines(run_dir / "events.jsonl", {"time": (int, float), "event": str}),
+    events = sorted(read_lines(RunLayout(run_dir).events, {"time": (int, float), "event": str}),
                     key=lambda e: e["time"])
-    metrics = sorted((m for m in read_lines(run_dir / "metrics.jsonl", {"time": (int, float), "step": int})
+    metrics = sorted((m for m in read_lines(RunLayout(run_dir).metrics, {"time": (int, float), "step": int})
                       if 0 <= m["step"] < 10**12), key=lambda m: m["time"])
     starts = [e["time"] for e in events if e["event"] == "start"]
     if not starts:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from dataclasses import dataclass
 from typing import Protocol
@@ -46,6 +47,10 @@ class SlurmClient(Protocol):
     def version(self) -> tuple[int, int, int]: ...
 
     def job(self, job_id: str) -> JobInfo | None: ...
+
+    def queued_job(self, comment: str) -> str | None: ...
+
+    def nodes(self) -> list[dict]: ...
 
     def cancel(self, job_ids: list[str]) -> None: ...
 
@@ -88,6 +93,19 @@ class CliSlurmClient:
 
     def job(self, job_id: str) -> JobInfo | None:
         return self._from_squeue(job_id) or self._from_sacct(job_id) or self._from_jobcomp(job_id)
+
+    def nodes(self) -> list[dict]:
+        """Every node as `sinfo --Node --json` describes it (name, state, state_flags, reason, gres)."""
+        return commands.run_json(["sinfo", "--Node"], timeout=self.timeout).get("nodes", [])
+
+    def queued_job(self, comment: str) -> str | None:
+        """The newest of this user's queued jobs whose comment holds `comment` (one of its
+        comma-separated parts): how a run whose job has not started yet is found."""
+        result = commands.run(["squeue", "--noheader", "--user", str(os.getuid()), "--format=%i|%k"],
+                              timeout=self.timeout, check=False)
+        found = [job_id for job_id, _, text in (line.partition("|") for line in result.stdout.splitlines())
+                 if comment in text.strip().split(",")]
+        return max(found, key=lambda job_id: int(job_id) if job_id.isdigit() else 0, default=None)
 
     def cancel(self, job_ids: list[str]) -> None:
         if job_ids:

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,3 +128,44 @@ class CheckpointStore:
     def prune(self) -> None:
         for tag in self.tags()[self.keep_last:]:
             shutil.rmtree(self.root / tag, ignore_errors=True)
+
+
+class Checkpointer:
+    """A rank's side of saving and resuming: every rank writes its shard into the staging folder,
+    rank 0 publishes it once all have (barriers between), and the hang rule is told a save is on."""
+
+    def __init__(self, store: CheckpointStore, engine, dist, rank: int, progress, log, frozen_excluded: bool):
+        self.store, self.engine, self.dist, self.rank = store, engine, dist, rank
+        self.progress, self.log, self.frozen_excluded = progress, log, frozen_excluded
+        self.last_save = time.monotonic()
+        self.seconds, self.written = 0.0, 0
+
+    def resume(self) -> int:
+        """Load the newest checkpoint that verifies; the step it holds (0: none, a fresh start)."""
+        tag = self.store.choose(lambda message: self.log(f"warning: {message}"))
+        if tag:
+            self.engine.load_checkpoint(str(self.store.root), tag=tag, load_module_strict=False)
+            self.log(f"resumed from checkpoint {tag}")
+        self.last_save = time.monotonic()  # the time cadence counts from the start of training
+        return step_of(tag) if tag else 0
+
+    def since_last_save(self) -> float:
+        return time.monotonic() - self.last_save
+
+    def save(self, step: int) -> None:
+        started = time.monotonic()
+        self.progress.report("save", step)
+        if self.rank == 0:
+            self.store.prepare()
+        self.dist.barrier()
+        self.engine.save_checkpoint(str(self.store.staging), tag=tag_for(step), save_latest=False,
+                                    exclude_frozen_parameters=self.frozen_excluded)
+        self.dist.barrier()
+        if self.rank == 0:
+            self.store.publish(step)
+        self.dist.barrier()
+        self.last_save = time.monotonic()
+        self.progress.report("step", step)  # the save is over: the hang rule's step clock again, from now
+        self.seconds += self.last_save - started
+        self.written += 1
+        self.log(f"checkpoint step {step} saved in {self.last_save - started:.2f} s")

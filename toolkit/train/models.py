@@ -1,5 +1,6 @@
 """Where a base model comes from: a local path, the cluster's model cache (node-local disk, then the
-shared filesystem), or the hub; or 'tiny-llama', built locally in the user's own cache."""
+shared filesystem), or the hub; or 'tiny-llama', built locally in the user's own cache. And the
+model loaded as the recipe's method trains it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from toolkit.cache_entries import discard, exclusive, staging_path
 from toolkit.model_cache import cache_dirs, shared_models
 from toolkit.model_folder import model_folder_problems
+from toolkit.recipe.schema import MethodSpec, TrainingSpec
 from toolkit.shared_dirs import trusted_owner_dir
 from toolkit.train.tiny import ensure_tiny_llama
 
@@ -69,3 +71,38 @@ def resolve_model(base: str, revision: str | None, shared_root: str, user_cache:
             raise ModelFolderBroken(f"the download of {base} is not whole: {'; '.join(problems)}")
         staging.rename(target)
     return target
+
+
+def load_base_model(model_path: Path, method: str, precision: str):
+    """The base model in the training precision: 4-bit NF4 with double quantization for QLoRA
+    (bitsandbytes, computing in that precision), else plain weights. DeepSpeed casts the module to
+    bf16/fp16 anyway, so loading it so changes no value and halves the host memory and the load time
+    (an 8B rank loading fp32 peaked at 45.7 GiB: benchmarks/GPU.md)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    if method != "qlora":
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    from peft import prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=quantization, dtype=dtype)
+    quantized = sum(type(module).__name__ == "Linear4bit" for module in model.modules())
+    print(f"QLoRA: {quantized} linear layers in 4-bit NF4", flush=True)
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def trainable_model(model_path: Path, method: MethodSpec, training: TrainingSpec):
+    """The model as the recipe trains it: the base model, with LoRA adapters for lora and qlora."""
+    model = load_base_model(model_path, method.kind, training.precision)
+    if training.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if method.kind == "full":
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout,
+                                            target_modules=method.target_modules, task_type="CAUSAL_LM"))

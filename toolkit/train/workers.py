@@ -13,7 +13,6 @@ heartbeats to the supervisor every second meanwhile (toolkit/watch/heartbeat.py)
 
 from __future__ import annotations
 
-import json
 import os
 import selectors
 import signal
@@ -24,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+from toolkit.runs.layout import RunLayout
 from toolkit.watch import exits, stacks
 from toolkit.watch.heartbeat import Sender
 from toolkit.watch.progress import PROGRESS_FD, HangRule, NodeProgress
@@ -52,7 +52,7 @@ def worker_env(node_rank: int, local_rank: int, per_node: int, nodes: int) -> di
     return env
 
 
-def start_workers(run_dir: Path, node_rank: int, per_node: int, nodes: int
+def start_workers(layout: RunLayout, node_rank: int, per_node: int, nodes: int
                   ) -> tuple[dict[int, subprocess.Popen], dict[int, int]]:
     """The workers, and the read end of each one's progress pipe."""
     workers: dict[int, subprocess.Popen] = {}
@@ -62,7 +62,7 @@ def start_workers(run_dir: Path, node_rank: int, per_node: int, nodes: int
         rank = int(env["RANK"])
         read_end, write_end = os.pipe()
         env[PROGRESS_FD] = str(write_end)
-        with open(run_dir / "logs" / f"rank-{rank}.log", "a") as log:
+        with open(layout.rank_log(rank), "a") as log:
             workers[rank] = subprocess.Popen([sys.executable, "-u", "-m", "toolkit.train.worker"], env=env,
                                              stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                              pass_fds=(write_end,))
@@ -90,13 +90,13 @@ def read_progress(pipes: dict[int, int], progress: NodeProgress, lock: threading
 def run_workers(run_dir: Path, node_rank: int, nodes: int, beat: Sender | None = None) -> int:
     """Run this node's workers to the end; `beat`, the node's heartbeat (None without ft's
     watchdog), carries their progress from now on."""
-    per_node = int(os.environ.get("FT_WORKERS_PER_NODE", "1"))
+    layout = RunLayout(run_dir)
+    spec = layout.read_spec()
     host = socket.gethostname()
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    recipe = json.loads((run_dir / "recipe.json").read_text())
-    watching = recipe.get("watchdog", {}).get("enabled", False)
-    workers, pipes = start_workers(run_dir, node_rank, per_node, nodes)
-    progress, lock = NodeProgress(list(workers), HangRule.from_recipe(recipe)), threading.Lock()
+    layout.logs.mkdir(parents=True, exist_ok=True)
+    watchdog = spec.recipe.watchdog
+    workers, pipes = start_workers(layout, node_rank, spec.derived.workers_per_node, nodes)
+    progress, lock = NodeProgress(list(workers), HangRule.of(watchdog)), threading.Lock()
     threading.Thread(target=read_progress, args=(pipes, progress, lock), name="ft-progress", daemon=True).start()
     if beat:
         def state() -> dict:
@@ -112,17 +112,17 @@ def run_workers(run_dir: Path, node_rank: int, nodes: int, beat: Sender | None =
 
     signal.signal(signal.SIGUSR2, forward)
     signal.signal(signal.SIGTERM, forward)
-    return supervise(run_dir, host, workers, progress, lock, watching)
+    return supervise(layout, host, workers, progress, lock, watchdog.enabled)
 
 
-def supervise(run_dir: Path, host: str, workers: dict[int, subprocess.Popen], progress: NodeProgress,
+def supervise(layout: RunLayout, host: str, workers: dict[int, subprocess.Popen], progress: NodeProgress,
               lock: threading.Lock, watching: bool) -> int:
     while True:
         failed = {rank: p.returncode for rank, p in workers.items() if p.poll() not in (None, 0)}
         if failed:
             rank, code = min(failed.items())
             print(f"[ft-launch {host}] rank {rank} on {host} exited {code}; stopping this node's other ranks "
-                  f"(log: {run_dir / 'logs' / f'rank-{rank}.log'})", flush=True)
+                  f"(log: {layout.rank_log(rank)})", flush=True)
             stop(workers)
             return code if code > 0 else 1
         if all(p.poll() == 0 for p in workers.values()):
@@ -132,10 +132,10 @@ def supervise(run_dir: Path, host: str, workers: dict[int, subprocess.Popen], pr
         if hung:
             for rank, why in sorted(hung.items()):
                 print(f"[ft-launch {host}] rank {rank} on {host} is hung: {why}", flush=True)
-            stacks.dump_all(run_dir, {rank: p.pid for rank, p in workers.items() if p.poll() is None},
+            stacks.dump_all(layout, {rank: p.pid for rank, p in workers.items() if p.poll() is None},
                             lambda line: print(f"[ft-launch {host}] {line}", flush=True))
             stop(workers, grace=0)
-            exits.leave_exit_status(run_dir, exits.HUNG)
+            exits.leave_exit_status(layout.root, exits.HUNG)
             return exits.HUNG
         time.sleep(0.2)
 

@@ -2,7 +2,7 @@
 launchers, the supervisor and the job script follow.
 
     code  meaning                          what happens
-    0     done                             the run is finished (a `done` sentinel: never rerun)
+    0     done                             the run is finished (a `done` mark: never rerun)
     4     user error (NaN loss, bad data)  stop: a restart would fail the same way
     5     out of memory                    the job script retries once with a smaller micro batch
     6     a rank hung                      restart from the latest checkpoint, same nodes
@@ -23,6 +23,8 @@ import contextlib
 import os
 from pathlib import Path
 
+from toolkit.runs.layout import EXIT_STATUS
+
 DONE = 0
 USER_ERROR = 4
 OUT_OF_MEMORY = 5
@@ -30,20 +32,18 @@ HUNG = 6
 NODES_LOST = 7
 STOPPED = 8
 NOT_RESTARTED = {USER_ERROR, OUT_OF_MEMORY, STOPPED}
-STATUS_FILE = "exit-status"
-DONE_SENTINEL = "done"
 
 
 def leave_exit_status(run_dir: Path, status: int) -> None:
     """Say why this step ends, for the supervisor and the job script (written whole: renamed in)."""
-    staged = run_dir / f".{STATUS_FILE}.{os.getpid()}"
+    staged = run_dir / f".{EXIT_STATUS}.{os.getpid()}"
     staged.write_text(f"{status}\n")
-    staged.replace(run_dir / STATUS_FILE)
+    staged.replace(run_dir / EXIT_STATUS)
 
 
 def read_exit_status(run_dir: Path) -> int | None:
     try:
-        text = (run_dir / STATUS_FILE).read_text(errors="replace").strip()
+        text = (run_dir / EXIT_STATUS).read_text(errors="replace").strip()
     except OSError:
         return None
     return int(text) if text.isascii() and text.isdigit() and len(text) <= 3 else None
@@ -51,4 +51,4 @@ def read_exit_status(run_dir: Path) -> int | None:
 
 def clear_exit_status(run_dir: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
-        (run_dir / STATUS_FILE).unlink()
+        (run_dir / EXIT_STATUS).unlink()

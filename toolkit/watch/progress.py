@@ -15,6 +15,10 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from toolkit.recipe.schema import WatchdogSpec
 
 PROGRESS_FD = "FT_PROGRESS_FD"
 PHASES = {"step", "save", "export"}
@@ -40,17 +44,15 @@ class Reporter:
             self.fd = None  # the launcher is gone
 
 
-@dataclass
+@dataclass(frozen=True)
 class HangRule:
-    hang_factor: float = 10
-    hang_floor: float = 120
-    startup_timeout: float = 1800
+    hang_factor: float
+    hang_floor: float
+    startup_timeout: float
 
     @classmethod
-    def from_recipe(cls, recipe: dict) -> HangRule:
-        watchdog = recipe.get("watchdog", {})
-        return cls(watchdog.get("hang_factor", 10), watchdog.get("hang_floor", 120),
-                   watchdog.get("startup_timeout", 1800))
+    def of(cls, watchdog: WatchdogSpec) -> HangRule:
+        return cls(watchdog.hang_factor, watchdog.hang_floor, watchdog.startup_timeout)
 
 
 @dataclass

@@ -13,6 +13,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from toolkit.runs.layout import RunLayout
 
 DUMP_TIMEOUT_S = 20
 FAULTHANDLER_SIGNAL = signal.SIGUSR1  # registered by the worker (toolkit/train/worker.py)
@@ -53,8 +57,8 @@ def dump(pid: int, target: Path) -> str:
     return f"stacks requested with faulthandler (in the rank's log); process state {state}"
 
 
-def dump_all(run_dir: Path, pids: dict[int, int], log: Callable[[str], None]) -> None:
-    folder = run_dir / "logs" / "stacks"
+def dump_all(layout: RunLayout, pids: dict[int, int], log: Callable[[str], None]) -> None:
+    folder = layout.stacks
     folder.mkdir(parents=True, exist_ok=True)
     stamp = f"{os.environ.get('SLURM_JOB_ID', 'job')}.{os.environ.get('FT_WATCH_START', '0')}"
     for rank, pid in sorted(pids.items()):

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from toolkit.errors import FtError
 from toolkit.launch.rendezvous import job_secret
+from toolkit.runs.layout import RunLayout
 from toolkit.slurm.client import CliSlurmClient, SlurmClient
 from toolkit.watch import exits
 from toolkit.watch.heartbeat import Receiver
@@ -70,7 +71,7 @@ def record(run_dir: Path, event: str, **fields) -> None:
     """The run's timeline (what `ft status` reads): one JSON line per start, fault and decision."""
     line = json.dumps({"time": round(time.time(), 3), "job": os.environ.get("SLURM_JOB_ID", ""), "event": event,
                        **fields})
-    descriptor = os.open(run_dir / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    descriptor = os.open(RunLayout(run_dir).events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     with os.fdopen(descriptor, "a") as handle:
         handle.write(line + "\n")
 
@@ -108,9 +109,9 @@ def reachable_address(node: str, peers: dict[str, str]) -> str:
 class Supervisor:
     def __init__(self, command: list[str], run_dir: Path, slurm: SlurmClient | None = None):
         self.command, self.run_dir = command, run_dir
-        recipe = json.loads((run_dir / "recipe.json").read_text())
-        self.watchdog = recipe["watchdog"]
-        self.needed = recipe["resources"]["nodes"]
+        recipe = RunLayout(run_dir).read_spec().recipe
+        self.watchdog = recipe.watchdog
+        self.needed = recipe.resources.nodes
         self.slurm = slurm or CliSlurmClient()
         self.job_id = os.environ.get("SLURM_JOB_ID", "0")
         self.allocation = self.slurm.hostnames(os.environ["SLURM_JOB_NODELIST"])
@@ -142,7 +143,7 @@ class Supervisor:
                 (self.marks / node).unlink()
         env = dict(os.environ, MASTER_ADDR=nodes[0], MASTER_PORT=str(master_port(int(self.job_id), start)),
                    FT_WATCH_ADDR=self.address, FT_WATCH_PORT=str(self.receiver.port), FT_WATCH_START=str(start),
-                   FT_WATCH_NODE=self.node, FT_WATCH_TIMEOUT=str(self.watchdog["heartbeat_timeout"]))
+                   FT_WATCH_NODE=self.node, FT_WATCH_TIMEOUT=str(self.watchdog.heartbeat_timeout))
         # --overlap: a step that spanned a lost node lingers until Slurm declares the node DOWN, and
         # holds its share of the survivors meanwhile (measured on Slurm 22.05).
         argv = [self.command[0], f"--nodelist={','.join(nodes)}", "--overlap", *self.command[1:]]
@@ -153,7 +154,7 @@ class Supervisor:
 
     def watch(self, process: subprocess.Popen, nodes: list[str]) -> Outcome:
         began, reported, drain_checked = time.monotonic(), False, time.monotonic()
-        timeout, startup = float(self.watchdog["heartbeat_timeout"]), float(self.watchdog["startup_timeout"])
+        timeout, startup = self.watchdog.heartbeat_timeout, self.watchdog.startup_timeout
         while True:
             time.sleep(0.5)
             now = time.monotonic()
@@ -218,7 +219,7 @@ class Supervisor:
         if checkpoint_first and process.poll() is None:
             process.send_signal(signal.SIGUSR2)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=min(CHECKPOINT_GRACE_S, float(self.watchdog["startup_timeout"])))
+                process.wait(timeout=min(CHECKPOINT_GRACE_S, self.watchdog.startup_timeout))
         for _ in range(2):
             if process.poll() is None:
                 process.send_signal(signal.SIGINT)
@@ -250,7 +251,7 @@ class Supervisor:
             record(self.run_dir, "node_lost", node=node, reason=lost.why, marked_down=marked)
 
     def finished(self) -> bool:
-        return (self.run_dir / exits.DONE_SENTINEL).exists()
+        return RunLayout(self.run_dir).done.exists()
 
     def end(self, code: int, **why) -> int:
         """The supervisor's own verdict: what the job script reads (an older rank's exit-status
@@ -262,7 +263,7 @@ class Supervisor:
         return code
 
     def run(self) -> int:
-        restarts, most = 0, int(self.watchdog["max_restarts"])
+        restarts, most = 0, self.watchdog.max_restarts
         while True:
             if self.finished():  # a failure after the run's end (an upload, say) never reruns it
                 return self.end(0, why="the run had finished")

@@ -1,0 +1,48 @@
+"""A job records itself in its run's record as it starts (toolkit/runs/register.py): once per job,
+whoever writes the record first, and from the run spec alone when the script was submitted with
+plain sbatch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from tests.support.run_specs import run_spec, write_run_spec
+from toolkit.runs.register import register
+from toolkit.runs.store import JobRecord, RunRecord, RunStore
+
+
+def test_a_run_without_a_record_is_adopted_and_a_requeued_job_added_once(tmp_path):
+    run_dir = tmp_path / "runs" / "by-hand"
+    run_dir.mkdir(parents=True)
+    write_run_spec(run_dir, run_spec())
+
+    register(run_dir, "by-hand", "41", "train")
+    record = register(run_dir, "by-hand", "41", "train")  # the same job, requeued
+
+    loaded = RunStore(tmp_path / "runs").load("by-hand")
+    assert loaded == record
+    assert (loaded.recipe_name, loaded.mode, [job.job_id for job in loaded.jobs]) == ("unit", "train", ["41"])
+
+
+def test_the_job_and_ft_submit_recording_at_once_lose_neither(tmp_path):
+    store = RunStore(tmp_path / "runs")
+    store.create_run_dir("r1")
+    store.save(RunRecord("r1", "unit", "/r.yaml", "lab", "train", time.time()))
+    write_run_spec(store.run_dir("r1"), run_spec())
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda n: store.add_job("r1", JobRecord(str(n), time.time())), range(40)))
+    assert sorted(int(job.job_id) for job in store.load("r1").jobs) == list(range(40))
+
+
+def test_a_failure_to_record_never_stops_the_job(tmp_path):
+    run_dir = tmp_path / "runs" / "r2"
+    run_dir.mkdir(parents=True)  # no spec, no record: nothing to adopt from
+    env = dict(os.environ, FT_RUN_DIR=str(run_dir), FT_RUN_ID="r2", SLURM_JOB_ID="7")
+    result = subprocess.run([sys.executable, "-m", "toolkit.runs.register"], env=env, capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "could not record job 7" in result.stderr
+    assert not (run_dir / "run.json").exists()

@@ -1,0 +1,165 @@
+"""What a run directory holds, named once for both sides: the login side (`ft submit`, `ft status`,
+`ft logs`), the job script, the launchers, the watchdog and the ranks.
+
+    run.json          the run's record: id, recipe, cluster, jobs (the login side; RunStore)
+    recipe.yaml       the recipe as submitted; recipe.resolved.yaml, with every default filled
+    job.sbatch        the rendered job script, as submitted
+    data-report.json  what `ft submit`'s data checks found
+    submitit/         submitit's own files of the submission
+    recipe.json       the resolved recipe and what follows from it (RunSpec), written by the job
+                      script from the copy inside it
+    attempts.jsonl    one line per start of the job: its nodes, when
+    events.jsonl      the watchdog's events: nodes lost, restarts (what `ft status` counts as faults)
+    exit-status       why the current step ended (toolkit/watch/exits.py)
+    done              the run finished: a requeue after it never reruns it
+    metrics.jsonl     every step's loss, learning rate, tokens (rank 0)
+    tracking.json     where else the metrics went (W&B page or offline folder)
+    summary.json      what the finished run did and cost
+    checkpoints/      the checkpoints, unless the recipe stages them elsewhere
+    output/           the adapter or the weights, with the tokenizer
+    logs/             slurm-<job>.out, node-<host>.log, rank-<n>.log, stacks/
+    launch/           the launchers' start marks, per start of the job
+    preflight/        what each node saw in a preflight job
+    cache/            the run's own cache, when the user's shared one may not be used
+
+Only this module spells these names; everything else asks a RunLayout.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from toolkit.recipe.run_spec import RunSpec
+
+RECORD = "run.json"
+RECIPE_SOURCE = "recipe.yaml"
+RECIPE_RESOLVED = "recipe.resolved.yaml"
+SCRIPT = "job.sbatch"
+DATA_REPORT = "data-report.json"
+SUBMITIT = "submitit"
+SPEC = "recipe.json"
+ATTEMPTS = "attempts.jsonl"
+EVENTS = "events.jsonl"
+EXIT_STATUS = "exit-status"
+DONE = "done"
+METRICS = "metrics.jsonl"
+TRACKING = "tracking.json"
+SUMMARY = "summary.json"
+CHECKPOINTS = "checkpoints"
+OUTPUT = "output"
+LOGS = "logs"
+LAUNCH_MARKS = "launch"
+LAUNCH_FAILURES = "launch-failures"
+PREFLIGHT = "preflight"
+CACHE = "cache"
+
+# A run id names a folder and a Slurm comment, and is typed by users: plain characters only.
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
+
+# What the job script needs, by the names its template uses.
+TEMPLATE_NAMES = {"spec": SPEC, "exit_status": EXIT_STATUS, "done": DONE, "logs": LOGS,
+                  "launch_marks": LAUNCH_MARKS, "launch_failures": LAUNCH_FAILURES}
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    root: Path
+
+    @property
+    def record(self) -> Path:
+        return self.root / RECORD
+
+    @property
+    def recipe_source(self) -> Path:
+        return self.root / RECIPE_SOURCE
+
+    @property
+    def recipe_resolved(self) -> Path:
+        return self.root / RECIPE_RESOLVED
+
+    @property
+    def script(self) -> Path:
+        return self.root / SCRIPT
+
+    @property
+    def data_report(self) -> Path:
+        return self.root / DATA_REPORT
+
+    @property
+    def submitit(self) -> Path:
+        return self.root / SUBMITIT
+
+    @property
+    def spec(self) -> Path:
+        return self.root / SPEC
+
+    @property
+    def attempts(self) -> Path:
+        return self.root / ATTEMPTS
+
+    @property
+    def events(self) -> Path:
+        return self.root / EVENTS
+
+    @property
+    def exit_status(self) -> Path:
+        return self.root / EXIT_STATUS
+
+    @property
+    def done(self) -> Path:
+        return self.root / DONE
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS
+
+    @property
+    def tracking(self) -> Path:
+        return self.root / TRACKING
+
+    @property
+    def summary(self) -> Path:
+        return self.root / SUMMARY
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS
+
+    @property
+    def output(self) -> Path:
+        return self.root / OUTPUT
+
+    @property
+    def logs(self) -> Path:
+        return self.root / LOGS
+
+    @property
+    def stacks(self) -> Path:
+        return self.logs / "stacks"
+
+    @property
+    def preflight(self) -> Path:
+        return self.root / PREFLIGHT
+
+    @property
+    def cache(self) -> Path:
+        return self.root / CACHE
+
+    def node_log(self, node: str) -> Path:
+        return self.logs / f"node-{node}.log"
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank-{rank}.log"
+
+    def slurm_log(self, job_id: str) -> Path:
+        return self.logs / f"slurm-{job_id}.out"
+
+    def read_spec(self) -> RunSpec:
+        """The job's typed recipe (raises OSError or pydantic's ValidationError)."""
+        from toolkit.recipe.run_spec import RunSpec
+
+        return RunSpec.model_validate_json(self.spec.read_text())

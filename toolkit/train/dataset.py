@@ -1,0 +1,75 @@
+"""A rank's training examples: the token cache `ft validate` filled, in the user's cache on the
+shared filesystem; built by rank 0 when the run was submitted without validation or the cache was
+purged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from toolkit.recipe.schema import Recipe
+from toolkit.runs.layout import RunLayout
+from toolkit.train.data import Example
+
+
+def cache_root(shared_root: str, run_dir: Path, warn) -> Path:
+    """The user's cache on the shared filesystem; the run's own folder when that may not be used
+    (another user made it, say): the run goes on, and only the reuse across runs is lost."""
+    from toolkit.shared_dirs import SharedFolderError, private_dir, user_cache
+
+    try:
+        return user_cache(shared_root)
+    except SharedFolderError as exc:
+        fallback = private_dir(RunLayout(run_dir).cache)
+        warn(f"{exc.message} ({exc.hint}); this run caches in {fallback} instead")
+        return fallback
+
+
+def load_examples(recipe: Recipe, model_path: Path, user_cache: Path, rank: int, dist, log) -> list[Example]:
+    """The tokenized training set, every rank; rank 0 checks the cache's digests (or builds it)."""
+    from toolkit.data import object_store
+    from toolkit.data.recipe_data import dataset_key, token_cache
+    from toolkit.data.tokenizer import load_length_counter
+
+    object_store.configure()  # s3:// data: the job's AWS_ENDPOINT_URL (from the profile), bounded timeouts
+    counter = load_length_counter(str(model_path))
+    key = dataset_key(recipe, recipe.data.train, counter, "train")
+    cache = token_cache(user_cache)
+    if rank == 0 and cache.meta(key) is None:  # the digests, checked once for every rank
+        build_cache(recipe, counter, cache, key)
+    dist.barrier()
+    dataset = cache.load(key, digests=False)
+    if dataset is None:
+        raise RuntimeError(f"the tokenized dataset {cache.path(key)} is missing after rank 0 built it")
+    log(f"{len(dataset.offsets) - 1} sequences from the token cache {cache.path(key).name}")
+    return [Example(ids, labels) for ids, labels in dataset.examples(held_out=False)]
+
+
+def build_cache(recipe: Recipe, counter, cache, key: str) -> None:
+    """Tokenize the training file the way validation does (a run submitted with --skip-validation)."""
+    from toolkit.data.encode import encode_rows, sequences_per_row
+    from toolkit.data.readers import open_rows
+    from toolkit.data.recipe_data import held_out_fraction
+    from toolkit.data.schemas import detect_format
+    from toolkit.data.split import is_eval
+
+    data = recipe.data
+    rows = [row.data for row in open_rows(data.train)[0] if row.data is not None]
+    fmt = data.format if data.format != "auto" else detect_format(rows[0])
+    fraction, per_row = held_out_fraction(recipe, "train"), sequences_per_row(fmt)
+    encoded = encode_rows(rows, fmt, counter, data.max_seq_len)
+    writer = cache.writer(key)
+    for index, row in enumerate(rows):
+        held_out = is_eval(row, fraction, recipe.training.seed)
+        for ids, labels, _ in encoded[index * per_row:(index + 1) * per_row]:
+            writer.add(ids, labels, held_out)
+    writer.finish({"key": key, "path": data.train, "format": fmt, "report": None})
+
+
+def total_steps(recipe: Recipe, dataset_size: int) -> int:
+    """The run's optimizer steps: as given, or the epochs over `dataset_size` units."""
+    import math
+
+    training = recipe.training
+    if training.steps:
+        return training.steps
+    return max(1, math.ceil(training.epochs * dataset_size / training.global_batch))

@@ -1,0 +1,54 @@
+"""DeepSpeed for one rank: its configuration from the typed recipe and the batch plan, and the
+per-step seeding that makes a resumed run repeat the uninterrupted one."""
+
+from __future__ import annotations
+
+from toolkit.recipe.run_spec import BatchPlan
+from toolkit.recipe.schema import TrainingSpec
+
+
+def deepspeed_config(training: TrainingSpec, plan: BatchPlan, total_steps: int) -> dict:
+    warmup = max(1, training.warmup_steps)  # DeepSpeed's schedulers refuse 0
+    schedulers = {
+        "cosine": {"type": "WarmupCosineLR", "params": {"total_num_steps": total_steps,
+                                                        "warmup_num_steps": warmup}},
+        "linear": {"type": "WarmupDecayLR", "params": {"total_num_steps": total_steps, "warmup_min_lr": 0,
+                                                       "warmup_max_lr": training.learning_rate,
+                                                       "warmup_num_steps": warmup}},
+        "constant": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": training.learning_rate,
+                                                    "warmup_num_steps": warmup}},
+    }
+    config = {
+        "train_batch_size": training.global_batch,
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": plan.gradient_accumulation,
+        "gradient_clipping": training.max_grad_norm,
+        # torch's AdamW: DeepSpeed's fused/CPU Adam would compile an op on first use.
+        "optimizer": {"type": "AdamW", "params": {"lr": training.learning_rate, "torch_adam": True,
+                                                  "weight_decay": 0.0}},
+        "scheduler": schedulers[training.lr_schedule],
+        "zero_optimization": {"stage": training.zero_stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if training.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif training.precision == "fp16":
+        config["fp16"] = {"enabled": True}
+    return config
+
+
+def seed_step(seed: int, device) -> None:
+    """Dropout and every other random draw of a step follow from (seed, step, rank): a resumed run
+    repeats exactly what the uninterrupted one would have done. Only the generators a step draws
+    from are seeded (the host's and the rank's GPU): torch.manual_seed seeds every backend torch
+    knows (CUDA, XPU, MTIA, MPS) and cost 1.5 ms a step on the CPU here (cProfile, a 64x2 model)."""
+    import torch
+
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)  # the current device: set to LOCAL_RANK's at start
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    return seed * 1_000_003 + step * 4099 + rank

@@ -1,0 +1,32 @@
+"""Faults injected on purpose, for tests of paths a CPU cannot reach for real (set in the recipe's
+env; the schema lets FT_FAULT_* through):
+
+  FT_FAULT_OOM_AT_STEP=N   rank 0 runs out of memory at step N (first attempt only)
+  FT_FAULT_NAN_AT_STEP=N   the step's loss reads as NaN at step N
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Faults:
+    oom_at_step: int = 0
+    nan_at_step: int = 0
+    out_of_memory_retry: bool = False  # the job script's one retry: FT_OOM_RETRY=1
+
+    @classmethod
+    def from_env(cls) -> Faults:
+        return cls(int(os.environ.get("FT_FAULT_OOM_AT_STEP", "0")), int(os.environ.get("FT_FAULT_NAN_AT_STEP", "0")),
+                   os.environ.get("FT_OOM_RETRY") == "1")
+
+    def before_micro_step(self, step: int, rank: int) -> None:
+        if rank == 0 and step == self.oom_at_step and not self.out_of_memory_retry:
+            import torch
+
+            raise torch.OutOfMemoryError(f"injected by FT_FAULT_OOM_AT_STEP={self.oom_at_step}")
+
+    def loss_read(self, step: int, loss: float) -> float:
+        return float("nan") if step == self.nan_at_step else loss
