@@ -46,6 +46,9 @@ sys.path.insert(0, str(REPO))
 from toolkit.train.workers import CPU_MALLOC  # noqa: E402 - the checkout's own toolkit
 
 DATA = REPO / "recipes" / "data" / "tiny-sft.jsonl"
+# The code every run imports: a copy of the checkout's toolkit taken at the start (main), so that
+# editing the checkout during a run of many minutes changes no pair (it once broke one).
+CODE = REPO
 PRECISION = {"cpu": "fp32", "cuda": "bf16"}
 LOG_EVERY_STEPS = 10  # the recipe's default: ft reads losses every 10 steps
 
@@ -240,7 +243,7 @@ def run_ft(work: Path, name: str, spec: dict, port: int, device: str) -> dict:
         watcher.start()
     try:
         with open(run_dir / "logs" / "rank-0.log", "w") as log:
-            subprocess.run([sys.executable, "-m", "toolkit.train.worker"], env=env, check=True, cwd=REPO,
+            subprocess.run([sys.executable, "-m", "toolkit.train.worker"], env=env, check=True, cwd=CODE,
                            stdout=log, stderr=subprocess.STDOUT)
     finally:
         stop.set()
@@ -267,13 +270,13 @@ def run_bare(work: Path, model: Path, args, pair: int) -> dict:
     recipe_path.write_text(json.dumps(spec_for(model, args.steps, None, args.device)))
     output = subprocess.run([sys.executable, "-c", BARE_LOOP, str(recipe_path), str(work / f"bare-ckpt-{pair}"),
                              str(args.warmup)], env=environment(work, 29611, args.device), check=True,
-                            capture_output=True, text=True, cwd=REPO)
+                            capture_output=True, text=True, cwd=CODE)
     return json.loads(output.stdout.strip().splitlines()[-1])
 
 
 def run_script(script: str, arguments: list[str], env: dict) -> dict:
     output = subprocess.run([sys.executable, "-c", script, *arguments], env=env, check=True, capture_output=True,
-                            text=True, cwd=REPO)
+                            text=True, cwd=CODE)
     return json.loads(output.stdout.splitlines()[-1])
 
 
@@ -300,8 +303,11 @@ def main() -> None:
         parser.error("--warmup must be between 0 and --steps")
     if args.warmup % LOG_EVERY_STEPS or args.steps % LOG_EVERY_STEPS:
         parser.error(f"--warmup and --steps must be multiples of {LOG_EVERY_STEPS}, the steps ft reads losses at")
+    global CODE
     with tempfile.TemporaryDirectory(prefix="ft-bench-train-", dir="/var/tmp") as tmp:
         work = Path(tmp)
+        CODE = work / "code"
+        shutil.copytree(REPO / "toolkit", CODE / "toolkit", ignore=shutil.ignore_patterns("__pycache__"))
         model = build_model(work, args.hidden, args.layers)
         ratios, bare_rates, ft_rates, bare_saves = [], [], [], []
         for pair in range(args.pairs):
