@@ -32,6 +32,16 @@ def test_site_file_names_the_default_and_overrides_builtin_values(tmp_path, monk
     assert profile.fabric == "roce"  # the rest from the built-in profile
 
 
+def test_a_site_file_from_an_older_ft_profile_role_still_loads(tmp_path, monkeypatch):
+    site = tmp_path / "cluster.yaml"  # slurm_cluster and gpu_model: written once, never read
+    site.write_text(yaml.safe_dump({"name": "oci", "slurm_cluster": "oci", "gpu_model": "h100"}))
+    monkeypatch.setenv("FT_SITE_PROFILE", str(site))
+    assert load_profile(None).name == "oci"
+    site.write_text(yaml.safe_dump({"name": "oci", "gpu_modle": "h100"}))  # a typo is still an error
+    with pytest.raises(ProfileError, match="gpu_modle"):
+        load_profile(None)
+
+
 def test_user_profile_extends_a_builtin(tmp_path, monkeypatch):
     user = tmp_path / "clusters.yaml"
     user.write_text(yaml.safe_dump({"mylab": {"extends": "hyperpod", "tiers": {

@@ -46,8 +46,6 @@ class ClusterProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str
-    slurm_cluster: str | None = None
-    gpu_model: str = ""
     gpus_per_node: int = Field(ge=0)
     # Workers per node where there are no GPUs (the lab: gloo on CPU). None: one per GPU.
     cpu_workers_per_node: int | None = None
@@ -69,7 +67,7 @@ class ClusterProfile(BaseModel):
     # Python that runs ft on the compute nodes; empty: `python3` from the job's PATH.
     python: str = ""
 
-    _names = field_validator("name", "slurm_cluster", "default_account")(slurm_name)
+    _names = field_validator("name", "default_account")(slurm_name)
 
     @field_validator("shared_root")
     @classmethod
@@ -103,10 +101,6 @@ class ClusterProfile(BaseModel):
         return value
 
     @property
-    def workers_per_node(self) -> int:
-        return self.cpu_workers_per_node or self.gpus_per_node or 1
-
-    @property
     def distributed_backend(self) -> str:
         return "gloo" if self.cpu_workers_per_node else "nccl"
 
@@ -115,7 +109,13 @@ class ProfileError(FtError):
     exit_code = 2
 
 
+# Fields ft's Ansible role ft_profile wrote until nothing read them: a site profile written then
+# still loads (re-running the role drops them).
+RETIRED_FIELDS = ("slurm_cluster", "gpu_model")
+
+
 def _parse(data: dict, origin: str) -> ClusterProfile:
+    data = {key: value for key, value in data.items() if key not in RETIRED_FIELDS}
     try:
         return ClusterProfile.model_validate(data)
     except ValidationError as exc:
