@@ -51,6 +51,20 @@ def test_lab_up_on_a_lab_that_is_up_says_so_and_changes_nothing(lab):
     assert "already up" in shown.stdout and "nothing changed" in shown.stdout
 
 
+def test_lab_up_after_a_node_crash_heals_the_node_without_the_whole_playbook(lab):
+    before = Path(lab.slurm_conf).stat().st_mtime_ns
+    crashed = lab.nodes[-1].name
+    assert lifecycle.crash(crashed), "nothing ran in the node's namespace"
+    assert not lifecycle.collect(lab).healthy
+
+    outcome = lifecycle.up()
+
+    assert outcome.status.healthy, outcome.status.problems
+    assert outcome.playbook is not None and "lab-heal" in outcome.playbook.log_path.name
+    assert Path(lab.slurm_conf).stat().st_mtime_ns == before
+    assert lifecycle.up().playbook is None  # healed: the next `ft lab up` has nothing to do
+
+
 def test_lab_status_json_lists_every_daemon_and_node(lab):
     shown = ft("lab", "status", "--json")
 

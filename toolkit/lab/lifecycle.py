@@ -77,18 +77,23 @@ def applied_path() -> Path:
     return state_dir() / "applied.json"
 
 
-def already_up(extra_vars: dict, manifest: LabManifest | None) -> LabStatus | None:
-    """The lab's status when it runs exactly as the last successful `ft lab up` left it."""
+def as_last_up(extra_vars: dict, manifest: LabManifest | None) -> bool:
+    """The lab is configured exactly as the last successful `ft lab up` left it."""
     if manifest is None or len(manifest.nodes) != extra_vars["lab_node_count"]:
-        return None
+        return False
     try:
         applied = json.loads(applied_path().read_text())
     except (OSError, ValueError):
-        return None
-    if applied.get("fingerprint") != fingerprint(extra_vars):
-        return None
-    status = collect(manifest)
-    return status if status.healthy else None
+        return False
+    return applied.get("fingerprint") == fingerprint(extra_vars)
+
+
+def only_nodes_down(status: LabStatus) -> bool:
+    """What a crashed node leaves (`ft lab crash`, a test's power loss): its slurmd gone, the bridge,
+    the namespaces and the controller's daemons all still there."""
+    down = [d for d in status.daemons if not d.running]
+    return bool(down) and status.bridge_up and all(n.namespace for n in status.nodes) and \
+        all(d.node is not None for d in down)
 
 
 def up(nodes: int | None = None, reprovision: bool = False,
@@ -96,8 +101,14 @@ def up(nodes: int | None = None, reprovision: bool = False,
     require_root("up")
     manifest = LabManifest.load()
     extra_vars = {"lab_node_count": node_count(nodes, manifest)}
-    if not reprovision and (status := already_up(extra_vars, manifest)) is not None:
-        return UpOutcome(status, None)
+    if not reprovision and as_last_up(extra_vars, manifest):
+        status = collect(manifest)
+        if status.healthy:
+            return UpOutcome(status, None)
+        if only_nodes_down(status):  # heal them; anything still wrong after that: the whole playbook
+            healed = run_playbook("lab-heal.yml", extra_vars, on_task=on_task)
+            if healed.ok and (status := collect(manifest)).healthy:
+                return UpOutcome(status, healed)
     result = run_playbook("lab.yml", extra_vars, on_task=on_task)
     if not result.ok:
         raise PlaybookFailed(f"the lab playbook failed (full log: {result.log_path})\n{result.error}",
