@@ -252,8 +252,12 @@ def run_peft(model, args, config: dict, compiled: bool) -> None:
 
 def spec_for(model_path: str, data_path: str, args, config: dict, steps: int) -> dict:
     """A run spec as toolkit.train.worker reads it (recipe.json): LoRA, bf16 (fp32 on a CPU), ZeRO-2, one rank."""
+    from toolkit.recipe.run_spec import batch_plan
+    from toolkit.recipe.schema import TrainingSpec
+
+    retry = batch_plan(TrainingSpec(micro_batch=config["micro_batch"], global_batch=config["micro_batch"]), 1, True)
     derived = {"workers_per_node": 1, "world_size": 1, "gradient_accumulation": 1,
-               "out_of_memory_micro_batch": max(1, config["micro_batch"] // 2), "partition": "bench", "qos": None}
+               "out_of_memory_micro_batch": retry.micro_batch, "partition": "bench", "qos": None}
     return {"derived": derived, "recipe": {
         "name": "gpu-lora-bench", "model": {"base": model_path, "revision": None, "params_b": None},
         "method": {"kind": "lora", "rank": args.rank, "alpha": args.alpha, "dropout": 0.0,

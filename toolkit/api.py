@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.runs.status import RunStatus, log_path, run_status
+from toolkit.runs.status import RunStatus, job_of, log_path, run_status
 from toolkit.runs.store import RunStore
 from toolkit.slurm.client import SlurmClient, default_client
 
@@ -47,7 +47,7 @@ class Run:
             time.sleep(poll)
 
     def log(self, node: str | None = None, rank: int | None = None) -> str:
-        path = log_path(self.run_dir, self.store.load(self.run_id), node, rank)
+        path = log_path(self.run_dir, job_of(self.store.load(self.run_id), self.client), node, rank)
         return path.read_text(errors="replace") if path.exists() else ""
 
     def cancel(self) -> None:

@@ -34,7 +34,8 @@ esac
 
 
 def run_script(tmp_path: Path, started: str, unreached: str, error: str = COMMUNICATION,
-               earlier_failures: int = 0) -> tuple[subprocess.CompletedProcess, list[str], Path]:
+               earlier_failures: int = 0, run_dir_mode: int = 0o700,
+               run_dir_owner: int | None = None) -> tuple[subprocess.CompletedProcess, list[str], Path]:
     run_dir = tmp_path / "run"
     resolved = resolve(REPO / "recipes" / "tiny-lora-sft.yaml", "lab")
     # The script's decision is under test, not the watchdog's restarts in place (with their backoff
@@ -48,6 +49,9 @@ def run_script(tmp_path: Path, started: str, unreached: str, error: str = COMMUN
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
     run_dir.mkdir()
+    run_dir.chmod(run_dir_mode)
+    if run_dir_owner is not None:
+        os.chown(run_dir, run_dir_owner, run_dir_owner)
     if earlier_failures:
         (run_dir / "launch-failures").write_text("".join(f"{n} node9\n" for n in range(earlier_failures)))
     calls = tmp_path / "calls"
@@ -87,3 +91,13 @@ def test_when_every_node_seems_lost_nothing_is_marked_down(tmp_path):
 def test_requeues_stop_after_the_runs_budget(tmp_path):
     result, calls, _ = run_script(tmp_path, started="node1 node3", unreached="node2", earlier_failures=3)
     assert calls == [] and "not requeueing again" in result.stdout and result.returncode == 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a folder owned by another user")
+@pytest.mark.parametrize("mode, owner", [(0o700, 4242), (0o777, None), (0o770, None)])
+def test_a_run_directory_not_this_users_alone_stops_the_job_before_anything_runs(tmp_path, mode, owner):
+    result, calls, run_dir = run_script(tmp_path, started="node1 node2 node3", unreached="",
+                                        run_dir_mode=mode, run_dir_owner=owner)
+    assert result.returncode == 2
+    assert "is not yours alone" in result.stderr
+    assert "rendezvous" not in result.stdout and not (run_dir / "recipe.json").exists()

@@ -10,6 +10,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from tests.support.run_specs import run_spec, write_run_spec
 from toolkit.runs.register import register
 from toolkit.runs.store import JobRecord, RunRecord, RunStore
@@ -46,3 +48,31 @@ def test_a_failure_to_record_never_stops_the_job(tmp_path):
     assert result.returncode == 1
     assert "could not record job 7" in result.stderr
     assert not (run_dir / "run.json").exists()
+
+
+def test_a_planted_lock_or_a_stuck_holder_never_hangs_the_job(tmp_path, monkeypatch):
+    import fcntl
+
+    from toolkit.runs import store as store_module
+
+    store = RunStore(tmp_path / "runs")
+    store.create_run_dir("r3")
+    store.save(RunRecord("r3", "unit", "/r.yaml", "lab", "train", time.time()))
+    lock = store.run_dir("r3") / ".run.lock"
+    os.mkfifo(lock)  # a FIFO in the lock's place: opening it must not block
+    with pytest.raises(OSError, match="not a lock file"):
+        store.add_job("r3", JobRecord("1", time.time()))
+    lock.unlink()
+    lock.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(OSError):
+        store.add_job("r3", JobRecord("1", time.time()))
+    assert not (tmp_path / "elsewhere").exists()  # nothing made where the symlink points
+    lock.unlink()
+
+    monkeypatch.setattr(store_module, "LOCK_WAIT_S", 0.5)
+    with open(lock, "a") as holder:  # another process holding the lock and never letting go
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            store.add_job("r3", JobRecord("1", time.time()))
+        assert time.monotonic() - started < 5

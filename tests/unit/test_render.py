@@ -76,6 +76,43 @@ def test_a_cache_folder_another_user_owns_is_never_used(tmp_path, monkeypatch):
     assert list(planted.iterdir()) == []  # nothing written where another user could swap it
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="plants files as another user")
+def test_a_cache_entry_this_user_does_not_own_alone_is_never_loaded(tmp_path, monkeypatch):
+    import pickle
+
+    from jinja2.bccache import bc_magic
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = rendered("llama3-8b-lora-sft", "hyperpod")
+    (entry,) = (tmp_path / "cache" / "ft" / "templates").iterdir()
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    entry.write_bytes(bc_magic + pickle.dumps(Payload()))  # what a planted entry would hold
+    for owner, mode in ((4242, 0o600), (os.getuid(), 0o620)):
+        os.chown(entry, owner, owner)
+        entry.chmod(mode)
+        assert rendered("llama3-8b-lora-sft", "hyperpod") == first
+        assert not marker.exists(), "a cache entry another user could write was loaded"
+
+
+def test_a_cache_that_cannot_be_written_never_fails_a_render(tmp_path, monkeypatch):
+    import errno
+
+    import jinja2.bccache
+
+    def quota_exceeded(*args, **kwargs):  # a full home (the tests run as root, whom no mode stops)
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(jinja2.bccache.tempfile, "NamedTemporaryFile", quota_exceeded)
+    assert rendered("llama3-8b-lora-sft", "hyperpod") == (GOLDEN / "llama3-8b-lora-sft__hyperpod.sbatch").read_text()
+    assert list((tmp_path / "cache" / "ft" / "templates").iterdir()) == []
+
+
 def sbatch_options(script: str) -> dict[str, str]:
     return dict(re.findall(r"^#SBATCH --([\w-]+)=?(.*)$", script, re.M))
 

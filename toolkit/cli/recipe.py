@@ -66,9 +66,8 @@ def render_command(
     """Render the standalone sbatch script of a recipe."""
     from toolkit.recipe.resolve import resolve
     from toolkit.render.sbatch import RunPlacement, render
-    from toolkit.runs.layout import RunLayout
     from toolkit.runs.store import RunRecord, RunStore
-    from toolkit.shared_dirs import write_atomically
+    from toolkit.shared_dirs import private_dir, write_atomically
 
     resolved = resolve(recipe, cluster)
     run_id = run_id or resolved.recipe.name
@@ -77,11 +76,13 @@ def render_command(
     script = render(resolved, RunPlacement(run_id, str(run_dir)), mode="preflight" if preflight else "train",
                     slurm_version=local_slurm_version(resolved.profile.name))
     if output is None:
+        if run_dir.exists():
+            private_dir(run_dir)  # another user's folder there: say so now, not when the job starts
         typer.echo(script, nl=False)
         return
     store.create_run_dir(run_id, exist_ok=True)  # the script's log folder must exist at sbatch time
     write_atomically(output, script, mode=0o700)
-    if not RunLayout(run_dir).record.exists():  # `ft ls` shows it now; its job adds itself as it starts
-        store.save(RunRecord(run_id, resolved.recipe.name, str(recipe.resolve()), resolved.profile.name,
-                             "preflight" if preflight else "train", time.time()))
+    # `ft ls` shows the run now; its job adds itself as it starts.
+    store.placeholder(RunRecord(run_id, resolved.recipe.name, str(recipe.resolve()), resolved.profile.name,
+                                "preflight" if preflight else "train", time.time()))
     console.print(f"wrote {plain(output)}: sbatch it as is, or edit it first (its logs go to {plain(run_dir)}/logs)")

@@ -71,11 +71,13 @@ def submit(
 def ls(cluster: str = typer.Option(None, "--cluster", "-c"), limit: int = typer.Option(20, "--limit", "-n"),
        as_json: bool = typer.Option(False, "--json")) -> None:
     """List recent runs."""
-    from toolkit.runs.status import run_status
+    from toolkit.runs.status import queued_runs, run_status
     from toolkit.slurm.client import default_client
 
     store, client = _store(cluster), default_client()
-    statuses = [run_status(store, record.run_id, client) for record in store.list()[:limit]]
+    records = store.list()[:limit]
+    queued = queued_runs(client) if any(not record.jobs for record in records) else {}
+    statuses = [run_status(store, record.run_id, client, queued) for record in records]
     if as_json:
         print_json([status.to_dict() for status in statuses])
         return
@@ -143,13 +145,13 @@ def logs(run_id: str = typer.Argument(...), follow: bool = typer.Option(False, "
          cluster: str = typer.Option(None, "--cluster", "-c"),
          as_json: bool = typer.Option(False, "--json", help="One JSON object per chunk: path, offset, text.")) -> None:
     """Print a run's log: the job's by default, one node's or one rank's on request."""
-    from toolkit.runs.status import log_path
+    from toolkit.runs.status import job_of, log_path
     from toolkit.slurm.client import default_client
 
-    store = _store(cluster)
+    store, client = _store(cluster), default_client()
     record = store.load(run_id)
-    path = log_path(store.run_dir(run_id), record, node, rank)
-    client = default_client()
+    job_id = job_of(record, client)
+    path = log_path(store.run_dir(run_id), job_id, node, rank)
     position = 0
     while True:
         if path.exists():
@@ -167,7 +169,7 @@ def logs(run_id: str = typer.Argument(...), follow: bool = typer.Option(False, "
             raise FtError(f"no log at {path} yet", hint="logs so far: " + (", ".join(available) or "none"))
         if not follow:
             return
-        job = client.job(record.latest_job) if record.latest_job else None
+        job = client.job(job_id) if job_id else None
         if job and job.finished:
             follow = False  # one last read above picks up what the job wrote at the end
             continue
@@ -177,13 +179,15 @@ def logs(run_id: str = typer.Argument(...), follow: bool = typer.Option(False, "
 def cancel(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, "--cluster", "-c"),
            as_json: bool = typer.Option(False, "--json")) -> None:
     """Cancel a run's job."""
+    from toolkit.runs.status import job_of
     from toolkit.slurm.client import default_client
 
-    record = _store(cluster).load(run_id)
-    if not record.latest_job:
-        raise FtError(f"run {run_id} has no Slurm job")
-    default_client().cancel([record.latest_job])
+    client = default_client()
+    job_id = job_of(_store(cluster).load(run_id), client)
+    if not job_id:
+        raise FtError(f"run {run_id} has no Slurm job", hint="a rendered script joins its run when it is submitted")
+    client.cancel([job_id])
     if as_json:
-        print_json({"run_id": run_id, "cancelled_job": record.latest_job})
+        print_json({"run_id": run_id, "cancelled_job": job_id})
         return
-    console.print(f"cancelled job {plain(record.latest_job)} of run {plain(run_id)}")
+    console.print(f"cancelled job {plain(job_id)} of run {plain(run_id)}")

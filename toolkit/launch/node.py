@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from toolkit.launch.rendezvous import RendezvousError, barrier, job_secret
-from toolkit.runs.layout import RunLayout
+from toolkit.runs.layout import RunLayout, RunSpecError
 from toolkit.watch.heartbeat import Sender
 
 EXIT_FAILED = 1
@@ -51,8 +51,8 @@ def preflight(run_dir: Path) -> int:
     layout = RunLayout(run_dir)
     try:
         recipe_env = layout.read_spec().recipe.env
-    except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-        problems.append(f"recipe unreadable: {exc}")
+    except RunSpecError as exc:
+        problems.append(exc.message)
         recipe_env = {}
     # What this node sees: the recipe's environment arrives exactly as written, or the check fails.
     env_seen = {name: os.environ.get(name) for name in recipe_env}

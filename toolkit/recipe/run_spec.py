@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, model_validator
 
 from toolkit.recipe.schema import Recipe, Strict, TrainingSpec
 
@@ -30,11 +30,14 @@ def batch_plan(training: TrainingSpec, world_size: int, out_of_memory_retry: boo
 
 
 class Derived(Strict):
-    workers_per_node: int = Field(description="Training processes per node: GPUs, or the profile's CPU workers")
-    world_size: int = Field(description="Ranks that train: nodes x workers per node (spare nodes excluded)")
-    gradient_accumulation: int = Field(description="Micro batches per optimizer step on each rank")
-    out_of_memory_micro_batch: int = Field(description="The micro batch of the one retry after running out "
-                                                       "of memory (same global batch)")
+    model_config = ConfigDict(strict=True)  # written by ft, read by ft: "2" for 2 is a damaged file
+
+    workers_per_node: int = Field(ge=1, description="Training processes per node: GPUs, or the profile's CPU "
+                                                    "workers")
+    world_size: int = Field(ge=1, description="Ranks that train: nodes x workers per node (spare nodes excluded)")
+    gradient_accumulation: int = Field(ge=1, description="Micro batches per optimizer step on each rank")
+    out_of_memory_micro_batch: int = Field(ge=1, description="The micro batch of the one retry after running "
+                                                             "out of memory (same global batch)")
     partition: str = Field(description="The Slurm partition of the recipe's tier")
     qos: str | None = Field(None, description="The Slurm QOS of the recipe's tier")
 
@@ -42,3 +45,24 @@ class Derived(Strict):
 class RunSpec(Strict):
     recipe: Recipe
     derived: Derived
+
+    @model_validator(mode="after")
+    def derived_from_the_recipe(self) -> RunSpec:
+        """A spec edited by hand (in the job script) must still add up: the job would otherwise
+        train on another batch than the recipe's, or on no rank at all."""
+        training, derived = self.recipe.training, self.derived
+        if training.global_batch is None:
+            raise ValueError("recipe.training.global_batch is unset: the recipe was not resolved (ft render does)")
+        if derived.world_size != self.recipe.resources.nodes * derived.workers_per_node:
+            raise ValueError(f"derived.world_size {derived.world_size} is not resources.nodes x workers_per_node "
+                             f"({self.recipe.resources.nodes} x {derived.workers_per_node})")
+        if training.global_batch % (training.micro_batch * derived.world_size):
+            raise ValueError(f"training.global_batch {training.global_batch} is not a multiple of micro_batch x "
+                             f"world_size ({training.micro_batch} x {derived.world_size})")
+        expected = batch_plan(training, derived.world_size)
+        if derived.gradient_accumulation != expected.gradient_accumulation:
+            raise ValueError(f"derived.gradient_accumulation {derived.gradient_accumulation} should be "
+                             f"{expected.gradient_accumulation} for this batch and world size")
+        if derived.out_of_memory_micro_batch != batch_plan(training, derived.world_size, True).micro_batch:
+            raise ValueError("derived.out_of_memory_micro_batch does not follow from the batch and world size")
+        return self

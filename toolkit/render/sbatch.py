@@ -3,14 +3,17 @@ bytes. Every user-supplied string reaches the shell quoted, and no secret value 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
+import jinja2.bccache
 
 from toolkit import __version__
 from toolkit.cluster.profile import SBATCH_UNSAFE
@@ -76,18 +79,44 @@ def srun_options(resolved: ResolvedRecipe) -> str:
     return "".join(f" {shell_quote(option)}" for option in options)
 
 
+class PrivateBytecodeCache(jinja2.FileSystemBytecodeCache):
+    """jinja2's file cache, trusting an entry only when it is this user's own regular file that
+    nobody else may write (an entry is unpickled, then run: one planted by another user would run
+    as this one), and never failing a render: an entry that cannot be read or written is compiled
+    anew."""
+
+    def load_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
+        try:
+            descriptor = os.open(self._get_cache_filename(bucket), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return
+        with os.fdopen(descriptor, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+                return
+            try:
+                bucket.load_bytecode(handle)
+            except Exception:  # noqa: BLE001 - a damaged entry: compile the template instead
+                bucket.reset()
+
+    def dump_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
+        with contextlib.suppress(OSError):  # a full or read-only home: the next render compiles again
+            super().dump_bytecode(bucket)
+
+
 def template_cache() -> jinja2.BytecodeCache | None:
     """The job script's template, compiled, kept per user: compiling it took 31 ms of every
     `ft render`. jinja2 checks an entry against its template's source (checksum) and this Python's
-    bytecode version; the folder is this user's alone (compiled code is loaded from it). None
-    (compile each time) where there is no such folder to be had."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    bytecode version. None (compile each time) where there is no private folder to be had; a
+    relative XDG_CACHE_HOME is ignored, as the XDG specification says."""
+    configured = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(configured) if os.path.isabs(configured) else Path.home() / ".cache"
     try:
         base.mkdir(parents=True, exist_ok=True)
         folder = private_dir(private_dir(base / "ft") / "templates")
     except (SharedFolderError, OSError):
         return None
-    return jinja2.FileSystemBytecodeCache(str(folder))
+    return PrivateBytecodeCache(str(folder))
 
 
 def template_environment() -> jinja2.Environment:

@@ -1,7 +1,7 @@
 """What a run directory holds, named once for both sides: the login side (`ft submit`, `ft status`,
 `ft logs`), the job script, the launchers, the watchdog and the ranks.
 
-    run.json          the run's record: id, recipe, cluster, jobs (the login side; RunStore)
+    run.json          the run's record: id, recipe, cluster, jobs (RunStore; .run.lock guards it)
     recipe.yaml       the recipe as submitted; recipe.resolved.yaml, with every default filled
     job.sbatch        the rendered job script, as submitted
     data-report.json  what `ft submit`'s data checks found
@@ -32,10 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from toolkit.errors import FtError
+
 if TYPE_CHECKING:
     from toolkit.recipe.run_spec import RunSpec
 
 RECORD = "run.json"
+RECORD_LOCK = ".run.lock"
 RECIPE_SOURCE = "recipe.yaml"
 RECIPE_RESOLVED = "recipe.resolved.yaml"
 SCRIPT = "job.sbatch"
@@ -65,6 +68,19 @@ TEMPLATE_NAMES = {"spec": SPEC, "exit_status": EXIT_STATUS, "done": DONE, "logs"
                   "launch_marks": LAUNCH_MARKS, "launch_failures": LAUNCH_FAILURES}
 
 
+MAX_SPEC_BYTES = 16 << 20  # a recipe's env may carry values up to 128 KiB each
+
+
+class RunSpecError(FtError):
+    """The run spec a job reads is missing or damaged: no restart can help (exit 4, not requeued)."""
+
+    exit_code = 4
+
+    def __init__(self, message: str):
+        super().__init__(message, hint="render the job script again (ft render / ft submit); "
+                                       "edit the recipe, not the JSON inside the script")
+
+
 @dataclass(frozen=True)
 class RunLayout:
     root: Path
@@ -72,6 +88,10 @@ class RunLayout:
     @property
     def record(self) -> Path:
         return self.root / RECORD
+
+    @property
+    def record_lock(self) -> Path:
+        return self.root / RECORD_LOCK
 
     @property
     def recipe_source(self) -> Path:
@@ -159,7 +179,18 @@ class RunLayout:
         return self.logs / f"slurm-{job_id}.out"
 
     def read_spec(self) -> RunSpec:
-        """The job's typed recipe (raises OSError or pydantic's ValidationError)."""
-        from toolkit.recipe.run_spec import RunSpec
+        """The job's typed recipe and derived values. RunSpecError, naming the file and the fix, when
+        it is missing, not a regular file of this user's, over 16 MiB, or does not add up."""
+        from pydantic import ValidationError
 
-        return RunSpec.model_validate_json(self.spec.read_text())
+        from toolkit.recipe.run_spec import RunSpec
+        from toolkit.runs.store import read_private_file
+
+        try:
+            return RunSpec.model_validate_json(read_private_file(self.spec, limit=MAX_SPEC_BYTES))
+        except OSError as exc:
+            raise RunSpecError(f"{self.spec} is unreadable: {exc}") from None
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, error['loc'])) or 'the file'}: "
+                                 f"{error['msg'].removeprefix('Value error, ')}" for error in exc.errors()[:5])
+            raise RunSpecError(f"{self.spec} does not hold a usable run spec: {problems}") from None

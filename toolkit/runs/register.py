@@ -12,11 +12,13 @@ from pathlib import Path
 
 from toolkit.runs.layout import RunLayout
 from toolkit.runs.store import JobRecord, RunRecord, RunStore
+from toolkit.shared_dirs import private_dir
 
 
 def register(run_dir: Path, run_id: str, job_id: str, mode: str) -> RunRecord:
     if run_dir.name != run_id:
         raise ValueError(f"the run directory {run_dir} is not run {run_id}'s")
+    private_dir(run_dir)  # this user's alone (the job script checked it too): never a planted folder
     layout = RunLayout(run_dir)
 
     def adopt() -> RunRecord:

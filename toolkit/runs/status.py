@@ -10,6 +10,7 @@ from toolkit.runs.layout import RunLayout
 from toolkit.runs.store import RunRecord, RunStore
 from toolkit.runs.timeline import read_lines, timeline
 from toolkit.slurm.client import JobInfo, SlurmClient
+from toolkit.slurm.commands import SlurmCommandError, SlurmUnavailable
 
 
 @dataclass
@@ -51,11 +52,26 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
-def run_status(store: RunStore, run_id: str, client: SlurmClient) -> RunStatus:
+def queued_runs(client: SlurmClient) -> dict[str, str]:
+    """Run id -> job id of this user's queued jobs; empty when Slurm does not answer (a run's record
+    is still shown)."""
+    try:
+        return client.queued_runs()
+    except (SlurmUnavailable, SlurmCommandError):
+        return {}
+
+
+def job_of(record: RunRecord, client: SlurmClient, queued: dict[str, str] | None = None) -> str | None:
+    """The run's latest job: recorded, or, for a script submitted with plain sbatch whose job has
+    not started (and so not registered itself) yet, found in the queue by its comment."""
+    if record.latest_job:
+        return record.latest_job
+    return (queued if queued is not None else queued_runs(client)).get(record.run_id)
+
+
+def run_status(store: RunStore, run_id: str, client: SlurmClient, queued: dict[str, str] | None = None) -> RunStatus:
     record = store.load(run_id)
-    # No job recorded: a script submitted with plain sbatch, whose job has not started (and so not
-    # registered itself) yet; Slurm knows it by the comment ft's script carries.
-    job_id = record.latest_job or client.queued_job(f"ft-run={run_id}")
+    job_id = job_of(record, client, queued)
     job = client.job(job_id) if job_id else None
     run_dir = store.run_dir(run_id)
     layout = RunLayout(run_dir)
@@ -66,10 +82,10 @@ def run_status(store: RunStore, run_id: str, client: SlurmClient) -> RunStatus:
                      timeline(run_dir))
 
 
-def log_path(run_dir: Path, record: RunRecord, node: str | None = None, rank: int | None = None) -> Path:
+def log_path(run_dir: Path, job_id: str | None, node: str | None = None, rank: int | None = None) -> Path:
     layout = RunLayout(run_dir)
     if node is not None:
         return layout.node_log(node)
     if rank is not None:
         return layout.rank_log(rank)
-    return layout.slurm_log(record.latest_job)
+    return layout.slurm_log(job_id or "<no job yet>")

@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
@@ -148,7 +149,7 @@ class RunStore:
         """Add a job to a run's record, once (a requeued job keeps its id), under the run's lock: a
         job registers itself as it starts (toolkit/runs/register.py) while `ft submit` records
         it. `adopt`: the record of a run that has none yet (a script submitted with plain sbatch)."""
-        with _locked(self.run_dir(run_id) / ".run.lock"):
+        with _locked(RunLayout(self.run_dir(run_id)).record_lock):
             if adopt is not None and not RunLayout(self.run_dir(run_id)).record.exists():
                 record = adopt()
             else:
@@ -157,6 +158,14 @@ class RunStore:
                 record.jobs.append(job)
                 self.save(record)
             return record
+
+    def placeholder(self, record: RunRecord) -> None:
+        """The record of a rendered run no job has joined yet (`ft render -o`): written unless a
+        job has (a render again of the same run id describes it anew)."""
+        with _locked(RunLayout(self.run_dir(record.run_id)).record_lock):
+            if RunLayout(self.run_dir(record.run_id)).record.exists() and self.load(record.run_id).jobs:
+                return
+            self.save(record)
 
     def load(self, run_id: str) -> RunRecord:
         path = RunLayout(self.run_dir(run_id)).record
@@ -195,7 +204,7 @@ class RunStore:
 
     def key_lock(self, key: str):
         """Exclusive across processes and shells (flock on the shared filesystem)."""
-        return _locked(self._key_path(key, "lock"))
+        return _locked(self._key_path(key, "lock"), wait_s=math.inf)  # held while the data is checked
 
     def run_for_key(self, key: str) -> str | None:
         try:
@@ -212,11 +221,29 @@ class RunStore:
         write_atomically(self._key_path(key, "json"), json.dumps({"key": key, "run_id": run_id}) + "\n")
 
 
+LOCK_WAIT_S = 30.0
+
+
 @contextlib.contextmanager
-def _locked(path: Path):
-    """Exclusive across processes, shells and nodes (flock on the shared filesystem)."""
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+def _locked(path: Path, wait_s: float | None = None):
+    """Exclusive across processes, shells and nodes (flock on the shared filesystem), for at most
+    `wait_s` seconds of waiting (TimeoutError after): a stuck holder never holds a job or a command
+    forever. The lock file is a regular file of this user's: never a symlink or a FIFO planted there."""
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    with os.fdopen(descriptor, "a") as handle:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise OSError(f"{path} is not a lock file of yours")
+        wait_s = LOCK_WAIT_S if wait_s is None else wait_s
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{path} stayed locked for {wait_s:.0f} s") from None
+                time.sleep(0.05)
         try:
             yield
         finally:

@@ -48,7 +48,7 @@ class SlurmClient(Protocol):
 
     def job(self, job_id: str) -> JobInfo | None: ...
 
-    def queued_job(self, comment: str) -> str | None: ...
+    def queued_runs(self) -> dict[str, str]: ...
 
     def nodes(self) -> list[dict]: ...
 
@@ -98,14 +98,21 @@ class CliSlurmClient:
         """Every node as `sinfo --Node --json` describes it (name, state, state_flags, reason, gres)."""
         return commands.run_json(["sinfo", "--Node"], timeout=self.timeout).get("nodes", [])
 
-    def queued_job(self, comment: str) -> str | None:
-        """The newest of this user's queued jobs whose comment holds `comment` (one of its
-        comma-separated parts): how a run whose job has not started yet is found."""
+    def queued_runs(self) -> dict[str, str]:
+        """Run id -> the newest of this user's queued jobs for it, by the `ft-run=<id>` part of the
+        comment ft's job script carries: how a run whose job has not started yet is found. One
+        squeue call, whatever the number of runs."""
         result = commands.run(["squeue", "--noheader", "--user", str(os.getuid()), "--format=%i|%k"],
                               timeout=self.timeout, check=False)
-        found = [job_id for job_id, _, text in (line.partition("|") for line in result.stdout.splitlines())
-                 if comment in text.strip().split(",")]
-        return max(found, key=lambda job_id: int(job_id) if job_id.isdigit() else 0, default=None)
+        runs: dict[str, str] = {}
+        for job_id, _, comment in (line.strip().partition("|") for line in result.stdout.splitlines()):
+            if not job_id.isdigit():
+                continue
+            for part in comment.split(","):
+                run_id = part.removeprefix("ft-run=")
+                if run_id != part and (run_id not in runs or int(job_id) > int(runs[run_id])):
+                    runs[run_id] = job_id
+        return runs
 
     def cancel(self, job_ids: list[str]) -> None:
         if job_ids:

@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from toolkit.runs.layout import RunLayout
+from toolkit.recipe.run_spec import RunSpec
+from toolkit.runs.layout import RunLayout, RunSpecError
 from toolkit.train.loop import RunEnds
 from toolkit.watch import exits, stacks
 from toolkit.watch.progress import Reporter
@@ -45,16 +46,20 @@ def main() -> None:
     # The watchdog's way to see where a hung rank is when py-spy is not installed.
     faulthandler.register(stacks.FAULTHANDLER_SIGNAL, all_threads=True)
     layout = RunLayout(Path(os.environ["FT_RUN_DIR"]))
-    spec = layout.read_spec()
     try:
-        train(layout, spec)
-    except RunEnds as ending:
-        print(f"[rank {os.environ.get('RANK', '?')} {time.strftime('%H:%M:%S')}] {ending}", flush=True)
-        exits.leave_exit_status(layout.root, ending.code)  # every rank: whichever srun stops last
-        sys.exit(ending.code)
+        train(layout, layout.read_spec())
+    except RunSpecError as exc:
+        ending = RunEnds(exits.USER_ERROR, f"{exc.message} ({exc.hint})")
+    except RunEnds as caught:
+        ending = caught
+    else:
+        return
+    print(f"[rank {os.environ.get('RANK', '?')} {time.strftime('%H:%M:%S')}] {ending}", flush=True)
+    exits.leave_exit_status(layout.root, ending.code)  # every rank: whichever srun stops last
+    sys.exit(ending.code)
 
 
-def train(layout: RunLayout, spec) -> None:
+def train(layout: RunLayout, spec: RunSpec) -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -84,8 +89,9 @@ def train(layout: RunLayout, spec) -> None:
     deepspeed.init_distributed(dist_backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     log = logger(rank)
-    if world != spec.derived.world_size:  # the rule below keeps the global batch on the ranks there are
-        warn(f"{world} ranks, but the recipe was planned for {spec.derived.world_size}")
+    if world != spec.derived.world_size:  # the batch arithmetic holds for the planned ranks only
+        raise RunEnds(exits.USER_ERROR, f"{world} ranks started, but the recipe was planned for "
+                                        f"{spec.derived.world_size}: render the job script again for this allocation")
     faults = Faults.from_env()
     plan = batch_plan(recipe.training, world, faults.out_of_memory_retry)
     torch.manual_seed(recipe.training.seed)

@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from toolkit.runs.layout import RunLayout
+from toolkit.runs.layout import RunLayout, RunSpecError
 from toolkit.watch import exits, stacks
 from toolkit.watch.heartbeat import Sender
 from toolkit.watch.progress import PROGRESS_FD, HangRule, NodeProgress
@@ -91,7 +91,12 @@ def run_workers(run_dir: Path, node_rank: int, nodes: int, beat: Sender | None =
     """Run this node's workers to the end; `beat`, the node's heartbeat (None without ft's
     watchdog), carries their progress from now on."""
     layout = RunLayout(run_dir)
-    spec = layout.read_spec()
+    try:
+        spec = layout.read_spec()
+    except RunSpecError as exc:
+        print(f"[ft-launch {socket.gethostname()}] {exc}", flush=True)
+        exits.leave_exit_status(run_dir, exits.USER_ERROR)
+        return exits.USER_ERROR
     host = socket.gethostname()
     layout.logs.mkdir(parents=True, exist_ok=True)
     watchdog = spec.recipe.watchdog

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from toolkit.errors import FtError
 from toolkit.launch.rendezvous import job_secret
-from toolkit.runs.layout import RunLayout
+from toolkit.runs.layout import RunLayout, RunSpecError
 from toolkit.slurm.client import CliSlurmClient, SlurmClient
 from toolkit.watch import exits
 from toolkit.watch.heartbeat import Receiver
@@ -317,7 +317,12 @@ def main(argv: list[str]) -> int:
     if "--" not in argv or argv.index("--") == len(argv) - 1:
         print("usage: python -m toolkit.watch.supervise -- srun [options] COMMAND", file=sys.stderr)
         return 2
-    supervisor = Supervisor(argv[argv.index("--") + 1:], Path(os.environ["FT_RUN_DIR"]))
+    try:
+        supervisor = Supervisor(argv[argv.index("--") + 1:], Path(os.environ["FT_RUN_DIR"]))
+    except RunSpecError as exc:  # the job script reads exit-status: a damaged spec is not worth a requeue
+        print(f"ft-watch: {exc}", file=sys.stderr, flush=True)
+        exits.leave_exit_status(Path(os.environ["FT_RUN_DIR"]), exits.USER_ERROR)
+        return exits.USER_ERROR
     signal.signal(signal.SIGUSR2, supervisor.on_signal)
     signal.signal(signal.SIGTERM, supervisor.on_signal)
     return supervisor.run()
