@@ -20,7 +20,7 @@ app = typer.Typer(help="The local lab: a real multi-node Slurm cluster on this m
 def status_tables(status: LabStatus) -> list[Table]:
     from rich.table import Table
 
-    daemons = Table(title=f"lab [bold]{status.cluster}[/]: daemons", title_justify="left")
+    daemons = Table(title=f"the lab, cluster [bold]{status.cluster}[/]: daemons", title_justify="left")
     daemons.add_column("daemon")
     daemons.add_column("pid", justify="right")
     daemons.add_column("state")

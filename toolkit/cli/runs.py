@@ -87,7 +87,8 @@ def ls(cluster: str = typer.Option(None, "--cluster", "-c"), limit: int = typer.
     for column in ("run", "state", "job", "mode", "submitted"):
         table.add_column(column)
     for status in statuses:
-        table.add_row(plain(status.run.run_id), _coloured(status.state), plain(status.run.latest_job or "-"),
+        job_id = status.job.job_id if status.job else status.run.latest_job  # a queued rendered run's too
+        table.add_row(plain(status.run.run_id), _coloured(status.state), plain(job_id or "-"),
                       plain(status.run.mode), datetime.fromtimestamp(status.run.created).strftime("%Y-%m-%d %H:%M"))
     console.print(table)
 
@@ -104,7 +105,8 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
         return
     job = current.job
     console.print(f"run [bold]{plain(run_id)}[/]: {_coloured(current.state)}"
-                  + (f" (Slurm's {job.source}; nodes {plain(job.nodes or '-')})" if job else ""))
+                  + (f" (job {plain(job.job_id)}, Slurm's {job.source}; nodes {plain(job.nodes or '-')})" if job
+                     else " (rendered: no job has been submitted with it yet)" if not current.run.jobs else ""))
     if job and job.reason and job.reason != "None":
         console.print(f"  reason: {plain(job.reason)}")
     console.print(f"  run directory {plain(current.run_dir)}", soft_wrap=True)

@@ -6,6 +6,7 @@ rank's log on SIGUSR1 (only a process that still runs can)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,6 +20,10 @@ if TYPE_CHECKING:
     from toolkit.runs.layout import RunLayout
 
 DUMP_TIMEOUT_S = 20
+# py-spy, reading a process that runs (a rank spinning in a collective), now and then catches a
+# thread between frames and prints its header alone (seen on the lab): it is asked again.
+DUMP_TRIES = 3
+FRAME_LINE = re.compile(r"^\s+\S.* \(.+:\d+\)\s*$", re.M)  # "    agree (toolkit/train/step_signals.py:77)"
 FAULTHANDLER_SIGNAL = signal.SIGUSR1  # registered by the worker (toolkit/train/worker.py)
 
 
@@ -42,8 +47,12 @@ def dump(pid: int, target: Path) -> str:
     py_spy = py_spy if Path(py_spy).is_file() else shutil.which("py-spy") or ""
     if py_spy:
         try:
-            result = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
-                                    timeout=DUMP_TIMEOUT_S)
+            for _ in range(DUMP_TRIES):
+                result = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                                        timeout=DUMP_TIMEOUT_S)
+                if result.returncode != 0 or FRAME_LINE.search(result.stdout):
+                    break
+                time.sleep(0.2)  # caught between two Python frames (a thread header, no frames): again
             target.write_text(f"# process {pid}, state {state}\n{result.stdout}{result.stderr}")
             if result.returncode == 0:
                 return f"stacks in {target} (process state {state})"
