@@ -149,11 +149,9 @@ class RunStore:
         """Add a job to a run's record, once (a requeued job keeps its id), under the run's lock: a
         job registers itself as it starts (toolkit/runs/register.py) while `ft submit` records
         it. `adopt`: the record of a run that has none yet (a script submitted with plain sbatch)."""
-        with _locked(RunLayout(self.run_dir(run_id)).record_lock):
-            if adopt is not None and not RunLayout(self.run_dir(run_id)).record.exists():
-                record = adopt()
-            else:
-                record = self.load(run_id)
+        layout = RunLayout(self.run_dir(run_id))
+        with _locked(layout.record_lock):
+            record = adopt() if adopt is not None and not layout.record.exists() else self.load(run_id)
             if job.job_id not in {known.job_id for known in record.jobs}:
                 record.jobs.append(job)
                 self.save(record)
@@ -162,8 +160,9 @@ class RunStore:
     def placeholder(self, record: RunRecord) -> None:
         """The record of a rendered run no job has joined yet (`ft render -o`): written unless a
         job has (a render again of the same run id describes it anew)."""
-        with _locked(RunLayout(self.run_dir(record.run_id)).record_lock):
-            if RunLayout(self.run_dir(record.run_id)).record.exists() and self.load(record.run_id).jobs:
+        layout = RunLayout(self.run_dir(record.run_id))
+        with _locked(layout.record_lock):
+            if layout.record.exists() and self.load(record.run_id).jobs:
                 return
             self.save(record)
 

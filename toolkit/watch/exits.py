@@ -23,7 +23,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from toolkit.runs.layout import EXIT_STATUS
+from toolkit.runs.layout import RunLayout
 
 DONE = 0
 USER_ERROR = 4
@@ -36,14 +36,15 @@ NOT_RESTARTED = {USER_ERROR, OUT_OF_MEMORY, STOPPED}
 
 def leave_exit_status(run_dir: Path, status: int) -> None:
     """Say why this step ends, for the supervisor and the job script (written whole: renamed in)."""
-    staged = run_dir / f".{EXIT_STATUS}.{os.getpid()}"
+    path = RunLayout(run_dir).exit_status
+    staged = path.with_name(f".{path.name}.{os.getpid()}")
     staged.write_text(f"{status}\n")
-    staged.replace(run_dir / EXIT_STATUS)
+    staged.replace(path)
 
 
 def read_exit_status(run_dir: Path) -> int | None:
     try:
-        text = (run_dir / EXIT_STATUS).read_text(errors="replace").strip()
+        text = RunLayout(run_dir).exit_status.read_text(errors="replace").strip()
     except OSError:
         return None
     return int(text) if text.isascii() and text.isdigit() and len(text) <= 3 else None
@@ -51,4 +52,4 @@ def read_exit_status(run_dir: Path) -> int | None:
 
 def clear_exit_status(run_dir: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
-        (run_dir / EXIT_STATUS).unlink()
+        RunLayout(run_dir).exit_status.unlink()
