@@ -6,6 +6,8 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$repo/scripts/setup.sh"
 ft="$repo/.venv/bin/ft"
 "$ft" lab up
+# The lab's object store credentials (lab-only values): the job mirrors its checkpoints there.
+eval "$("$ft" lab env)"
 submitted="$("$ft" submit "$repo/recipes/tiny-lora-sft.yaml" --json)" || {
     echo "[demo] ft submit failed (its message is above)" >&2
     exit 1

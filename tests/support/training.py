@@ -15,14 +15,15 @@ TINY = REPO / "recipes" / "tiny-lora-sft.yaml"
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "NODE_FAIL", "TIMEOUT", "OUT_OF_MEMORY"}
 
 
-def ft(*args: str, runs_dir: Path | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, FT_RUNS_DIR=str(runs_dir)) if runs_dir else None
+def ft(*args: str, runs_dir: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`ft ARGS` as a user runs it; `env`: variables added to this process's (the job inherits them)."""
+    environment = dict(os.environ, **(env or {}), **({"FT_RUNS_DIR": str(runs_dir)} if runs_dir else {}))
     return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, timeout=120,
-                          env=env)
+                          env=environment)
 
 
-def submit(recipe: Path, runs_dir: Path | None = None) -> dict:
-    result = ft("submit", "--json", str(recipe), runs_dir=runs_dir)
+def submit(recipe: Path, runs_dir: Path | None = None, env: dict[str, str] | None = None) -> dict:
+    result = ft("submit", "--json", str(recipe), runs_dir=runs_dir, env=env)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 

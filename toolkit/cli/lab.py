@@ -41,6 +41,12 @@ def status_tables(status: LabStatus) -> list[Table]:
 def print_status(status: LabStatus) -> None:
     for table in status_tables(status):
         console.print(table)
+    if status.object_store:
+        store = status.object_store
+        state = "[green]answering[/]" if store.answering else "[red]not answering[/]"
+        buckets = ", ".join(f"s3://{plain(name)}" for name in store.buckets.values())
+        console.print(f"object store {plain(store.url)}: {state}; buckets {buckets} "
+                      "([dim]credentials: eval \"$(ft lab env)\"[/])", soft_wrap=True)
     if status.problems:
         console.print("[red]problems:[/]")
         for problem in status.problems:
@@ -93,6 +99,21 @@ def status(as_json: bool = typer.Option(False, "--json", help="Machine-readable 
         print_status(current)
     if not current.healthy:
         raise typer.Exit(1)
+
+
+@app.command()
+def env() -> None:
+    """Print the exports that let this shell (and the jobs it submits) use the lab's object store:
+    eval "$(ft lab env)". The credentials are the lab's own, not a cloud's."""
+    import shlex
+
+    from toolkit.lab.manifest import LabManifest
+
+    manifest = LabManifest.load()
+    if manifest is None or manifest.object_store is None:
+        raise FtError("this lab has no object store", hint="run `ft lab up`")
+    for name, value in manifest.object_store.env.items():
+        print(f"export {name}={shlex.quote(value)}")
 
 
 @app.command()

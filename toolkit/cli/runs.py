@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 
+from toolkit.checkpoint.status import summary_line as checkpoint_summary
 from toolkit.cli.output import console, plain, print_json, task_spinner
 from toolkit.errors import FtError
 from toolkit.runs.layout import RunLayout
@@ -118,6 +119,8 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
         console.print(f"  done: {done['steps']} steps, {done['tokens']} tokens, final loss {done['final_loss']:.4f}, "
                       f"{done['wall_seconds']} s, {done['gpu_hours']} GPU-hours{_cost(current)}; "
                       f"output {plain(done['output'])}", soft_wrap=True)  # lines whole, paths unbroken
+    if current.checkpoints and (where := checkpoint_summary(current.checkpoints)):
+        console.print(f"  checkpoints: {plain(where)}", soft_wrap=True)
     if current.timeline:
         spent = current.timeline
         console.print(f"  goodput {spent['goodput']:.0%} of {spent['wall_s']:.0f} s since the first start: "

@@ -85,6 +85,13 @@ class ClusterProfile(BaseModel):
             raise ValueError(f"{value!r} is not a fabric name (efa, infiniband, roce, none...)")
         return value
 
+    @field_validator("s3_prefix")
+    @classmethod
+    def s3_prefix_url(cls, value: str) -> str:
+        if value and not re.fullmatch(r"s3://[a-z0-9][a-z0-9.-]{1,62}(/[A-Za-z0-9._~/-]*)?", value):
+            raise ValueError(f"{value!r} is not an s3://bucket[/prefix] URL")
+        return value
+
     @field_validator("s3_endpoint")
     @classmethod
     def endpoint_url(cls, value: str) -> str:

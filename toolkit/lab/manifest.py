@@ -30,6 +30,22 @@ class LabDaemon:
 
 
 @dataclass(frozen=True)
+class LabObjectStore:
+    """The lab's S3 (SeaweedFS on the bridge address) and its lab-only credentials."""
+
+    url: str
+    buckets: dict[str, str]
+    access_key: str
+    secret_key: str
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a shell (or a test) exports to use it; jobs inherit it from sbatch."""
+        return {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": self.access_key,
+                "AWS_SECRET_ACCESS_KEY": self.secret_key, "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@dataclass(frozen=True)
 class LabManifest:
     cluster: str
     subnet: str
@@ -44,6 +60,7 @@ class LabManifest:
     log_dir: str
     daemons: tuple[LabDaemon, ...]
     users: tuple[str, ...] = ()  # unprivileged accounts, for trying ft without root
+    object_store: LabObjectStore | None = None
 
     @classmethod
     def load(cls, path: Path | None = None) -> LabManifest | None:
@@ -69,6 +86,8 @@ class LabManifest:
                 LabDaemon(d["name"], d["exe"], d["pidfile"], d.get("netns"), d.get("node")) for d in raw["daemons"]
             ),
             users=tuple(raw.get("users", ())),
+            object_store=LabObjectStore(store["url"], dict(store["buckets"]), store["access_key"],
+                                        store["secret_key"]) if (store := raw.get("object_store")) else None,
         )
 
     def node(self, name: str) -> LabNode:

@@ -43,12 +43,20 @@ class NodeStatus:
 
 
 @dataclass
+class ObjectStoreStatus:
+    url: str
+    buckets: dict[str, str]
+    answering: bool
+
+
+@dataclass
 class LabStatus:
     cluster: str
     bridge_up: bool
     daemons: list[DaemonStatus]
     nodes: list[NodeStatus]
     problems: list[str]
+    object_store: ObjectStoreStatus | None = None
 
     @property
     def up(self) -> bool:
@@ -67,6 +75,7 @@ class LabStatus:
             "problems": self.problems,
             "daemons": [asdict(d) | {"running": d.running} for d in self.daemons],
             "nodes": [asdict(n) | {"serving": n.serving} for n in self.nodes],
+            "object_store": asdict(self.object_store) if self.object_store else None,
         }
 
 
@@ -76,6 +85,20 @@ def bridge_up(bridge: str) -> bool:
             return handle.read().strip() in {"up", "unknown"}
     except OSError:
         return False
+
+
+def s3_answers(url: str, timeout: float = 3.0) -> bool:
+    """The S3 gateway answers (its root says 403 to a request without credentials)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(url, timeout=timeout)
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+    return True
 
 
 def slurm_nodes(manifest: LabManifest) -> dict[str, dict]:
@@ -115,4 +138,10 @@ def collect(manifest: LabManifest) -> LabStatus:
         elif controller_running and has_bridge and not node.serving:
             detail = f" ({node.reason})" if node.reason else ""
             problems.append(f"{node.name} is {node.state}{'+' + '+'.join(node.flags) if node.flags else ''}{detail}")
-    return LabStatus(manifest.cluster, has_bridge, daemons, nodes, problems)
+    store = None
+    if manifest.object_store:
+        answering = has_bridge and s3_answers(manifest.object_store.url)
+        store = ObjectStoreStatus(manifest.object_store.url, manifest.object_store.buckets, answering)
+        if has_bridge and not answering:
+            problems.append(f"the object store at {manifest.object_store.url} does not answer")
+    return LabStatus(manifest.cluster, has_bridge, daemons, nodes, problems, store)

@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from toolkit.checkpoint.remote import mirror_url
 from toolkit.cluster.profile import ClusterProfile, load_profile
 from toolkit.errors import FtError
 from toolkit.recipe.run_spec import Derived, RunSpec, batch_plan
@@ -170,6 +171,10 @@ class _Resolver:
         if r.training.steps is None and r.training.epochs is None:
             r.training.epochs = 1.0
             self.sources["training.epochs"] = "default: one pass over the data"
+        if r.checkpoint.s3_mirror is None:
+            where = mirror_url(None, p.s3_prefix, "<run id>")
+            self.sources["checkpoint.s3_mirror"] = (f"default: {where} (the cluster's s3_prefix, one per run)" if where
+                                                    else "default: no mirror (the cluster has no s3_prefix)")
         self.check_resources()
         world = r.resources.nodes * workers_per_node(r, p)
         self.default("training.global_batch", r.training.micro_batch * world, "one micro batch per rank")

@@ -168,7 +168,12 @@ class CheckpointSpec(Strict):
     keep_last: Annotated[int, Field(ge=1)] = 3
     staging: str | None = Field(None, description="Checkpoint folder on the shared filesystem "
                                                   "(default: the run directory)")
-    s3_mirror: str | None = Field(None, description="s3:// prefix the checkpoints are mirrored to")
+    s3_mirror: str | None = Field(None, description="s3:// prefix the checkpoints are mirrored to, shared by "
+                                                    "every run of this recipe (a resubmission anywhere continues "
+                                                    "from it); default: the cluster's s3_prefix, per run")
+    asynchronous: bool = Field(True, description="Training waits only for a copy of the state in host memory; "
+                                                 "the write and the upload go on in the background (off: the "
+                                                 "save waits for the write, and needs no extra host memory)")
 
     @field_validator("s3_mirror")
     @classmethod

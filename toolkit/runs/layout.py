@@ -53,6 +53,7 @@ METRICS = "metrics.jsonl"
 TRACKING = "tracking.json"
 SUMMARY = "summary.json"
 CHECKPOINTS = "checkpoints"
+CHECKPOINT_STATUS = "checkpoints.json"
 OUTPUT = "output"
 LOGS = "logs"
 LAUNCH_MARKS = "launch"
@@ -148,6 +149,11 @@ class RunLayout:
     @property
     def checkpoints(self) -> Path:
         return self.root / CHECKPOINTS
+
+    @property
+    def checkpoint_status(self) -> Path:
+        """Where each checkpoint tier stands (toolkit/checkpoint/status.py)."""
+        return self.root / CHECKPOINT_STATUS
 
     @property
     def output(self) -> Path:

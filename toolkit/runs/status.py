@@ -22,6 +22,7 @@ class RunStatus:
     tracking: dict | None = None  # where the run's metrics are (W&B page, or offline folder)
     summary: dict | None = None
     timeline: dict | None = None  # where the time went: goodput, faults (toolkit/runs/timeline.py)
+    checkpoints: dict | None = None  # the newest checkpoint in each tier (toolkit/checkpoint/status.py)
 
     @property
     def state(self) -> str:
@@ -33,7 +34,8 @@ class RunStatus:
                 "idempotency_key": self.run.idempotency_key,
                 "jobs": [asdict(job) for job in self.run.jobs],
                 "job": asdict(self.job) if self.job else None, "attempts": self.attempts,
-                "tracking": self.tracking, "summary": self.summary, "timeline": self.timeline}
+                "tracking": self.tracking, "summary": self.summary, "timeline": self.timeline,
+                "checkpoints": self.checkpoints}
 
 
 ATTEMPT_FIELDS = {"job_id": str, "restart": int, "nodes": list, "started": (int, float)}
@@ -78,8 +80,9 @@ def run_status(store: RunStore, run_id: str, client: SlurmClient, queued: dict[s
     summary = read_json(layout.summary)
     if summary:
         summary = {key: value for key, value in summary.items() if key != "loss_curve"}
+    checkpoints = read_json(layout.checkpoint_status)
     return RunStatus(record, run_dir, job, read_attempts(run_dir), read_json(layout.tracking), summary,
-                     timeline(run_dir))
+                     timeline(run_dir), checkpoints if isinstance(checkpoints, dict) else None)
 
 
 def log_path(run_dir: Path, job_id: str | None, node: str | None = None, rank: int | None = None) -> Path:

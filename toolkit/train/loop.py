@@ -7,10 +7,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from toolkit.recipe.run_spec import BatchPlan
 from toolkit.recipe.schema import Recipe
-from toolkit.train.checkpoint import Checkpointer
 from toolkit.train.data import batch_indices, collate, rank_slice
 from toolkit.train.engine import seed_step, step_seed
 from toolkit.train.faults import Faults
@@ -18,6 +18,9 @@ from toolkit.train.objectives import Objective
 from toolkit.train.step_signals import Agreement, LossWindow
 from toolkit.train.tracking import Tracker
 from toolkit.watch import exits
+
+if TYPE_CHECKING:
+    from toolkit.checkpoint.saver import Checkpointer
 
 
 class RunEnds(Exception):

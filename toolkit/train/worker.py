@@ -65,9 +65,9 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
+    from toolkit.checkpoint.saver import END_UPLOAD_WAIT_S, STOP_UPLOAD_WAIT_S, checkpointer_for
     from toolkit.recipe.run_spec import batch_plan
     from toolkit.train import compiled_ops
-    from toolkit.train.checkpoint import Checkpointer, CheckpointStore
     from toolkit.train.dataset import cache_root, load_examples, total_steps
     from toolkit.train.engine import deepspeed_config
     from toolkit.train.faults import Faults
@@ -103,9 +103,8 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     steps = total_steps(recipe, len(units))
     engine, _, _, _ = deepspeed.initialize(model=model, config=deepspeed_config(recipe.training, plan, steps),
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
-    store = CheckpointStore(Path(recipe.checkpoint.staging or layout.checkpoints), recipe.checkpoint.keep_last)
     progress = Reporter()
-    checkpointer = Checkpointer(store, engine, dist, rank, progress, log, frozen_excluded=recipe.method.kind != "full")
+    checkpointer = checkpointer_for(layout, recipe, engine, dist, progress, log)
     start = checkpointer.resume()
     tracker = Tracker(layout, recipe, rank)
     loop = Loop(engine, dist, rank, world, recipe, plan, units, objective, tokenizer.pad_token_id, tracker,
@@ -114,13 +113,17 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     try:
         step = loop.run(start, steps)
     except RunEnds as ending:
-        if ending.code == exits.STOPPED:
+        together = ending.code == exits.STOPPED  # every rank stops at the same step
+        checkpointer.close(STOP_UPLOAD_WAIT_S, together=together)  # the last checkpoint written whole
+        if together:
             tracker.finish()
         raise
     progress.report("export", step)
+    export(engine, tokenizer, layout, rank)  # while the last checkpoint is written in the background
+    checkpointer.close(END_UPLOAD_WAIT_S)
     timing = {"wall_seconds": round(time.monotonic() - started, 2),
-              "checkpoint_seconds": round(checkpointer.seconds, 2), "checkpoints": checkpointer.written}
-    export(engine, tokenizer, layout, rank)
+              "checkpoint_seconds": round(checkpointer.seconds, 2), "checkpoints": checkpointer.written,
+              "checkpoint_write_seconds": round(checkpointer.writer.write_seconds, 2)}
     if rank == 0:
         write_summary(layout, recipe, step, loop.tokens * world, timing)
         tracker.artifact(layout.output)

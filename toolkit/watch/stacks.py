@@ -21,9 +21,21 @@ if TYPE_CHECKING:
 
 DUMP_TIMEOUT_S = 20
 # py-spy, reading a process that runs (a rank spinning in a collective), now and then catches a
-# thread between frames and prints its header alone (seen on the lab): it is asked again.
-DUMP_TRIES = 3
+# thread between frames and prints its header alone (seen on the lab, for the main thread while
+# other threads' frames were there): it is asked again until the main thread's frames are in.
+DUMP_TRIES = 5
 FRAME_LINE = re.compile(r"^\s+\S.* \(.+:\d+\)\s*$", re.M)  # "    agree (toolkit/train/step_signals.py:77)"
+THREAD_LINE = re.compile(r"^Thread (0x)?[0-9a-fA-F]+ .*$", re.M)  # 'Thread 21300 (active): "MainThread"'
+
+
+def main_thread_frames(dump_text: str) -> bool:
+    """The main thread's section of a py-spy dump has frames (the one that shows where training is)."""
+    headers = list(THREAD_LINE.finditer(dump_text))
+    for index, header in enumerate(headers):
+        if '"MainThread"' in header.group(0):
+            end = headers[index + 1].start() if index + 1 < len(headers) else len(dump_text)
+            return FRAME_LINE.search(dump_text, header.end(), end) is not None
+    return FRAME_LINE.search(dump_text) is not None  # no thread names (an older py-spy): any frame
 FAULTHANDLER_SIGNAL = signal.SIGUSR1  # registered by the worker (toolkit/train/worker.py)
 
 
@@ -50,9 +62,9 @@ def dump(pid: int, target: Path) -> str:
             for _ in range(DUMP_TRIES):
                 result = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
                                         timeout=DUMP_TIMEOUT_S)
-                if result.returncode != 0 or FRAME_LINE.search(result.stdout):
+                if result.returncode != 0 or main_thread_frames(result.stdout):
                     break
-                time.sleep(0.2)  # caught between two Python frames (a thread header, no frames): again
+                time.sleep(0.2)  # caught the main thread between two Python frames: again
             target.write_text(f"# process {pid}, state {state}\n{result.stdout}{result.stderr}")
             if result.returncode == 0:
                 return f"stacks in {target} (process state {state})"

@@ -1,0 +1,164 @@
+"""The object store's tier and the mirror, against a real S3 server (SeaweedFS on loopback): a
+checkpoint is taken only whole and verified, an unfinished multipart upload is aborted, a store that
+is down costs training nothing and the mirror catches up when it is back."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+
+from tests.support.s3 import s3_server
+from tests.unit.test_checkpoint_shared import LINEAGE, write_checkpoint
+from toolkit.checkpoint import manifest
+from toolkit.checkpoint.mirror import Mirror
+from toolkit.checkpoint.remote import RemoteProblem, RemoteTier, mirror_url
+from toolkit.checkpoint.shared import SharedTier
+from toolkit.checkpoint.status import StatusBoard, summary_line
+
+pytest.importorskip("s3fs")
+BUCKET = "ckpt"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    import s3fs
+
+    with s3_server(tmp_path_factory.mktemp("s3")) as server:
+        fs = s3fs.S3FileSystem(endpoint_url=server.endpoint, key=server.env["AWS_ACCESS_KEY_ID"],
+                               secret=server.env["AWS_SECRET_ACCESS_KEY"], skip_instance_cache=True)
+        fs.mkdir(BUCKET)
+        yield fs
+
+
+@pytest.fixture
+def remote(store) -> RemoteTier:
+    return RemoteTier(f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/checkpoints", keep_last=2, filesystem=store)
+
+
+def published(tier: SharedTier, step: int, payload: bytes = b"weights" * 1000) -> manifest.Manifest:
+    write_checkpoint(tier, step, payload)
+    return manifest.read(tier.root / manifest.tag_for(step))
+
+
+def test_upload_then_download_gives_the_same_verified_checkpoint(tmp_path, remote):
+    shared = SharedTier(tmp_path / "shared", keep_last=3)
+    described = published(shared, 10, payload=bytes(range(256)) * 40_000)  # 10 MB: a multipart upload
+    remote.upload(shared.root / "step-00000010", described)
+    assert remote.tags() == ["step-00000010"]
+    assert remote.manifest("step-00000010") == described
+    landing = tmp_path / "landing"
+    assert remote.download("step-00000010", landing, LINEAGE) == described
+    assert manifest.verify(landing, LINEAGE) is None
+    assert (landing / "model.pt").read_bytes() == (shared.root / "step-00000010" / "model.pt").read_bytes()
+
+
+def test_an_upload_without_its_manifest_is_not_a_checkpoint(tmp_path, remote, store):
+    shared = SharedTier(tmp_path, keep_last=3)
+    described = published(shared, 10)
+    remote.upload(shared.root / "step-00000010", described)
+    partial = published(shared, 20)
+    with pytest.raises(InterruptedError):  # abandoned after its first file: no manifest goes up
+        calls = iter([True, False])
+        remote.upload(shared.root / "step-00000020", partial, keep_going=lambda: next(calls))
+    assert store.exists(remote._path("step-00000020", "model.pt"))
+    assert remote.tags() == ["step-00000010"]
+
+
+def test_a_corrupt_object_is_caught_and_nothing_of_it_is_kept(tmp_path, remote, store):
+    shared = SharedTier(tmp_path / "shared", keep_last=3)
+    remote.upload(shared.root / "step-00000010", published(shared, 10))
+    key = remote._path("step-00000010", "model.pt")
+    data = bytearray(store.cat_file(key))
+    data[3] ^= 0xFF
+    store.pipe_file(key, bytes(data))
+    landing = tmp_path / "landing"
+    with pytest.raises(RemoteProblem, match="model.pt does not match its sha256"):
+        remote.download("step-00000010", landing, LINEAGE)
+    assert not landing.exists()
+
+
+def test_a_manifest_in_the_store_cannot_write_outside_the_landing_folder(tmp_path, remote, store):
+    bad = {"step": 10, "lineage": LINEAGE, "files": {"../../escaped": {"bytes": 1, "sha256": "a" * 64}}}
+    store.pipe_file(remote._path("step-00000010", "manifest.json"), json.dumps(bad).encode())
+    with pytest.raises(RemoteProblem, match="unsafe path"):
+        remote.download("step-00000010", tmp_path / "landing", LINEAGE)
+    assert not (tmp_path / "escaped").exists() and not (tmp_path.parent / "escaped").exists()
+
+
+def test_prune_keeps_the_newest_and_drops_old_partial_uploads(tmp_path, remote, store):
+    shared = SharedTier(tmp_path, keep_last=5)
+    store.pipe_file(remote._path("step-00000005", "model.pt"), b"left by a killed job")  # no manifest
+    for step in (10, 20, 30):
+        remote.upload(shared.root / manifest.tag_for(step), published(shared, step))
+    remote.prune()
+    assert remote.tags() == ["step-00000030", "step-00000020"]
+    assert not store.exists(remote._path("step-00000005"))
+    assert not store.exists(remote._path("step-00000010", "model.pt"))
+
+
+def test_unfinished_multipart_uploads_of_the_prefix_are_aborted(remote, store):
+    bucket, _, prefix = remote.url.removeprefix("s3://").partition("/")
+    store.call_s3("create_multipart_upload", Bucket=bucket, Key=f"{prefix}/step-00000010/model.pt")
+    other = store.call_s3("create_multipart_upload", Bucket=bucket, Key="another-run/step-00000010/model.pt")
+    assert remote.abort_unfinished() == 1
+    left = store.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
+    assert [upload["Key"] for upload in left] == ["another-run/step-00000010/model.pt"]
+    store.call_s3("abort_multipart_upload", Bucket=bucket, Key=other["Key"], UploadId=other["UploadId"])
+
+
+def test_the_mirror_uploads_in_the_background_and_reports_where_each_tier_is(tmp_path, remote):
+    shared = SharedTier(tmp_path / "shared", keep_last=3)
+    board = StatusBoard(tmp_path / "checkpoints.json", remote.url)
+    logged: list[str] = []
+    mirror = Mirror(remote, shared, board, logged.append)
+    mirror.start(None)
+    for step in (10, 20):
+        described = published(shared, step)
+        board.published(step)
+        mirror.offer(described)
+    assert mirror.drain(60)
+    assert remote.tags()[0] == "step-00000020"
+    state = json.loads((tmp_path / "checkpoints.json").read_text())
+    assert state["shared"]["step"] == 20 and state["remote"]["step"] == 20 and state["remote"]["error"] is None
+    assert summary_line(state) == f"step 20 on the shared filesystem; step 20 in {remote.url}"
+    assert mirror.close(5)
+    assert any("mirrored to" in line and "MB/s" in line for line in logged)
+
+
+def test_a_store_that_is_down_costs_training_nothing_and_the_mirror_catches_up(tmp_path, remote, store):
+    import s3fs
+
+    shared = SharedTier(tmp_path / "shared", keep_last=3)
+    board = StatusBoard(tmp_path / "checkpoints.json", remote.url)
+    live = remote.filesystem
+    # Nothing listens on the discard port: every request fails, as with a store that is down.
+    remote.filesystem = s3fs.S3FileSystem(endpoint_url="http://127.0.0.1:9", key="k", secret="s",
+                                          skip_instance_cache=True, config_kwargs={"retries": {"max_attempts": 1}})
+    logged: list[str] = []
+    mirror = Mirror(remote, shared, board, logged.append, max_backoff=0.5)
+    mirror.start(None)
+    started = time.monotonic()
+    mirror.offer(published(shared, 10))
+    assert time.monotonic() - started < 0.5  # offering never waits for the store
+    assert not mirror.drain(30)  # gives up at the first failed attempt
+    state = json.loads((tmp_path / "checkpoints.json").read_text())
+    assert state["remote"]["step"] is None and state["remote"]["pending"] == 10 and state["remote"]["error"]
+    assert "failing for" in summary_line(state) and "retrying" in summary_line(state)
+    mirror.offer(published(shared, 20))  # a newer one while the store is down: the one worth uploading
+    remote.filesystem = live  # the store is back
+    deadline = time.monotonic() + 60
+    while remote.tags()[:1] != ["step-00000020"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert remote.tags() == ["step-00000020"]
+    assert mirror.drain(30) and mirror.close(5)
+    assert json.loads((tmp_path / "checkpoints.json").read_text())["remote"]["error"] is None
+    assert any("failed" in line and "retrying in" in line for line in logged)
+
+
+def test_the_mirror_of_a_run():
+    assert mirror_url("s3://bucket/mine/", "s3://site/ft", "run-1") == "s3://bucket/mine"
+    assert mirror_url(None, "s3://site/ft/", "run-1") == "s3://site/ft/runs/run-1/checkpoints"
+    assert mirror_url(None, "", "run-1") is None

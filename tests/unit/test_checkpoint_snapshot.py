@@ -1,0 +1,167 @@
+"""Asynchronous checkpoints with real DeepSpeed (two gloo ranks, ZeRO-1, so each rank writes a part):
+training waits only for the snapshot, steps taken while the write goes on do not leak into it, a
+resumed run repeats the uninterrupted one exactly, and a failed write loses that checkpoint only."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from toolkit.checkpoint import manifest
+
+torch = pytest.importorskip("torch", reason="the training stack (ft[train]) is not installed")
+
+# argv: checkpoint root, model folder, first step, last step, save steps (comma separated), the step
+# whose save fails on rank 1 (0: none). The filesystem is slow (0.4 s a file), so that the steps
+# after a save run while it is written.
+RANK_SCRIPT = textwrap.dedent("""
+    import hashlib, json, sys, time
+    from pathlib import Path
+    import deepspeed, torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from toolkit.checkpoint import snapshot
+    from toolkit.checkpoint.saver import Checkpointer, Tiers
+    from toolkit.checkpoint.shared import SharedTier
+    from toolkit.checkpoint.status import StatusBoard
+
+    root, model_dir = Path(sys.argv[1]), sys.argv[2]
+    first, last, fail_at = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[6])
+    saves = {int(s) for s in sys.argv[5].split(",")}
+    deepspeed.init_distributed("gloo")
+    rank = dist.get_rank()
+    real_write = snapshot.BackgroundWriter._write_file
+    def slow_write(self, path, state):
+        time.sleep(0.4)
+        if rank == 1 and f"step-{fail_at:08d}" in str(path):
+            raise OSError(28, "No space left on device")
+        return real_write(self, path, state)
+    snapshot.BackgroundWriter._write_file = slow_write
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+              "zero_optimization": {"stage": 1}, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+
+    class Progress:
+        def report(self, *args):
+            pass
+
+    logged = []
+    def log(message):
+        logged.append(message)
+        print(f"[rank {rank}] {message}", flush=True)
+
+    board = StatusBoard(root.parent / "checkpoints.json" if rank == 0 else None, None)
+    saver = Checkpointer(Tiers(SharedTier(root, 3), None), engine, dist, rank, 2, Progress(), log,
+                         frozen_excluded=False, lineage="test-lineage", asynchronous=True, board=board)
+
+    def digest():
+        flat = torch.cat([p.detach().flatten() for p in engine.module.parameters()])
+        return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+    start = saver.resume()
+    assert start == first - 1, (start, first)
+    digests, stalls = {}, {}
+    for step in range(first, last + 1):
+        batch = torch.full((1, 8), 3 + step + rank, dtype=torch.long)
+        loss = engine(input_ids=batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+        digests[step] = digest()
+        if step in saves:
+            began = time.monotonic()
+            saver.save(step)
+            stalls[step] = time.monotonic() - began
+    saver.close(upload_wait=5)
+    if rank == 0:
+        print("RESULT " + json.dumps({"digests": digests, "stalls": stalls, "logged": logged,
+                                      "write_seconds": saver.writer.write_seconds}), flush=True)
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_ranks(*args: str) -> dict:
+    port = free_port()
+    env = {"PATH": "/usr/bin:/bin", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, *map(str, args)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=300)[0] for rank in ranks]
+    for process, output in zip(ranks, outputs, strict=True):
+        assert process.returncode == 0, output[-4000:]
+    line = next(line for line in outputs[0].splitlines() if line.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from toolkit.train.tiny import build_model
+
+    path = tmp_path_factory.mktemp("tiny")
+    build_model(path, vocab_size=64, hidden=64, layers=2)
+    return path
+
+
+def test_async_saves_resume_to_the_uninterrupted_run_and_a_failed_write_loses_only_itself(tmp_path, tiny_model):
+    root = tmp_path / "checkpoints"
+    # Saves at 2 and 4 (steps 3-4 run while step 2 is written); rank 1's write of step 6 fails.
+    trained = run_ranks(root, tiny_model, 1, 7, "2,4,6", 6)
+    write_s = 2 * 0.4  # each rank writes two files a save (the module's states, its ZeRO shard), 0.4 s each
+    assert trained["stalls"]["2"] < write_s / 2, trained["stalls"]  # training waited for the snapshot only
+    assert any("abandoned" in line and "rank 1" in line and "No space" in line for line in trained["logged"])
+    tiers = sorted(p.name for p in root.iterdir() if manifest.is_tag(p.name))
+    assert tiers == ["step-00000002", "step-00000004"]  # step 6 was lost, and only step 6
+    files = manifest.read(root / "step-00000004").files
+    assert len([name for name in files if "zero_pp_rank_1" in name]) == 1, files  # rank 1's part is in it
+    assert manifest.verify(root / "step-00000004", "test-lineage") is None
+    status = json.loads((tmp_path / "checkpoints.json").read_text())
+    assert status["shared"]["step"] == 4
+
+    # The newest checkpoint gone: the run resumes from step 2 and repeats steps 3-4 exactly, which
+    # it could not if the snapshot of step 2 had taken in anything of steps 3-4.
+    shutil.rmtree(root / "step-00000004")
+    resumed = run_ranks(root, tiny_model, 3, 4, "4", 0)
+    assert resumed["digests"]["3"] == trained["digests"]["3"]
+    assert resumed["digests"]["4"] == trained["digests"]["4"]
+    assert any("resumed from checkpoint step-00000002" in line for line in resumed["logged"])
+
+
+def test_host_buffers_copy_the_state_and_serve_the_next_save():
+    from collections import OrderedDict
+
+    from toolkit.checkpoint.snapshot import HostBuffers
+
+    weight = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3))
+    moment = torch.ones(3)
+    state = {"module": OrderedDict(w=weight), "optimizer": {"state": [moment, moment], "step": 7},
+             "shapes": {"w": torch.Size([2, 3])}}
+    buffers = HostBuffers()
+    buffers.begin()
+    first = buffers.copy(state, {})
+    buffers.end()
+    with torch.no_grad():
+        weight.add_(100)
+        moment.mul_(5)
+    assert torch.equal(first["module"]["w"], torch.arange(6.0).reshape(2, 3))  # a copy, not a view
+    assert isinstance(first["module"], OrderedDict) and isinstance(first["module"]["w"], torch.nn.Parameter)
+    assert first["optimizer"]["state"][0] is first["optimizer"]["state"][1]  # shared stays shared
+    assert first["optimizer"]["step"] == 7 and first["shapes"]["w"] == torch.Size([2, 3])
+    buffers.begin()
+    second = buffers.copy(state, {})
+    assert second["optimizer"]["state"][0].data_ptr() == first["optimizer"]["state"][0].data_ptr()  # reused
+    assert torch.equal(second["optimizer"]["state"][0], torch.full((3,), 5.0))

@@ -1,0 +1,143 @@
+"""The object store's tier (S3 through fsspec + s3fs): where a checkpoint outlives the shared
+filesystem and the cluster.
+
+A checkpoint is <url>/<tag>/<files> with <url>/<tag>/manifest.json uploaded last: a tag without its
+manifest is an upload that never finished and is never taken. A re-upload of a tag removes the old
+manifest first. Large files go up as multipart uploads (s3fs, several parts at once); a multipart
+upload left unfinished by a killed process is aborted by the next mirror of the same prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from toolkit.checkpoint import manifest
+from toolkit.checkpoint.manifest import MANIFEST, Manifest, is_tag, step_of
+
+
+class RemoteProblem(Exception):
+    """A copy in the object store is unusable (missing, partial, corrupt, another lineage)."""
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """s3://bucket/some/prefix -> ('bucket', 'some/prefix')."""
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    return bucket, prefix.strip("/")
+
+
+@dataclass
+class RemoteTier:
+    url: str
+    keep_last: int
+    filesystem: object = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.url = self.url.rstrip("/")
+        if self.filesystem is None:
+            import fsspec
+
+            self.filesystem = fsspec.filesystem("s3")  # configured by toolkit.data.object_store.configure
+
+    def __str__(self) -> str:
+        return f"the object store ({self.url})"
+
+    def _path(self, *parts: str) -> str:
+        return "/".join([self.url.removeprefix("s3://"), *parts])
+
+    def _all_tags(self) -> list[str]:
+        """Every tag with objects under it, whole or not, newest first."""
+        fs = self.filesystem
+        fs.invalidate_cache(self._path())
+        try:
+            entries = fs.ls(self._path(), detail=False)
+        except FileNotFoundError:
+            return []
+        names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries]
+        return sorted((name for name in names if is_tag(name)), key=step_of, reverse=True)
+
+    def tags(self) -> list[str]:
+        """Checkpoints whose manifest is there, newest first."""
+        return [tag for tag in self._all_tags() if self.filesystem.exists(self._path(tag, MANIFEST))]
+
+    def manifest(self, tag: str) -> Manifest:
+        try:
+            raw = self.filesystem.cat_file(self._path(tag, MANIFEST))
+            return Manifest.from_json(raw)
+        except FileNotFoundError:
+            raise RemoteProblem(f"{tag} has no manifest (its upload never finished)") from None
+        except ValueError as exc:
+            raise RemoteProblem(f"{tag}'s manifest is unusable: {exc}") from None
+
+    def upload(self, folder: Path, described: Manifest, keep_going=lambda: True) -> None:
+        """Upload a published checkpoint: its manifest goes last. Stops between files when
+        `keep_going` says so (the upload then has no manifest and is not a checkpoint)."""
+        fs, tag = self.filesystem, described.tag
+        with contextlib.suppress(FileNotFoundError):  # uploaded before: no checkpoint while it changes
+            fs.rm(self._path(tag, MANIFEST))
+        for name in sorted(described.files):
+            if not keep_going():
+                raise InterruptedError(f"the upload of {tag} was abandoned")
+            fs.put_file(str(folder / name), self._path(tag, name))
+        fs.pipe_file(self._path(tag, MANIFEST), described.to_json().encode())
+
+    def download(self, tag: str, destination: Path, lineage: str | None) -> Manifest:
+        """Fetch a checkpoint into `destination` (a new folder) and verify it against its manifest."""
+        described = self.manifest(tag)
+        trouble = manifest.lineage_problem(described, lineage)
+        if trouble:
+            raise RemoteProblem(trouble)
+        destination.mkdir(parents=True)
+        for name in described.files:
+            target = destination / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.filesystem.get_file(self._path(tag, name), str(target))
+            except FileNotFoundError:
+                shutil.rmtree(destination, ignore_errors=True)
+                raise RemoteProblem(f"{tag}/{name} is missing") from None
+        trouble = manifest.problem(destination, described)
+        if trouble:
+            shutil.rmtree(destination, ignore_errors=True)
+            raise RemoteProblem(trouble)
+        (destination / MANIFEST).write_text(described.to_json())
+        return described
+
+    def prune(self) -> None:
+        """Keep the newest keep_last checkpoints; remove older ones, manifest first (so a reader
+        never takes a checkpoint whose files are going)."""
+        fs = self.filesystem
+        whole = self.tags()
+        if not whole:
+            return
+        kept, oldest_kept = set(whole[:self.keep_last]), step_of(whole[:self.keep_last][-1])
+        # Older tags go, and partial ones older than what is kept (a newer partial one may be uploading).
+        for tag in self._all_tags():
+            if tag in kept or step_of(tag) > oldest_kept:
+                continue
+            if tag in whole:
+                fs.rm(self._path(tag, MANIFEST))
+            fs.rm(self._path(tag), recursive=True)
+
+    def abort_unfinished(self) -> int:
+        """Abort the multipart uploads a killed mirror left under this prefix; how many."""
+        bucket, prefix = split_url(self.url)
+        answer = self.filesystem.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix + "/")
+        uploads = answer.get("Uploads", []) or []
+        for upload in uploads:
+            self.filesystem.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"],
+                                    UploadId=upload["UploadId"])
+        return len(uploads)
+
+
+def mirror_url(explicit: str | None, s3_prefix: str, run_id: str) -> str | None:
+    """Where a run's checkpoints are mirrored: the recipe's checkpoint.s3_mirror as written (every run
+    of the recipe shares it, so a resubmission anywhere continues from it), else the cluster's
+    s3_prefix with the run's id (a run of its own), else nowhere."""
+    if explicit:
+        return explicit.rstrip("/")
+    if s3_prefix:
+        return f"{s3_prefix.rstrip('/')}/runs/{run_id}/checkpoints"
+    return None

@@ -1,0 +1,171 @@
+"""A rank's side of checkpoints: save (a snapshot, written in the background), resume (the newest
+copy that verifies, from whichever tier has it), and the end of the run (the last write waited for,
+the last upload for a bounded time)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit.checkpoint import manifest
+from toolkit.checkpoint.manifest import lineage_of, step_of, tag_for
+from toolkit.checkpoint.mirror import Mirror, bounded
+from toolkit.checkpoint.remote import RemoteProblem, RemoteTier, mirror_url
+from toolkit.checkpoint.shared import SharedTier
+from toolkit.checkpoint.snapshot import BackgroundWriter, SnapshotEngine
+from toolkit.checkpoint.status import StatusBoard
+
+# How long a resume may spend listing the object store before it settles for the shared copy.
+REMOTE_LIST_WAIT_S = 60.0
+# How long the end of a run waits for its last upload; a stop on request (preemption: Slurm's grace
+# time is short) waits less, and the next start's mirror uploads what was left.
+END_UPLOAD_WAIT_S, STOP_UPLOAD_WAIT_S = 300.0, 10.0
+
+
+@dataclass
+class Tiers:
+    shared: SharedTier
+    remote: RemoteTier | None
+
+
+class Checkpointer:
+    def __init__(self, tiers: Tiers, engine, dist, rank: int, world: int, progress, log: Callable[[str], None],
+                 frozen_excluded: bool, lineage: str, asynchronous: bool, board: StatusBoard):
+        self.tiers, self.engine, self.dist, self.rank = tiers, engine, dist, rank
+        self.progress, self.log, self.frozen_excluded, self.lineage = progress, log, frozen_excluded, lineage
+        self.board = board
+        self.mirror = Mirror(tiers.remote, tiers.shared, board, log) if rank == 0 and tiers.remote else None
+        zipfile = bool(getattr(getattr(engine, "checkpoint_engine", None), "zipfile_serialization", True))
+        self.writer = BackgroundWriter(tiers.shared, rank, world, lineage, zipfile, self._published, log,
+                                       asynchronous)
+        engine.checkpoint_engine = SnapshotEngine(self.writer)
+        self.last_save = time.monotonic()
+        self.seconds, self.written = 0.0, 0  # the time training stood still for saves, and how many
+
+    def _published(self, published: manifest.Manifest) -> None:
+        self.board.published(published.step)
+        self.log(f"checkpoint step {published.step} written to {self.tiers.shared}")
+        if self.mirror:
+            self.mirror.offer(published)
+
+    # -- resume ---------------------------------------------------------------------------------
+
+    def resume(self) -> int:
+        """Load the newest checkpoint that verifies, from any tier; the step it holds (0: a fresh start)."""
+        chosen = [self._choose() if self.rank == 0 else None]
+        self.dist.broadcast_object_list(chosen, src=0)
+        tag, source = chosen[0] or (None, None)
+        if tag:
+            self.engine.load_checkpoint(str(self.tiers.shared.root), tag=tag, load_module_strict=False)
+            self.log(f"resumed from checkpoint {tag} (from {source})")
+        if self.mirror:
+            newest = self.tiers.shared.tags()
+            self.mirror.start(manifest.read(self.tiers.shared.root / newest[0]) if newest else None)
+        self.last_save = time.monotonic()  # the time cadence counts from the start of training
+        return step_of(tag) if tag else 0
+
+    def _choose(self) -> tuple[str, str] | None:
+        """Rank 0: the checkpoint to resume from, brought to the shared filesystem when only the
+        object store has it (downloaded, verified, then renamed into place)."""
+        warn = lambda message: self.log(f"warning: {message}")  # noqa: E731
+        shared = self.tiers.shared
+        best = shared.newest_whole(self.lineage, warn)
+        best_step = step_of(best) if best else 0
+        for tag in self._remote_tags(warn):
+            if step_of(tag) <= best_step:
+                break
+            try:
+                self._restore(tag)
+                return tag, str(self.tiers.remote)
+            except RemoteProblem as exc:
+                warn(f"checkpoint {tag} in {self.tiers.remote} is unusable ({exc}); trying the one before")
+            except Exception as exc:
+                warn(f"could not fetch checkpoint {tag} from {self.tiers.remote} ({type(exc).__name__}: {exc})")
+                break
+        return (best, str(shared)) if best else None
+
+    def _remote_tags(self, warn) -> list[str]:
+        if self.tiers.remote is None:
+            return []
+        found: list[list[str]] = []
+        failure: list[str] = []
+
+        def ask() -> None:
+            try:
+                found.append(self.tiers.remote.tags())
+            except Exception as exc:
+                failure.append(f"{type(exc).__name__}: {exc}")
+        if not bounded(ask, REMOTE_LIST_WAIT_S) or failure:
+            warn(f"{self.tiers.remote} is unreachable ({failure[0] if failure else 'no answer'}): resuming from "
+                 "the shared filesystem only")
+            return []
+        return found[0] if found else []
+
+    def _restore(self, tag: str) -> None:
+        shared = self.tiers.shared
+        shared.staging.mkdir(parents=True, exist_ok=True)
+        landing = shared.staging / f"restore-{tag}"
+        shutil.rmtree(landing, ignore_errors=True)
+        started = time.monotonic()
+        described = self.tiers.remote.download(tag, landing, self.lineage)
+        shared.adopt(landing, tag)
+        self.log(f"fetched checkpoint {tag} from {self.tiers.remote} ({described.total_bytes / 1e6:.0f} MB in "
+                 f"{time.monotonic() - started:.1f} s, verified)")
+
+    # -- save -----------------------------------------------------------------------------------
+
+    def since_last_save(self) -> float:
+        return time.monotonic() - self.last_save
+
+    def save(self, step: int) -> None:
+        """Snapshot the state and return; the write goes on in the background."""
+        started = time.monotonic()
+        self.progress.report("save", step)
+        waited = self.writer.wait()  # the previous save's write, if still going: saves never overlap
+        if waited > 0.5:
+            self.log(f"waited {waited:.1f} s for checkpoint writes before saving step {step}: checkpoints come "
+                     "faster than the filesystem takes them (checkpoint.every_steps / every_minutes)")
+        if self.rank == 0:
+            self.tiers.shared.prepare()
+        self.dist.barrier()
+        self.engine.save_checkpoint(str(self.tiers.shared.staging), tag=tag_for(step), save_latest=False,
+                                    exclude_frozen_parameters=self.frozen_excluded)
+        self.last_save = time.monotonic()
+        self.progress.report("step", step)  # the save is over: the hang rule's step clock again, from now
+        self.seconds += self.last_save - started
+        self.written += 1
+        self.log(f"checkpoint step {step}: training paused {self.last_save - started:.2f} s"
+                 + (" (the write goes on in the background)" if self.writer.asynchronous else ""))
+
+    def close(self, upload_wait: float, together: bool = True) -> None:
+        """The end of this process's checkpoints: the last write waited for, the last upload for at
+        most `upload_wait` seconds. `together`: every rank closes (then a barrier, after which rank 0
+        has published); not after a failure, when another rank may never come."""
+        self.writer.close(abandon_unpublished=not together)
+        if together:
+            self.dist.barrier()
+        if self.mirror:
+            self.mirror.close(upload_wait)
+
+
+def checkpointer_for(layout, recipe, engine, dist, progress, log: Callable[[str], None]) -> Checkpointer:
+    """A rank's checkpointer, from the recipe and the job's environment (FT_S3_PREFIX: the
+    cluster's s3_prefix; AWS_ENDPOINT_URL and credentials: the object store's)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shared = SharedTier(Path(recipe.checkpoint.staging or layout.checkpoints), recipe.checkpoint.keep_last)
+    url = mirror_url(recipe.checkpoint.s3_mirror, os.environ.get("FT_S3_PREFIX", ""),
+                     os.environ.get("FT_RUN_ID") or layout.root.name)
+    remote = None
+    if url:
+        from toolkit.data import object_store
+
+        object_store.configure()
+        remote = RemoteTier(url, recipe.checkpoint.keep_last)
+    board = StatusBoard(layout.checkpoint_status if rank == 0 else None, url)
+    return Checkpointer(Tiers(shared, remote), engine, dist, rank, world, progress, log,
+                        frozen_excluded=recipe.method.kind != "full", lineage=lineage_of(recipe),
+                        asynchronous=recipe.checkpoint.asynchronous, board=board)

@@ -1,0 +1,222 @@
+"""Saving without stopping training for the write: DeepSpeed's checkpoint engine, replaced.
+
+DeepSpeed's save_checkpoint hands each state dict (the module's, each ZeRO shard's) to its checkpoint
+engine. This one copies the tensors into host buffers (pinned for GPUs; kept from one save to the
+next, so a save allocates nothing once warm) and returns: that copy is all training waits for. A
+writer thread per rank then serializes the copies into the checkpoint's staging folder on the shared
+filesystem, hashing as it writes, and leaves a mark listing its files; rank 0's writer publishes the
+checkpoint once every rank's mark is there (toolkit/checkpoint/shared.py). The next save waits for
+the previous write to finish, so no two saves ever overlap and the buffers are free again.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+
+from toolkit.checkpoint.manifest import FileEntry, Manifest, step_of
+from toolkit.checkpoint.shared import SharedTier
+
+PUBLISH_WAIT_S = 1800.0  # rank 0 waits this long for the other ranks' marks before abandoning a save
+
+
+class HostBuffers:
+    """Copies of a state's tensors in host memory, one buffer per tensor in the order a save meets
+    them; the same buffers serve the next save when the shapes agree."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+        self.next = 0
+        self.on_gpu = False
+
+    def begin(self) -> None:
+        self.next, self.on_gpu = 0, False
+
+    def copy(self, value, memo: dict):
+        if isinstance(value, torch.Tensor):
+            if id(value) not in memo:
+                memo[id(value)] = self._tensor(value)
+            return memo[id(value)]
+        if isinstance(value, dict):
+            copied = copy.copy(value)  # dict, OrderedDict, defaultdict: the same kind
+            for key, item in value.items():
+                copied[key] = self.copy(item, memo)
+            return copied
+        if type(value) in (list, tuple):
+            return type(value)(self.copy(item, memo) for item in value)
+        return copy.deepcopy(value, memo)
+
+    def _tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        index, self.next = self.next, self.next + 1
+        source = tensor.detach()
+        if index < len(self.buffers) and self.buffers[index].shape == source.shape and \
+                self.buffers[index].dtype == source.dtype:
+            buffer = self.buffers[index]
+        else:
+            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=source.is_cuda)
+            if index < len(self.buffers):
+                self.buffers[index] = buffer
+            else:
+                self.buffers.append(buffer)
+        buffer.copy_(source, non_blocking=source.is_cuda)
+        self.on_gpu |= source.is_cuda
+        if isinstance(tensor, torch.nn.Parameter):
+            return torch.nn.Parameter(buffer, requires_grad=tensor.requires_grad)
+        return buffer
+
+    def end(self) -> None:
+        if self.on_gpu:
+            torch.cuda.synchronize()  # the non-blocking copies are in host memory from here on
+
+
+class HashingFile:
+    """A file torch.save writes through, hashing and counting every byte on the way."""
+
+    def __init__(self, handle):
+        self.handle, self.digest, self.size = handle, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        self.size += len(data)
+        return self.handle.write(data)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+@dataclass
+class SaveJob:
+    tag: str
+    files: list[tuple[Path, object]] = field(default_factory=list)
+
+
+class BackgroundWriter:
+    """One rank's writer: the snapshots of a save to the shared filesystem, then its mark; on rank 0
+    the publish. With `asynchronous` off the same work runs inside the save (a synchronous save)."""
+
+    def __init__(self, shared: SharedTier, rank: int, world: int, lineage: str, zipfile: bool,
+                 on_published: Callable[[Manifest], None], log: Callable[[str], None], asynchronous: bool = True):
+        self.shared, self.rank, self.world, self.lineage, self.zipfile = shared, rank, world, lineage, zipfile
+        self.on_published, self.log, self.asynchronous = on_published, log, asynchronous
+        self.jobs: queue.Queue[SaveJob | None] = queue.Queue()
+        self.closing = threading.Event()
+        self.write_seconds = 0.0
+        self.thread = threading.Thread(target=self._run, name="ft-checkpoint-writer", daemon=True)
+        if asynchronous:
+            self.thread.start()
+
+    def submit(self, job: SaveJob) -> None:
+        if self.asynchronous:
+            self.jobs.put(job)
+        else:
+            self._write(job)
+
+    def wait(self) -> float:
+        """Wait for the save being written (if any); the seconds waited."""
+        started = time.monotonic()
+        self.jobs.join()
+        return time.monotonic() - started
+
+    def close(self, abandon_unpublished: bool = False) -> None:
+        """Wait for the save being written, then stop the thread. `abandon_unpublished`: rank 0 does
+        not wait for other ranks' parts (after a failure they may never come)."""
+        if abandon_unpublished:
+            self.closing.set()
+        self.wait()
+        self.closing.set()
+        self.jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            try:
+                self._write(job)
+            finally:
+                self.jobs.task_done()
+        self.jobs.task_done()
+
+    def _write(self, job: SaveJob) -> None:
+        started = time.monotonic()
+        staged = self.shared.staged(job.tag)
+        written: dict[str, FileEntry] = {}
+        failure = ""
+        try:
+            for path, state in job.files:
+                written[str(path.relative_to(staged))] = self._write_file(path, state)
+        except Exception as exc:  # a full or failing filesystem: this save is lost, training goes on
+            failure = f"{type(exc).__name__}: {exc}"
+            self.log(f"warning: writing checkpoint {job.tag} failed: {failure}")
+        job.files.clear()  # the snapshot's references go; the buffers stay for the next save
+        self.shared.mark_written(job.tag, self.rank, written, failure)
+        self.write_seconds += time.monotonic() - started
+        if self.rank == 0:
+            self._publish(job.tag)
+
+    def _write_file(self, path: Path, state) -> FileEntry:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as handle:
+            hashing = HashingFile(handle)
+            torch.save(state, hashing, _use_new_zipfile_serialization=self.zipfile)
+            handle.flush()
+            os.fsync(handle.fileno())
+        return FileEntry(hashing.size, hashing.digest.hexdigest())
+
+    def _publish(self, tag: str) -> None:
+        deadline = time.monotonic() + PUBLISH_WAIT_S
+        while len(marks := self.shared.written_marks(tag)) < self.world:
+            if self.closing.is_set() or time.monotonic() > deadline:
+                self.log(f"warning: checkpoint {tag} abandoned: {self.world - len(marks)} rank(s) never wrote "
+                         "their part")
+                return
+            time.sleep(0.05)
+        failures = {rank: mark.failure for rank, mark in marks.items() if mark.failure}
+        if failures:
+            self.log(f"warning: checkpoint {tag} abandoned: " +
+                     "; ".join(f"rank {rank}: {why}" for rank, why in sorted(failures.items())))
+            return
+        files = {name: entry for mark in marks.values() for name, entry in mark.files.items()}
+        try:
+            published = self.shared.publish(Manifest(step_of(tag), files, self.lineage))
+        except Exception as exc:
+            self.log(f"warning: publishing checkpoint {tag} failed: {type(exc).__name__}: {exc}")
+            return
+        self.on_published(published)
+
+
+class SnapshotEngine(CheckpointEngine):
+    """What DeepSpeed saves through: a snapshot per state dict, written by the rank's writer."""
+
+    def __init__(self, writer: BackgroundWriter):
+        super().__init__()
+        self.name = "ft-snapshot"
+        self.writer = writer
+        self.buffers = HostBuffers()
+        self.job: SaveJob | None = None
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        self.job = SaveJob(str(info.tag))
+        self.buffers.begin()
+
+    def save(self, state_dict, path: str) -> None:
+        self.job.files.append((Path(path), self.buffers.copy(state_dict, {})))
+
+    def load(self, path: str, map_location=None):
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        self.buffers.end()
+        job, self.job = self.job, None
+        self.writer.submit(job)
+        return True
+
+    def preserves_storage_sharing(self) -> bool:
+        return False  # the snapshot is a compact copy already: no need for DeepSpeed's clone first

@@ -1,0 +1,74 @@
+"""Where a run's checkpoints are, tier by tier, for `ft status`: written by rank 0 as they move
+(checkpoints.json in the run directory), read on the login node. No torch here."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from pathlib import Path
+
+
+class StatusBoard:
+    """Rank 0's record of its checkpoint tiers. Both background threads (the shared write, the
+    upload) report here; every change rewrites the file whole."""
+
+    def __init__(self, path: Path | None, remote_url: str | None):
+        self.path = path
+        self.lock = threading.Lock()
+        self.state: dict = {"shared": {"step": None, "at": None},
+                            "remote": {"url": remote_url, "step": None, "at": None, "pending": None,
+                                       "error": None, "failing_since": None} if remote_url else None}
+
+    def _update(self, tier: str, **values) -> None:
+        from toolkit.shared_dirs import write_atomically
+
+        with self.lock:
+            if self.state.get(tier) is None:
+                return
+            self.state[tier].update(values)
+            text = json.dumps(self.state, indent=1) + "\n"
+            if self.path is not None:
+                with contextlib.suppress(OSError):  # a status line is never worth stopping a save for
+                    write_atomically(self.path, text)
+
+    def published(self, step: int) -> None:
+        self._update("shared", step=step, at=time.time())
+
+    def pending(self, step: int) -> None:
+        self._update("remote", pending=step)
+
+    def mirrored(self, step: int) -> None:
+        self._update("remote", step=step, at=time.time(), error=None, failing_since=None)
+
+    def failed(self, error: str) -> None:
+        since = (self.state.get("remote") or {}).get("failing_since") or time.time()
+        self._update("remote", error=error[:500], failing_since=since)
+
+
+def summary_line(state: dict, now: float | None = None) -> str | None:
+    """One line for `ft status`: the newest checkpoint in each tier and how far the mirror lags (None
+    before the first checkpoint, or for a file that is not what rank 0 writes)."""
+    try:
+        return _summary(state, time.time() if now is None else now)
+    except (AttributeError, TypeError, ValueError, KeyError):
+        return None
+
+
+def _summary(state: dict, now: float) -> str | None:
+    shared = state.get("shared") or {}
+    if shared.get("step") is None:
+        return None
+    parts = [f"step {shared['step']} on the shared filesystem"]
+    remote = state.get("remote")
+    if remote:
+        step = remote.get("step")
+        where = f"in {remote.get('url')}"
+        parts.append(f"step {step} {where}" if step is not None else f"none yet {where}")
+        if remote.get("pending") is not None and remote.get("pending") != step:
+            parts.append(f"uploading step {remote['pending']}")
+        if remote.get("error"):
+            since = now - float(remote.get("failing_since") or now)
+            parts.append(f"failing for {since:.0f} s, retrying: {remote['error']}")
+    return "; ".join(parts)
