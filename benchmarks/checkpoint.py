@@ -40,7 +40,7 @@ from pathlib import Path
 import deepspeed, torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
-from toolkit.checkpoint.saver import Checkpointer, Tiers
+from toolkit.train.checkpoint import Checkpointer, Tiers
 from toolkit.checkpoint.shared import SharedTier
 from toolkit.checkpoint.status import StatusBoard
 

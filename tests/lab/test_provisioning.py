@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,24 @@ def test_lab_status_json_lists_every_daemon_and_node(lab):
     assert all(d["running"] and d["pid"] for d in status["daemons"])
     assert [n["name"] for n in status["nodes"]] == [n.name for n in lab.nodes]
     assert all(n["serving"] for n in status["nodes"])
+    store = status["object_store"]  # on the bridge, so every node namespace reaches it
+    assert store["answering"] and store["url"] == f"http://{lab.controller_address}:8333"
+    assert set(store["buckets"].values()) == {"ft-checkpoints", "ft-models"}
+
+
+def test_the_lab_object_store_serves_every_node_with_the_credentials_ft_lab_env_prints(lab):
+    exports = ft("lab", "env").stdout
+    env = dict(line.removeprefix("export ").split("=", 1) for line in exports.splitlines())
+    assert env["AWS_ENDPOINT_URL"] == lab.object_store.url
+    node = lab.nodes[-1]
+    listed = subprocess.run(["nsenter", f"--net=/run/netns/{node.netns}", sys.executable, "-c",
+                             "import s3fs; print(s3fs.S3FileSystem().ls('ft-checkpoints') is not None)"],
+                            capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+    assert listed.stdout.strip() == "True", listed.stderr[-2000:]
+    refused = subprocess.run(["nsenter", f"--net=/run/netns/{node.netns}", sys.executable, "-c",
+                              "import s3fs; s3fs.S3FileSystem().ls('ft-checkpoints')"], capture_output=True,
+                             text=True, timeout=60, env={**os.environ, **env, "AWS_SECRET_ACCESS_KEY": "wrong"})
+    assert refused.returncode != 0 and ("SignatureDoesNotMatch" in refused.stderr or "denied" in refused.stderr.lower())
 
 
 def test_lab_publishes_ft_cluster_profile(lab):

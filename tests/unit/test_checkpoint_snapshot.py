@@ -26,8 +26,8 @@ RANK_SCRIPT = textwrap.dedent("""
     import deepspeed, torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
-    from toolkit.checkpoint import snapshot
-    from toolkit.checkpoint.saver import Checkpointer, Tiers
+    from toolkit.train import snapshot
+    from toolkit.train.checkpoint import Checkpointer, Tiers
     from toolkit.checkpoint.shared import SharedTier
     from toolkit.checkpoint.status import StatusBoard
 
@@ -144,7 +144,7 @@ def test_async_saves_resume_to_the_uninterrupted_run_and_a_failed_write_loses_on
 def test_host_buffers_copy_the_state_and_serve_the_next_save():
     from collections import OrderedDict
 
-    from toolkit.checkpoint.snapshot import HostBuffers
+    from toolkit.train.snapshot import HostBuffers
 
     weight = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3))
     moment = torch.ones(3)

@@ -48,14 +48,13 @@ class RemoteTier:
         return "/".join([self.url.removeprefix("s3://"), *parts])
 
     def _all_tags(self) -> list[str]:
-        """Every tag with objects under it, whole or not, newest first."""
+        """Every tag with objects under it, whole or not, newest first. Read from the objects
+        themselves: a folder listing may still show a tag whose objects are gone (SeaweedFS keeps
+        empty folders)."""
         fs = self.filesystem
         fs.invalidate_cache(self._path())
-        try:
-            entries = fs.ls(self._path(), detail=False)
-        except FileNotFoundError:
-            return []
-        names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries]
+        root = self._path() + "/"
+        names = {key.removeprefix(root).split("/", 1)[0] for key in fs.find(self._path()) if key.startswith(root)}
         return sorted((name for name in names if is_tag(name)), key=step_of, reverse=True)
 
     def tags(self) -> list[str]:

@@ -20,7 +20,7 @@ from toolkit.train.tracking import Tracker
 from toolkit.watch import exits
 
 if TYPE_CHECKING:
-    from toolkit.checkpoint.saver import Checkpointer
+    from toolkit.train.checkpoint import Checkpointer
 
 
 class RunEnds(Exception):

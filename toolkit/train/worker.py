@@ -65,9 +65,9 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from toolkit.checkpoint.saver import END_UPLOAD_WAIT_S, STOP_UPLOAD_WAIT_S, checkpointer_for
     from toolkit.recipe.run_spec import batch_plan
     from toolkit.train import compiled_ops
+    from toolkit.train.checkpoint import END_UPLOAD_WAIT_S, STOP_UPLOAD_WAIT_S, checkpointer_for
     from toolkit.train.dataset import cache_root, load_examples, total_steps
     from toolkit.train.engine import deepspeed_config
     from toolkit.train.faults import Faults

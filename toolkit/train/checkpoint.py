@@ -1,6 +1,6 @@
-"""A rank's side of checkpoints: save (a snapshot, written in the background), resume (the newest
-copy that verifies, from whichever tier has it), and the end of the run (the last write waited for,
-the last upload for a bounded time)."""
+"""A rank's side of checkpoints (the tiers are toolkit/checkpoint/): save (a snapshot, written in the
+background: toolkit/train/snapshot.py), resume (the newest copy that verifies, from whichever tier has
+it), and the end of the run (the last write waited for, the last upload for a bounded time)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from toolkit.checkpoint.manifest import lineage_of, step_of, tag_for
 from toolkit.checkpoint.mirror import Mirror, bounded
 from toolkit.checkpoint.remote import RemoteProblem, RemoteTier, mirror_url
 from toolkit.checkpoint.shared import SharedTier
-from toolkit.checkpoint.snapshot import BackgroundWriter, SnapshotEngine
 from toolkit.checkpoint.status import StatusBoard
+from toolkit.train.snapshot import BackgroundWriter, SnapshotEngine
 
 # How long a resume may spend listing the object store before it settles for the shared copy.
 REMOTE_LIST_WAIT_S = 60.0
