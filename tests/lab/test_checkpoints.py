@@ -104,7 +104,8 @@ def test_a_store_down_for_most_of_a_run_costs_nothing_and_the_mirror_catches_up(
     host, port = s3["AWS_ENDPOINT_URL"].removeprefix("http://").split(":")
     gate = TcpGate(host, (host, int(port)))  # closed: the store is down
     prefix = mirror_prefix()
-    run = submit(recipe(runs, "down", checkpoint={"s3_mirror": prefix}), runs_dir=runs,
+    # The time cadence is Young/Daly's here (every_minutes: auto), the step cadence the recipe's.
+    run = submit(recipe(runs, "down", checkpoint={"s3_mirror": prefix, "every_minutes": "auto"}), runs_dir=runs,
                  env={**s3, "AWS_ENDPOINT_URL": gate.url})
     try:
         wait_for("a failing mirror", lambda: (tiers(run).get("remote") or {}).get("error"), timeout=300,
@@ -122,3 +123,4 @@ def test_a_store_down_for_most_of_a_run_costs_nothing_and_the_mirror_catches_up(
     assert store.exists(f"{bucket_path}/{last}/manifest.json")
     log = rank0_log(run)
     assert "failed" in log and "retrying in" in log
+    assert "checkpoint cadence (auto): every" in log and "Young/Daly for a save costing training" in log

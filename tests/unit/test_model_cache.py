@@ -1,11 +1,13 @@
-"""Where a base model comes from: a local folder, the node-local cache, the shared cache; the hub
-tier refuses clearly when the cluster may not download."""
+"""Where a base model comes from: a local folder, the node-local cache, the shared cache (copied to
+node-local disk once), the site's object store (fetched once per cluster, verified); the hub tier
+refuses clearly when the cluster may not download."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.support.model_folders import write_model_folder
+from toolkit.model_cache import COPY_MARK
 from toolkit.train.models import ModelFolderBroken, ModelNotFound, resolve_model
 
 ENTRY = "meta-llama--Llama-3.1-8B@abc123"
@@ -23,8 +25,25 @@ def test_node_local_cache_comes_before_the_shared_one(tmp_path, monkeypatch):
     monkeypatch.setenv("FT_MODEL_CACHE_LOCAL", str(local))
     assert resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(shared), tmp_path / "user-cache") == local / ENTRY
     (local / ENTRY).rename(tmp_path / "moved-away")
-    found = resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(shared), tmp_path / "user-cache")
-    assert found.parent == shared / "models"
+    logged: list[str] = []
+    found = resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(shared), tmp_path / "user-cache", log=logged.append)
+    assert found == local / ENTRY and (found / COPY_MARK).is_file()  # the shared copy, brought to this node
+    assert (found / "model.safetensors").read_bytes() == (shared / "models" / ENTRY / "model.safetensors").read_bytes()
+    assert any("copied to node-local disk" in line for line in logged)
+
+
+def test_a_node_local_copy_ft_made_that_broke_is_made_again(tmp_path, monkeypatch):
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    write_model_folder(shared / "models" / ENTRY)
+    monkeypatch.setenv("FT_MODEL_CACHE_LOCAL", str(local))
+    copy = resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(shared), tmp_path / "user-cache", log=print)
+    weights = copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes() + b"\0" * 8)  # still parses; not its source's size any more
+    logged: list[str] = []
+    again = resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(shared), tmp_path / "user-cache",
+                          log=logged.append)
+    assert again == copy and weights.stat().st_size == (shared / "models" / ENTRY / "model.safetensors").stat().st_size
+    assert any("not whole" in line and "fetching it again" in line for line in logged)
 
 
 @pytest.mark.parametrize("damage", ["no config", "no weights", "truncated weights", "missing shard", "no tokenizer"])

@@ -62,47 +62,16 @@ class RemoteTier:
         return [tag for tag in self._all_tags() if self.filesystem.exists(self._path(tag, MANIFEST))]
 
     def manifest(self, tag: str) -> Manifest:
-        try:
-            raw = self.filesystem.cat_file(self._path(tag, MANIFEST))
-            return Manifest.from_json(raw)
-        except FileNotFoundError:
-            raise RemoteProblem(f"{tag} has no manifest (its upload never finished)") from None
-        except ValueError as exc:
-            raise RemoteProblem(f"{tag}'s manifest is unusable: {exc}") from None
+        return read_manifest(self.filesystem, self._path(tag))
 
     def upload(self, folder: Path, described: Manifest, keep_going=lambda: True) -> None:
         """Upload a published checkpoint: its manifest goes last. Stops between files when
         `keep_going` says so (the upload then has no manifest and is not a checkpoint)."""
-        fs, tag = self.filesystem, described.tag
-        with contextlib.suppress(FileNotFoundError):  # uploaded before: no checkpoint while it changes
-            fs.rm(self._path(tag, MANIFEST))
-        for name in sorted(described.files):
-            if not keep_going():
-                raise InterruptedError(f"the upload of {tag} was abandoned")
-            fs.put_file(str(folder / name), self._path(tag, name))
-        fs.pipe_file(self._path(tag, MANIFEST), described.to_json().encode())
+        put_folder(self.filesystem, folder, described, self._path(described.tag), keep_going)
 
     def download(self, tag: str, destination: Path, lineage: str | None) -> Manifest:
         """Fetch a checkpoint into `destination` (a new folder) and verify it against its manifest."""
-        described = self.manifest(tag)
-        trouble = manifest.lineage_problem(described, lineage)
-        if trouble:
-            raise RemoteProblem(trouble)
-        destination.mkdir(parents=True)
-        for name in described.files:
-            target = destination / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                self.filesystem.get_file(self._path(tag, name), str(target))
-            except FileNotFoundError:
-                shutil.rmtree(destination, ignore_errors=True)
-                raise RemoteProblem(f"{tag}/{name} is missing") from None
-        trouble = manifest.problem(destination, described)
-        if trouble:
-            shutil.rmtree(destination, ignore_errors=True)
-            raise RemoteProblem(trouble)
-        (destination / MANIFEST).write_text(described.to_json())
-        return described
+        return get_folder(self.filesystem, self._path(tag), destination, lineage)
 
     def prune(self) -> None:
         """Keep the newest keep_last checkpoints; remove older ones, manifest first (so a reader
@@ -129,6 +98,54 @@ class RemoteTier:
             self.filesystem.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"],
                                     UploadId=upload["UploadId"])
         return len(uploads)
+
+
+def read_manifest(fs, base: str) -> Manifest:
+    """The manifest of the folder at `base` (bucket/key prefix); RemoteProblem when it is not whole."""
+    try:
+        return Manifest.from_json(fs.cat_file(f"{base}/{MANIFEST}"))
+    except FileNotFoundError:
+        raise RemoteProblem(f"{base} has no manifest (its upload never finished)") from None
+    except ValueError as exc:
+        raise RemoteProblem(f"{base}'s manifest is unusable: {exc}") from None
+
+
+def put_folder(fs, folder: Path, described: Manifest, base: str, keep_going=lambda: True) -> None:
+    """Upload the files a manifest names, then the manifest: until it is there, the folder is not
+    whole to any reader (a folder uploaded before loses its manifest first)."""
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(f"{base}/{MANIFEST}")
+    for name in sorted(described.files):
+        if not keep_going():
+            raise InterruptedError(f"the upload to {base} was abandoned")
+        fs.put_file(str(folder / name), f"{base}/{name}")
+    fs.pipe_file(f"{base}/{MANIFEST}", described.to_json().encode())
+
+
+def get_folder(fs, base: str, destination: Path, lineage: str | None = None) -> Manifest:
+    """Download the folder at `base` into `destination` (a new folder), verified file by file
+    against its manifest; on any problem nothing of it is left and RemoteProblem says what."""
+    described = read_manifest(fs, base)
+    trouble = manifest.lineage_problem(described, lineage)
+    if trouble:
+        raise RemoteProblem(trouble)
+    destination.mkdir(parents=True)
+    try:
+        for name in described.files:
+            target = destination / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fs.get_file(f"{base}/{name}", str(target))
+            except FileNotFoundError:
+                raise RemoteProblem(f"{base}/{name} is missing") from None
+        trouble = manifest.problem(destination, described)
+        if trouble:
+            raise RemoteProblem(trouble)
+    except BaseException:
+        shutil.rmtree(destination, ignore_errors=True)
+        raise
+    (destination / MANIFEST).write_text(described.to_json())
+    return described
 
 
 def mirror_url(explicit: str | None, s3_prefix: str, run_id: str) -> str | None:

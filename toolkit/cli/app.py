@@ -11,7 +11,7 @@ os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
 import typer  # noqa: E402
 
 from toolkit import __version__  # noqa: E402
-from toolkit.cli import chaos, data, lab, recipe, runs  # noqa: E402
+from toolkit.cli import chaos, data, lab, model, recipe, runs  # noqa: E402
 from toolkit.cli.output import print_error  # noqa: E402
 from toolkit.errors import FtError  # noqa: E402
 
@@ -26,6 +26,7 @@ app.add_typer(lab.app, name="lab")
 app.add_typer(recipe.app, name="recipe")
 app.add_typer(data.app, name="data")
 app.add_typer(chaos.app, name="chaos")
+app.add_typer(model.app, name="model")
 app.command()(data.validate)
 app.command("render")(recipe.render_command)
 app.command()(runs.submit)

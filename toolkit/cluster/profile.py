@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from toolkit.checkpoint.cadence import DEFAULT_NODE_MTBF_HOURS
 from toolkit.errors import FtError
 from toolkit.recipe.schema import ENV_NAME_PATTERN, NAME_PATTERN
 from toolkit.recipe.yaml_source import YamlError, load_trusted_yaml, load_yaml
@@ -55,6 +56,9 @@ class ClusterProfile(BaseModel):
     tiers: dict[str, TierTarget]
     shared_root: str = ""
     s3_prefix: str = ""
+    # Where the site keeps models in its object store: <s3_models>/<org>--<name>[@revision]/ with ft's
+    # manifest (`ft model push`). Fetched into the shared cache once per cluster.
+    s3_models: str = ""
     # An S3-compatible endpoint (MinIO, SeaweedFS, a site's gateway); empty: AWS S3 itself.
     # AWS_ENDPOINT_URL in the environment overrides it.
     s3_endpoint: str = ""
@@ -63,6 +67,9 @@ class ClusterProfile(BaseModel):
     modules: list[str] = []
     srun_extra_args: list[str] = []
     price_per_gpu_hour: float = 0.0
+    # Mean time between failures of one node, for `checkpoint.every_minutes: auto` (the site's own
+    # record, if it keeps one; the default follows published large-cluster interruption rates).
+    node_mtbf_hours: float = Field(DEFAULT_NODE_MTBF_HOURS, gt=0)
     default_account: str | None = None
     # Python that runs ft on the compute nodes; empty: `python3` from the job's PATH.
     python: str = ""
@@ -85,7 +92,7 @@ class ClusterProfile(BaseModel):
             raise ValueError(f"{value!r} is not a fabric name (efa, infiniband, roce, none...)")
         return value
 
-    @field_validator("s3_prefix")
+    @field_validator("s3_prefix", "s3_models")
     @classmethod
     def s3_prefix_url(cls, value: str) -> str:
         if value and not re.fullmatch(r"s3://[a-z0-9][a-z0-9.-]{1,62}(/[A-Za-z0-9._~/-]*)?", value):

@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from toolkit.checkpoint.cadence import AutoCadence
 from toolkit.checkpoint.remote import mirror_url
 from toolkit.cluster.profile import ClusterProfile, load_profile
 from toolkit.errors import FtError
@@ -232,9 +233,20 @@ def resolve(path: Path, cluster: str | None = None) -> ResolvedRecipe:
         sources["cluster"] = "default: this site's profile" if profile.name != "lab" else "default: the local lab"
     if resolver.problems:
         raise RecipeError(resolver.problems)
+    derived = derive(recipe, profile)
+    if derived.job_mtbf_hours:
+        sources["checkpoint.every_minutes"] = f"recipe: {auto_cadence_example(derived.job_mtbf_hours, profile)}"
     for dotted, _ in _flatten(recipe.model_dump(mode="json")):
         sources.setdefault(dotted, "default: schema")
-    return ResolvedRecipe(recipe, profile, path, derive(recipe, profile), sources)
+    return ResolvedRecipe(recipe, profile, path, derived, sources)
+
+
+def auto_cadence_example(job_mtbf_hours: float, profile: ClusterProfile) -> str:
+    """What `every_minutes: auto` will choose, before any save was measured: for two save costs."""
+    cadence = AutoCadence(job_mtbf_hours)
+    examples = ", ".join(f"a {cost:g} s save -> every {cadence.interval_s(cost, 0) / 60:.0f} min" for cost in (1, 30))
+    return (f"Young/Daly from the save cost measured as the run goes and a failure every {job_mtbf_hours:.0f} h "
+            f"(node MTBF {profile.node_mtbf_hours:g} h over the job's nodes): {examples}")
 
 
 def workers_per_node(recipe: Recipe, profile: ClusterProfile) -> int:
@@ -246,7 +258,10 @@ def derive(recipe: Recipe, profile: ClusterProfile) -> Derived:
     workers = workers_per_node(recipe, profile)
     world = recipe.resources.nodes * workers
     tier = profile.tiers[recipe.resources.tier]
+    held = recipe.resources.nodes + recipe.resources.spare_nodes  # a spare fails as often as any node
     return Derived(workers_per_node=workers, world_size=world,
                    gradient_accumulation=batch_plan(recipe.training, world).gradient_accumulation,
                    out_of_memory_micro_batch=batch_plan(recipe.training, world, out_of_memory_retry=True).micro_batch,
-                   partition=tier.partition, qos=tier.qos)
+                   partition=tier.partition, qos=tier.qos,
+                   job_mtbf_hours=(round(profile.node_mtbf_hours / held, 2)
+                                   if recipe.checkpoint.every_minutes == "auto" else None))

@@ -40,6 +40,9 @@ class Derived(Strict):
                                                              "out of memory (same global batch)")
     partition: str = Field(description="The Slurm partition of the recipe's tier")
     qos: str | None = Field(None, description="The Slurm QOS of the recipe's tier")
+    job_mtbf_hours: float | None = Field(None, gt=0, description="checkpoint.every_minutes auto: the job's mean "
+                                                                 "time between failures, the cluster's node MTBF "
+                                                                 "over the job's nodes (spares included)")
 
 
 class RunSpec(Strict):

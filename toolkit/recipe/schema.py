@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -164,7 +164,9 @@ class ResourceSpec(Strict):
 
 class CheckpointSpec(Strict):
     every_steps: Annotated[int, Field(ge=1)] | None = 100
-    every_minutes: Annotated[float, Field(gt=0)] | None = 30
+    every_minutes: Annotated[float, Field(gt=0)] | Literal["auto"] | None = Field(30, description=(
+        "Minutes between saves, or auto: the interval that loses the least time to saves and to work redone "
+        "after failures (Young/Daly, from the measured save cost and the cluster's failure rate)"))
     keep_last: Annotated[int, Field(ge=1)] = 3
     staging: str | None = Field(None, description="Checkpoint folder on the shared filesystem "
                                                   "(default: the run directory)")

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.checkpoint import manifest
+from toolkit.checkpoint.cadence import DEFAULT_NODE_MTBF_HOURS, AutoCadence
 from toolkit.checkpoint.manifest import lineage_of, step_of, tag_for
 from toolkit.checkpoint.mirror import Mirror, bounded
 from toolkit.checkpoint.remote import RemoteProblem, RemoteTier, mirror_url
@@ -34,7 +36,8 @@ class Tiers:
 
 class Checkpointer:
     def __init__(self, tiers: Tiers, engine, dist, rank: int, world: int, progress, log: Callable[[str], None],
-                 frozen_excluded: bool, lineage: str, asynchronous: bool, board: StatusBoard):
+                 frozen_excluded: bool, lineage: str, asynchronous: bool, board: StatusBoard,
+                 every: float | AutoCadence | None = None, history: tuple[int, float] = (0, 0.0)):
         self.tiers, self.engine, self.dist, self.rank = tiers, engine, dist, rank
         self.progress, self.log, self.frozen_excluded, self.lineage = progress, log, frozen_excluded, lineage
         self.board = board
@@ -45,6 +48,9 @@ class Checkpointer:
         engine.checkpoint_engine = SnapshotEngine(self.writer)
         self.last_save = time.monotonic()
         self.seconds, self.written = 0.0, 0  # the time training stood still for saves, and how many
+        self.every, self.history = every, history  # seconds or auto; the run's (faults, seconds) so far
+        self.stalls: list[float] = []
+        self.told = ""
 
     def _published(self, published: manifest.Manifest) -> None:
         self.board.published(published.step)
@@ -66,6 +72,7 @@ class Checkpointer:
             newest = self.tiers.shared.tags()
             self.mirror.start(manifest.read(self.tiers.shared.root / newest[0]) if newest else None)
         self.last_save = time.monotonic()  # the time cadence counts from the start of training
+        self._tell_cadence()
         return step_of(tag) if tag else 0
 
     def _choose(self) -> tuple[str, str] | None:
@@ -121,6 +128,23 @@ class Checkpointer:
     def since_last_save(self) -> float:
         return time.monotonic() - self.last_save
 
+    def interval_s(self) -> float:
+        """Seconds between saves on the clock (0: none): the recipe's, or Young/Daly's from the save
+        cost measured so far (the median of the last five)."""
+        if not isinstance(self.every, AutoCadence):
+            return self.every or 0.0
+        cost = statistics.median(self.stalls[-5:]) if self.stalls else None
+        return self.every.interval_s(cost, self.writer.last_write_s, *self.history)
+
+    def _tell_cadence(self) -> None:
+        if self.rank != 0 or not isinstance(self.every, AutoCadence):
+            return
+        cost = statistics.median(self.stalls[-5:]) if self.stalls else None
+        told = self.every.describe(cost, self.writer.last_write_s, *self.history)
+        if told.split(":")[0] != self.told.split(":")[0]:  # the interval changed (to the 0.1 min)
+            self.log(f"checkpoint cadence (auto): {told}")
+        self.told = told
+
     def save(self, step: int) -> None:
         """Snapshot the state and return; the write goes on in the background."""
         started = time.monotonic()
@@ -137,9 +161,11 @@ class Checkpointer:
         self.last_save = time.monotonic()
         self.progress.report("step", step)  # the save is over: the hang rule's step clock again, from now
         self.seconds += self.last_save - started
+        self.stalls.append(self.last_save - started)
         self.written += 1
         self.log(f"checkpoint step {step}: training paused {self.last_save - started:.2f} s"
                  + (" (the write goes on in the background)" if self.writer.asynchronous else ""))
+        self._tell_cadence()
 
     def close(self, upload_wait: float, together: bool = True) -> None:
         """The end of this process's checkpoints: the last write waited for, the last upload for at
@@ -152,20 +178,25 @@ class Checkpointer:
             self.mirror.close(upload_wait)
 
 
-def checkpointer_for(layout, recipe, engine, dist, progress, log: Callable[[str], None]) -> Checkpointer:
-    """A rank's checkpointer, from the recipe and the job's environment (FT_S3_PREFIX: the
+def checkpointer_for(layout, spec, engine, dist, progress, log: Callable[[str], None]) -> Checkpointer:
+    """A rank's checkpointer, from the run spec and the job's environment (FT_S3_PREFIX: the
     cluster's s3_prefix; AWS_ENDPOINT_URL and credentials: the object store's)."""
+    recipe = spec.recipe
     rank, world = dist.get_rank(), dist.get_world_size()
     shared = SharedTier(Path(recipe.checkpoint.staging or layout.checkpoints), recipe.checkpoint.keep_last)
     url = mirror_url(recipe.checkpoint.s3_mirror, os.environ.get("FT_S3_PREFIX", ""),
                      os.environ.get("FT_RUN_ID") or layout.root.name)
-    remote = None
-    if url:
-        from toolkit.data import object_store
-
-        object_store.configure()
-        remote = RemoteTier(url, recipe.checkpoint.keep_last)
+    remote = RemoteTier(url, recipe.checkpoint.keep_last) if url else None
     board = StatusBoard(layout.checkpoint_status if rank == 0 else None, url)
+    every = recipe.checkpoint.every_minutes
+    history = (0, 0.0)
+    if every == "auto":
+        from toolkit.runs.timeline import timeline
+
+        spent = timeline(layout.root) or {}  # what this run met so far, over its requeues and restarts
+        history = (len(spent.get("faults", [])), float(spent.get("wall_s", 0.0)))
+        every = AutoCadence(spec.derived.job_mtbf_hours or DEFAULT_NODE_MTBF_HOURS)
     return Checkpointer(Tiers(shared, remote), engine, dist, rank, world, progress, log,
                         frozen_excluded=recipe.method.kind != "full", lineage=lineage_of(recipe),
-                        asynchronous=recipe.checkpoint.asynchronous, board=board)
+                        asynchronous=recipe.checkpoint.asynchronous, board=board,
+                        every=every * 60 if isinstance(every, float | int) else every, history=history)

@@ -26,11 +26,9 @@ def cache_root(shared_root: str, run_dir: Path, warn) -> Path:
 
 def load_examples(recipe: Recipe, model_path: Path, user_cache: Path, rank: int, dist, log) -> list[Example]:
     """The tokenized training set, every rank; rank 0 checks the cache's digests (or builds it)."""
-    from toolkit.data import object_store
     from toolkit.data.recipe_data import dataset_key, token_cache
     from toolkit.data.tokenizer import load_length_counter
 
-    object_store.configure()  # s3:// data: the job's AWS_ENDPOINT_URL (from the profile), bounded timeouts
     counter = load_length_counter(str(model_path))
     key = dataset_key(recipe, recipe.data.train, counter, "train")
     cache = token_cache(user_cache)

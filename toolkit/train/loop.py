@@ -61,7 +61,6 @@ class Loop:
         """Steps start+1..steps; the last step done. Raises RunEnds on a NaN, running out of memory,
         or a stop on request (after its checkpoint)."""
         every_steps = self.recipe.checkpoint.every_steps
-        every_seconds = (self.recipe.checkpoint.every_minutes or 0) * 60
         self.log(f"training steps {start}..{steps} world={self.world} micro batch {self.plan.micro_batch} "
                  f"accumulation={self.plan.gradient_accumulation} backend={self.backend}")
         step = start
@@ -70,7 +69,8 @@ class Loop:
             self.progress.report("step", step)
             self.window.add(step, losses, accuracies, self.engine.get_lr()[0], self.tokens * self.world)
             stop_now, clock_due = self.agreement.agree(self.stop_requested(),
-                                                       self.checkpointer.since_last_save() >= every_seconds > 0)
+                                                       self.checkpointer.since_last_save() >=
+                                                       self.checkpointer.interval_s() > 0)
             save_now = bool(every_steps and step % every_steps == 0) or clock_due or stop_now or step == steps
             if save_now or self.window.due(step) or step == start + 1:
                 self.read_losses(start, steps)

@@ -1,6 +1,6 @@
-"""Where a base model comes from: a local path, the cluster's model cache (node-local disk, then the
-shared filesystem), or the hub; or 'tiny-llama', built locally in the user's own cache. And the
-model loaded as the recipe's method trains it."""
+"""Where a base model comes from: a local path, the cluster's model cache (node-local disk, the
+shared filesystem, the site's object store: toolkit/model_cache.py), or the hub; or 'tiny-llama',
+built locally in the user's own cache. And the model loaded as the recipe's method trains it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from toolkit.cache_entries import discard, exclusive, staging_path
-from toolkit.model_cache import cache_dirs, shared_models
+from toolkit.model_cache import ModelFolderBroken, entry_name, find_model, shared_models
 from toolkit.model_folder import model_folder_problems
 from toolkit.recipe.schema import MethodSpec, TrainingSpec
 from toolkit.shared_dirs import trusted_owner_dir
@@ -19,29 +19,18 @@ class ModelNotFound(RuntimeError):
     pass
 
 
-class ModelFolderBroken(RuntimeError):
-    """A model in the cache that is not whole: never loaded, and never repaired behind the user's back
-    (a real model is not ft's to rebuild)."""
-
-
-def resolve_model(base: str, revision: str | None, shared_root: str, user_cache: Path) -> Path:
+def resolve_model(base: str, revision: str | None, shared_root: str, user_cache: Path, models_url: str = "",
+                  log=lambda message: print(message, flush=True)) -> Path:
+    """The folder to load a base model from: a local path as is, 'tiny-llama' built in the user's
+    cache, else the nearest cache tier that has it whole (toolkit/model_cache.py), else the hub."""
     if base == "tiny-llama":
         return ensure_tiny_llama(user_cache / "models")
     if Path(base).is_dir():
         return Path(base)
-    name = base.replace("/", "--") + (f"@{revision}" if revision else "")
-    tried = []
-    for cache in cache_dirs(shared_root):
-        candidate = cache / name
-        tried.append(str(candidate))
-        if candidate.exists():
-            problems = model_folder_problems(candidate)
-            if problems:
-                raise ModelFolderBroken(
-                    f"the cached model {candidate} is not whole: {'; '.join(problems)}. Copy the model there "
-                    f"again (to a new folder, then rename it into place), or delete {candidate} to use the next "
-                    "cache tier")
-            return candidate
+    name = entry_name(base, revision)
+    found, tried = find_model(name, shared_root, models_url, log)
+    if found is not None:
+        return found
     if os.environ.get("FT_ALLOW_HUB") != "1":
         raise ModelNotFound(
             f"model {base}{'@' + revision if revision else ''} is not in the cluster's model cache "

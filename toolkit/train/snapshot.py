@@ -110,7 +110,7 @@ class BackgroundWriter:
         self.on_published, self.log, self.asynchronous = on_published, log, asynchronous
         self.jobs: queue.Queue[SaveJob | None] = queue.Queue()
         self.closing = threading.Event()
-        self.write_seconds = 0.0
+        self.write_seconds, self.last_write_s = 0.0, 0.0
         self.thread = threading.Thread(target=self._run, name="ft-checkpoint-writer", daemon=True)
         if asynchronous:
             self.thread.start()
@@ -157,7 +157,8 @@ class BackgroundWriter:
             self.log(f"warning: writing checkpoint {job.tag} failed: {failure}")
         job.files.clear()  # the snapshot's references go; the buffers stay for the next save
         self.shared.mark_written(job.tag, self.rank, written, failure)
-        self.write_seconds += time.monotonic() - started
+        self.last_write_s = time.monotonic() - started
+        self.write_seconds += self.last_write_s
         if self.rank == 0:
             self._publish(job.tag)
 

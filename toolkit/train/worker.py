@@ -65,6 +65,7 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
+    from toolkit.data import object_store
     from toolkit.recipe.run_spec import batch_plan
     from toolkit.train import compiled_ops
     from toolkit.train.checkpoint import END_UPLOAD_WAIT_S, STOP_UPLOAD_WAIT_S, checkpointer_for
@@ -78,6 +79,9 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
 
     recipe = spec.recipe
     backend = os.environ.get("FT_DIST_BACKEND", "nccl")
+    # Every s3:// access of this rank (data, models, checkpoints): the job's AWS_ENDPOINT_URL (the
+    # profile's), bounded timeouts.
+    object_store.configure()
     shared_root = os.environ.get("FT_SHARED_ROOT", str(layout.root.parent.parent))
     warn = lambda message: print(f"warning: {message}", flush=True)  # noqa: E731
     user_cache = cache_root(shared_root, layout.root, warn)
@@ -95,7 +99,8 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     faults = Faults.from_env()
     plan = batch_plan(recipe.training, world, faults.out_of_memory_retry)
     torch.manual_seed(recipe.training.seed)
-    model_path = resolve_model(recipe.model.base, recipe.model.revision, shared_root, user_cache)
+    model_path = resolve_model(recipe.model.base, recipe.model.revision, shared_root, user_cache,
+                               os.environ.get("FT_S3_MODELS", ""), log)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = trainable_model(model_path, recipe.method, recipe.training)
     objective = objective_for(recipe.objective)
@@ -104,7 +109,7 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, config=deepspeed_config(recipe.training, plan, steps),
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
     progress = Reporter()
-    checkpointer = checkpointer_for(layout, recipe, engine, dist, progress, log)
+    checkpointer = checkpointer_for(layout, spec, engine, dist, progress, log)
     start = checkpointer.resume()
     tracker = Tracker(layout, recipe, rank)
     loop = Loop(engine, dist, rank, world, recipe, plan, units, objective, tokenizer.pad_token_id, tracker,

@@ -1,0 +1,59 @@
+"""`checkpoint.every_minutes: auto`: Young/Daly's interval from the save cost and the failure rate,
+never below the background write, the run's own faults counted when they are worse than the prior,
+shown by `ft recipe explain`."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from toolkit.checkpoint.cadence import FIRST_INTERVAL_S, AutoCadence, daly_interval_s
+from toolkit.cluster.profile import load_profile
+from toolkit.recipe.resolve import derive
+from toolkit.recipe.schema import Recipe
+
+
+def test_daly_is_youngs_square_root_for_cheap_saves_and_the_mtbf_for_dear_ones():
+    day = 86400.0
+    assert daly_interval_s(1.0, day) == pytest.approx(math.sqrt(2 * day), rel=0.01)
+    assert daly_interval_s(60.0, day) < math.sqrt(2 * 60 * day)  # the higher-order terms minus C
+    assert daly_interval_s(60.0, day) > daly_interval_s(10.0, day) > daly_interval_s(10.0, day / 10)
+    assert daly_interval_s(day, day) == day and daly_interval_s(0, day) == 0
+
+
+def test_the_interval_never_undercuts_the_write_and_waits_for_a_first_measure():
+    cadence = AutoCadence(job_mtbf_hours=100)
+    assert cadence.interval_s(None, 0) == FIRST_INTERVAL_S
+    assert cadence.interval_s(0.01, write_s=120) == 120  # a 10 ms snapshot would ask for a save every ~85 s
+    assert "the background write's time" in cadence.describe(0.01, write_s=120)
+
+
+def test_the_runs_own_faults_count_when_worse_than_the_clusters_rate():
+    cadence = AutoCadence(job_mtbf_hours=100)
+    assert cadence.mtbf_s()[0] == 100 * 3600
+    assert cadence.mtbf_s(faults=4, observed_s=2 * 3600) == (1800, "this run's 4 fault(s) in 2.00 h")
+    assert cadence.mtbf_s(faults=1, observed_s=1000 * 3600)[0] == 100 * 3600  # luck does not lengthen it
+    assert cadence.interval_s(5, 0, faults=4, observed_s=7200) < cadence.interval_s(5, 0)
+
+
+def recipe(every) -> Recipe:
+    return Recipe.model_validate({"name": "r", "model": {"base": "tiny-llama"}, "data": {"train": "x.jsonl"},
+                                  "resources": {"nodes": 3, "spare_nodes": 1},
+                                  "training": {"steps": 10, "micro_batch": 1, "global_batch": 3},
+                                  "checkpoint": {"every_minutes": every}})
+
+
+def test_the_job_mtbf_is_the_node_mtbf_over_every_node_held_and_only_for_auto():
+    lab = load_profile("lab")
+    assert derive(recipe("auto"), lab).job_mtbf_hours == round(lab.node_mtbf_hours / 4, 2)
+    assert derive(recipe(30), lab).job_mtbf_hours is None
+
+
+def test_every_minutes_takes_auto_or_a_positive_number_only():
+    from pydantic import ValidationError
+
+    assert recipe("auto").checkpoint.every_minutes == "auto"
+    for wrong in ("sometimes", 0, -5):
+        with pytest.raises(ValidationError):
+            recipe(wrong)

@@ -1,0 +1,58 @@
+"""`ft model …`: models in the cluster's object store, which jobs fetch into the shared cache once
+per cluster and copy to node-local disk once per node (toolkit/model_cache.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from toolkit.cli.output import console, plain, task_spinner
+from toolkit.errors import FtError, UsageError
+
+app = typer.Typer(help="Models in the cluster's object store (profile s3_models).", no_args_is_help=True)
+
+
+@app.command()
+def push(
+    folder: Path = typer.Argument(..., help="A whole model folder: config.json, safetensors weights, tokenizer."),
+    name: str = typer.Option(..., "--name", help="The id recipes name in model.base (org/name), @revision to pin"),
+    cluster: str = typer.Option(None, "--cluster", "-c", help="Cluster profile (default: this site's)."),
+) -> None:
+    """Upload a model to the cluster's object store, files first and its manifest (sha256 of each
+    file) last: until the manifest is there no job takes it."""
+    from toolkit.checkpoint import manifest
+    from toolkit.checkpoint.remote import put_folder
+    from toolkit.cluster.profile import load_profile
+    from toolkit.data import object_store
+    from toolkit.model_cache import entry_name
+    from toolkit.model_folder import model_folder_problems
+
+    profile = load_profile(cluster)
+    if not profile.s3_models:
+        raise UsageError(f"cluster profile {profile.name} has no s3_models",
+                         hint="set s3_models: s3://bucket/prefix in the profile (Ansible: ft_profile_s3_models)")
+    base, _, revision = name.partition("@")
+    if not base or base.startswith(("/", ".")) or ".." in base or not manifest.safe_name(base.replace("/", "--")):
+        raise UsageError(f"--name {name!r} is not a model id", hint="use org/name, or org/name@revision")
+    problems = model_folder_problems(folder)
+    if problems:
+        raise FtError(f"{folder} is not a whole model folder: {'; '.join(problems)}",
+                      hint="push a folder that loads with transformers' from_pretrained (safetensors weights)")
+    object_store.configure(profile.s3_endpoint)
+    import fsspec
+
+    url = f"{profile.s3_models.rstrip('/')}/{entry_name(base, revision or None)}"
+    filesystem, key = fsspec.core.url_to_fs(url)
+    with task_spinner("model push") as on_task:
+        on_task("hashing the files")
+        described = manifest.describe(folder, 0, "")
+        on_task(f"uploading {described.total_bytes / 1e6:.0f} MB")
+        try:
+            put_folder(filesystem, folder, described, key)
+        except Exception as exc:  # the store's trouble: named, with where it was going
+            raise FtError(f"uploading to {url} failed: {type(exc).__name__}: {exc}",
+                          hint="check the object store and its credentials (AWS_* in the environment)") from None
+    console.print(f"pushed {len(described.files)} files, {described.total_bytes / 1e6:.0f} MB, to {plain(url)}; "
+                  f"recipes use it as model.base: {plain(base)}" + (f", model.revision: {plain(revision)}"
+                                                                    if revision else ""), soft_wrap=True)
