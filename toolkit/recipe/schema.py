@@ -164,7 +164,7 @@ class ResourceSpec(Strict):
 
 class CheckpointSpec(Strict):
     every_steps: Annotated[int, Field(ge=1)] | None = 100
-    every_minutes: Annotated[float, Field(gt=0)] | Literal["auto"] | None = Field(30, description=(
+    every_minutes: Annotated[float, Field(gt=0)] | Literal["auto"] | None = Field(30.0, description=(
         "Minutes between saves, or auto: the interval that loses the least time to saves and to work redone "
         "after failures (Young/Daly, from the measured save cost and the cluster's failure rate)"))
     keep_last: Annotated[int, Field(ge=1)] = 3
@@ -176,6 +176,12 @@ class CheckpointSpec(Strict):
     asynchronous: bool = Field(True, description="Training waits only for a copy of the state in host memory; "
                                                  "the write and the upload go on in the background (off: the "
                                                  "save waits for the write, and needs no extra host memory)")
+
+    @field_validator("every_minutes", mode="before")
+    @classmethod
+    def minutes_as_float(cls, value):
+        # 30 and 30.0 are the same cadence: stored as a float, so that it serializes as one.
+        return float(value) if type(value) is int else value
 
     @field_validator("s3_mirror")
     @classmethod
