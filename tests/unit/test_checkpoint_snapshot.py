@@ -165,3 +165,30 @@ def test_host_buffers_copy_the_state_and_serve_the_next_save():
     second = buffers.copy(state, {})
     assert second["optimizer"]["state"][0].data_ptr() == first["optimizer"]["state"][0].data_ptr()  # reused
     assert torch.equal(second["optimizer"]["state"][0], torch.full((3,), 5.0))
+
+
+class Payload:
+    """What a planted checkpoint would carry: unpickling it runs a command."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_as_it_loads(tmp_path):
+    from toolkit.train.snapshot import SnapshotEngine
+
+    marker = tmp_path / "ran"
+    planted = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.ones(2)}, "extra": Payload(str(marker))}, planted)
+    engine = SnapshotEngine.__new__(SnapshotEngine)  # load needs none of the writer's state
+    with pytest.raises(Exception, match="Weights only load failed"):
+        engine.load(str(planted))
+    assert not marker.exists()
+    honest = tmp_path / "honest.pt"
+    torch.save({"module": {"w": torch.ones(2)}, "step": 3}, honest)
+    assert engine.load(str(honest))["step"] == 3

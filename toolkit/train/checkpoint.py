@@ -68,9 +68,9 @@ class Checkpointer:
         if tag:
             self.engine.load_checkpoint(str(self.tiers.shared.root), tag=tag, load_module_strict=False)
             self.log(f"resumed from checkpoint {tag} (from {source})")
-        if self.mirror:
-            newest = self.tiers.shared.tags()
-            self.mirror.start(manifest.read(self.tiers.shared.root / newest[0]) if newest else None)
+        if self.mirror:  # a checkpoint resumed from the shared copy may never have reached the store
+            from_shared = tag and source == str(self.tiers.shared)
+            self.mirror.start(manifest.read(self.tiers.shared.root / tag) if from_shared else None)
         self.last_save = time.monotonic()  # the time cadence counts from the start of training
         self._tell_cadence()
         return step_of(tag) if tag else 0

@@ -30,6 +30,17 @@ from toolkit.checkpoint.shared import SharedTier
 PUBLISH_WAIT_S = 1800.0  # rank 0 waits this long for the other ranks' marks before abandoning a save
 
 
+def checkpoint_classes() -> list[type]:
+    """What DeepSpeed's checkpoints hold besides tensors and plain data (found by loading every kind
+    it writes: LoRA and full, ZeRO 0-3, fp32 and bf16). A checkpoint is unpickled with these allowed
+    and nothing else, so one from a shared folder or a bucket cannot run code as it loads."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
 class HostBuffers:
     """Copies of a state's tensors in host memory, one buffer per tensor in the order a save meets
     them; the same buffers serve the next save when the shapes agree."""
@@ -211,7 +222,8 @@ class SnapshotEngine(CheckpointEngine):
         self.job.files.append((Path(path), self.buffers.copy(state_dict, {})))
 
     def load(self, path: str, map_location=None):
-        return torch.load(path, map_location=map_location, weights_only=False)
+        with torch.serialization.safe_globals(checkpoint_classes()):
+            return torch.load(path, map_location=map_location, weights_only=True)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         self.buffers.end()
