@@ -123,6 +123,10 @@ class BackgroundWriter:
         self.closing = threading.Event()
         self.write_seconds, self.last_write_s = 0.0, 0.0
         self.thread = threading.Thread(target=self._run, name="ft-checkpoint-writer", daemon=True)
+        # Every byte is hashed into the manifest (sha256) as it is written: the zip format's own CRC32
+        # would be a second checksum, and it cost half of torch.save's time (benchmarks/CHECKPOINT.md).
+        # Process-wide, and this process is a training rank: nothing else in it saves large files so.
+        torch.serialization.set_crc32_options(False)
         if asynchronous:
             self.thread.start()
 
