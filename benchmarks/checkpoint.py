@@ -66,11 +66,15 @@ def sync():
     if device == "cuda":
         torch.cuda.synchronize()
 
+saver = None
+
 def steps(count):
     began = time.monotonic()
     for _ in range(count):
         loss = engine(input_ids=batch, labels=batch).loss
         engine.backward(loss)
+        if saver is not None:
+            saver.before_optimizer_step()  # as ft's loop does: the last save's copy is taken first
         engine.step()
     sync()
     return time.monotonic() - began
@@ -103,6 +107,8 @@ for index in range(saves + 1):  # the first pair warms ft's host buffers: left o
     saved.append(time.monotonic() - began)
 saver.close(upload_wait=0)
 state_bytes = sum(f.stat().st_size for f in (work / "ft").rglob("*") if f.is_file() and f.name != "latest")
+# Training's pause per save: the save call, and the wait of the next optimizer step for its copy.
+stalls = saver.stalls
 print("RESULT " + json.dumps({"bare": bare, "stalls": stalls[1:], "plain": plain[1:], "saved": saved[1:],
                               "between": between, "write_seconds": saver.writer.write_seconds,
                               "state_mb": state_bytes / 2**20 / 2}), flush=True)

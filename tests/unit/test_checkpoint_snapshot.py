@@ -19,7 +19,8 @@ torch = pytest.importorskip("torch", reason="the training stack (ft[train]) is n
 
 # argv: checkpoint root, model folder, first step, last step, save steps (comma separated), the step
 # whose save fails on rank 1 (0: none). The filesystem is slow (0.4 s a file), so that the steps
-# after a save run while it is written.
+# after a save run while it is written; the copy of the state is late (0.3 s), so that the next step's
+# optimizer would change the state under it if it did not wait.
 RANK_SCRIPT = textwrap.dedent("""
     import hashlib, json, sys, time
     from pathlib import Path
@@ -43,6 +44,11 @@ RANK_SCRIPT = textwrap.dedent("""
             raise OSError(28, "No space left on device")
         return real_write(self, path, state)
     snapshot.BackgroundWriter._write_file = slow_write
+    real_copies = snapshot.SaveJob.take_copies
+    def slow_copies(self):  # the copy is late: the next optimizer step must wait for it
+        time.sleep(0.3)
+        real_copies(self)
+    snapshot.SaveJob.take_copies = slow_copies
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -75,6 +81,7 @@ RANK_SCRIPT = textwrap.dedent("""
         batch = torch.full((1, 8), 3 + step + rank, dtype=torch.long)
         loss = engine(input_ids=batch, labels=batch).loss
         engine.backward(loss)
+        saver.before_optimizer_step()
         engine.step()
         digests[step] = digest()
         if step in saves:
@@ -83,7 +90,7 @@ RANK_SCRIPT = textwrap.dedent("""
             stalls[step] = time.monotonic() - began
     saver.close(upload_wait=5)
     if rank == 0:
-        print("RESULT " + json.dumps({"digests": digests, "stalls": stalls, "logged": logged,
+        print("RESULT " + json.dumps({"digests": digests, "stalls": stalls, "paused": saver.stalls, "logged": logged,
                                       "write_seconds": saver.writer.write_seconds}), flush=True)
 """)
 
@@ -123,6 +130,7 @@ def test_async_saves_resume_to_the_uninterrupted_run_and_a_failed_write_loses_on
     trained = run_ranks(root, tiny_model, 1, 7, "2,4,6", 6)
     write_s = 2 * 0.4  # each rank writes two files a save (the module's states, its ZeRO shard), 0.4 s each
     assert trained["stalls"]["2"] < write_s / 2, trained["stalls"]  # training waited for the snapshot only
+    assert trained["paused"][0] >= 0.25  # the late copy: step 3's optimizer waited for it
     assert any("abandoned" in line and "rank 1" in line and "No space" in line for line in trained["logged"])
     tiers = sorted(p.name for p in root.iterdir() if manifest.is_tag(p.name))
     assert tiers == ["step-00000002", "step-00000004"]  # step 6 was lost, and only step 6

@@ -28,6 +28,10 @@ REMOTE_LIST_WAIT_S = 60.0
 END_UPLOAD_WAIT_S, STOP_UPLOAD_WAIT_S = 300.0, 10.0
 
 
+def torch_device_type(device) -> str:
+    return getattr(device, "type", str(device).split(":")[0])
+
+
 @dataclass
 class Tiers:
     shared: SharedTier
@@ -45,7 +49,9 @@ class Checkpointer:
         zipfile = bool(getattr(getattr(engine, "checkpoint_engine", None), "zipfile_serialization", True))
         self.writer = BackgroundWriter(tiers.shared, rank, world, lineage, zipfile, self._published, log,
                                        asynchronous)
-        engine.checkpoint_engine = SnapshotEngine(self.writer)
+        self.snapshots = SnapshotEngine(self.writer, defer_copy=getattr(engine, "device", None) is not None
+                                        and torch_device_type(engine.device) == "cpu")
+        engine.checkpoint_engine = self.snapshots
         self.last_save = time.monotonic()
         self.seconds, self.written = 0.0, 0  # the time training stood still for saves, and how many
         self.every, self.history = every, history  # seconds or auto; the run's (faults, seconds) so far
@@ -124,6 +130,14 @@ class Checkpointer:
                  f"{time.monotonic() - started:.1f} s, verified)")
 
     # -- save -----------------------------------------------------------------------------------
+
+    def before_optimizer_step(self) -> None:
+        """The last save's copy is taken before the optimizer changes the state (CPU training takes it
+        in the background); the wait, if any, is training's pause for that save."""
+        waited = self.snapshots.wait_copied()
+        if waited:
+            self.seconds += waited
+            self.stalls[-1] += waited
 
     def since_last_save(self) -> float:
         return time.monotonic() - self.last_save

@@ -98,6 +98,7 @@ class Loop:
                 self.faults.before_micro_step(step, self.rank)
                 loss, accuracy = self.objective.loss(self.engine, batch)
                 self.engine.backward(loss)
+                self.checkpointer.before_optimizer_step()
                 self.engine.step()
                 losses.append(loss.detach())
                 if accuracy is not None:

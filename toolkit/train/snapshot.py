@@ -108,7 +108,20 @@ class HashingFile:
 @dataclass
 class SaveJob:
     tag: str
-    files: list[tuple[Path, object]] = field(default_factory=list)
+    files: list[tuple[Path, object]] = field(default_factory=list)  # the states, live until copied
+    buffers: HostBuffers | None = None  # set: the writer takes the copies (into these) before writing
+    copied: threading.Event = field(default_factory=threading.Event)
+
+    def take_copies(self) -> None:
+        try:
+            if self.buffers is not None:
+                self.files = [(path, self.buffers.copy(state, {})) for path, state in self.files]
+                self.buffers.end()
+        except BaseException:
+            self.files = []  # never a live state written while training changes it
+            raise
+        finally:
+            self.copied.set()  # training goes on, whatever became of this save
 
 
 class BackgroundWriter:
@@ -165,6 +178,7 @@ class BackgroundWriter:
         written: dict[str, FileEntry] = {}
         failure = ""
         try:
+            job.take_copies()
             for path, state in job.files:
                 written[str(path.relative_to(staged))] = self._write_file(path, state)
         except Exception as exc:  # a full or failing filesystem: this save is lost, training goes on
@@ -209,31 +223,47 @@ class BackgroundWriter:
 
 
 class SnapshotEngine(CheckpointEngine):
-    """What DeepSpeed saves through: a snapshot per state dict, written by the rank's writer."""
+    """What DeepSpeed saves through: a snapshot per state dict, written by the rank's writer.
 
-    def __init__(self, writer: BackgroundWriter):
+    Where the state is on a GPU, the copy (to pinned host memory, at the device's bandwidth) is taken
+    before the save returns. Where it is in host memory (CPU training), the copy is a memcpy as long
+    as the write's own work, so the writer takes it while the next step's forward and backward run:
+    they only read the state, and the next optimizer step, the first to change it, waits for the copy
+    (`wait_copied`)."""
+
+    def __init__(self, writer: BackgroundWriter, defer_copy: bool = False):
         super().__init__()
         self.name = "ft-snapshot"
-        self.writer = writer
+        self.writer, self.defer_copy = writer, defer_copy
         self.buffers = HostBuffers()
         self.job: SaveJob | None = None
+        self.last: SaveJob | None = None
 
     def create(self, info: CheckpointCommitInfo) -> None:
-        self.job = SaveJob(str(info.tag))
+        self.job = SaveJob(str(info.tag), buffers=self.buffers if self.defer_copy else None)
         self.buffers.begin()
 
     def save(self, state_dict, path: str) -> None:
-        self.job.files.append((Path(path), self.buffers.copy(state_dict, {})))
+        self.job.files.append((Path(path), state_dict if self.defer_copy else self.buffers.copy(state_dict, {})))
 
     def load(self, path: str, map_location=None):
         with torch.serialization.safe_globals(checkpoint_classes()):
             return torch.load(path, map_location=map_location, weights_only=True)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
-        self.buffers.end()
-        job, self.job = self.job, None
-        self.writer.submit(job)
+        if not self.defer_copy:
+            self.buffers.end()
+        self.last, self.job = self.job, None
+        self.writer.submit(self.last)
         return True
+
+    def wait_copied(self) -> float:
+        """Before anything changes the state: wait until the last save's copy is taken; seconds waited."""
+        if self.last is None or self.last.copied.is_set():
+            return 0.0
+        started = time.monotonic()
+        self.last.copied.wait()
+        return time.monotonic() - started
 
     def preserves_storage_sharing(self) -> bool:
         return False  # the snapshot is a compact copy already: no need for DeepSpeed's clone first
