@@ -1,7 +1,9 @@
 """Checkpoints staged and mirrored, on the lab's real object store (SeaweedFS, `ft lab up`): a run
-whose shared checkpoints are deleted mid-run, and one resubmitted under another shared root, both
-resume from S3 and end with the weights of an uninterrupted run (atol 1e-5); a store that is down for
-most of a run costs it nothing, and the mirror catches up when it is back."""
+whose shared checkpoints are deleted mid-run (and whose newest S3 copy is corrupt), and one
+resubmitted under another shared root, both resume from S3 and end with the weights of an
+uninterrupted run (atol 1e-5); a rank killed while a checkpoint is written and another uploaded
+loses neither tier; a store that is down for most of a run costs it nothing, and the mirror catches
+up when it is back."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from tests.support.slurm import wait_for
 from tests.support.tcp_gate import TcpGate
 from tests.support.training import assert_same_weights, ft, submit
 from toolkit.checkpoint.manifest import tag_for
+from toolkit.checkpoint.remote import RemoteTier
 from toolkit.lab import chaos
 
 pytest.importorskip("deepspeed", reason="the training stack (ft[train]) is not installed")
@@ -65,21 +68,53 @@ def rank0_log(run: dict) -> str:
     return (Path(run["run_dir"]) / "logs" / "rank-0.log").read_text()
 
 
-def test_shared_checkpoints_deleted_mid_run_are_fetched_back_from_s3(tiny_baseline, runs, s3):
+def test_shared_checkpoints_deleted_mid_run_are_fetched_back_from_s3(tiny_baseline, runs, s3, store):
     prefix = mirror_prefix()
     run = submit(recipe(runs, "deleted", checkpoint={"s3_mirror": prefix}), runs_dir=runs, env=s3)
-    wait_for("a checkpoint in S3", lambda: mirrored_step(run) >= 20, timeout=300, interval=0.3)
-    # Rank 1 stopped: no checkpoint can be published any more. Then the shared copies go, and the rank.
+    wait_for("two checkpoints in S3", lambda: mirrored_step(run) >= 40, timeout=300, interval=0.3)
+    # Rank 1 stopped: no checkpoint can be published any more. Then the newest copy in S3 is
+    # corrupted, the shared copies go, and the rank.
     stopped = chaos.hang_rank(run["run_id"], 1)
-    time.sleep(2)  # a publish already under way finishes
+    time.sleep(2)  # a publish or an upload already under way finishes
+    remote = RemoteTier(prefix, keep_last=2, filesystem=store)
+    newest, before = remote.tags()[:2]
+    key = f"{prefix.removeprefix('s3://')}/{newest}/mp_rank_00_model_states.pt"
+    data = bytearray(store.cat_file(key))
+    data[-1] ^= 0xFF
+    store.pipe_file(key, bytes(data))
     shutil.rmtree(Path(run["run_dir"]) / "checkpoints")
     os.kill(stopped.pid, signal.SIGKILL)
 
     finished(run, runs)
     log = rank0_log(run)
-    fetched = log.split("fetched checkpoint ", 1)[1].split(" ", 1)[0]
-    assert f"resumed from checkpoint {fetched} (from the object store ({prefix})" in log, log[-3000:]
+    assert f"checkpoint {newest} in the object store ({prefix}) is unusable" in log and "sha256" in log, log[-3000:]
+    assert f"fetched checkpoint {before} from the object store" in log, log[-3000:]
+    assert f"resumed from checkpoint {before} (from the object store ({prefix})" in log, log[-3000:]
     assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), "after resuming from S3")
+
+
+def test_a_rank_killed_while_checkpoints_are_written_and_uploaded_loses_neither_tier(tiny_baseline, runs, s3,
+                                                                                     store, tmp_path):
+    prefix = mirror_prefix()
+    # Every checkpoint file takes 2 s more to write and to upload: a slow filesystem and store.
+    run = submit(recipe(runs, "killed", checkpoint={"s3_mirror": prefix}, env={"FT_FAULT_SLOW_CHECKPOINT_S": "2"}),
+                 runs_dir=runs, env=s3)
+
+    def writing_and_uploading() -> bool:
+        remote = tiers(run).get("remote") or {}
+        uploading = remote.get("pending") is not None and remote.get("pending") != remote.get("step")
+        return uploading and "checkpoint step 40: training paused" in rank0_log(run)
+    wait_for("a save being written while another uploads", writing_and_uploading, timeout=300, interval=0.2)
+    chaos.kill_rank(run["run_id"], 0)  # the writer and the uploader die with it
+
+    finished(run, runs)
+    log = rank0_log(run)
+    assert "resumed from checkpoint step-00000020 (from the shared filesystem" in log, log[-3000:]
+    remote = RemoteTier(prefix, keep_last=2, filesystem=store)
+    assert remote.tags()[0] == tag_for(120)
+    for tag in remote.tags():  # whatever the kill left half-uploaded was never taken for a checkpoint
+        remote.download(tag, tmp_path / tag, None)
+    assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), "after a kill mid-write and upload")
 
 
 def test_a_run_resubmitted_under_another_shared_root_continues_from_s3(tiny_baseline, runs, s3, tmp_path_factory):

@@ -39,8 +39,9 @@ def _quietly(call: Callable[[], object]) -> None:
 
 class Mirror:
     def __init__(self, remote: RemoteTier, shared: SharedTier, board: StatusBoard, log: Callable[[str], None],
-                 max_backoff: float = MAX_BACKOFF_S):
+                 max_backoff: float = MAX_BACKOFF_S, before_file: Callable[[], None] = lambda: None):
         self.remote, self.shared, self.board, self.log = remote, shared, board, log
+        self.before_file = before_file  # a hook for injected faults (toolkit/train/faults.py)
         self.max_backoff = max_backoff
         self.condition = threading.Condition()
         self.wanted: Manifest | None = None  # the newest published checkpoint not uploaded yet
@@ -100,6 +101,7 @@ class Mirror:
     def _keep_going(self) -> bool:
         # Only the end of the run stops an upload half-way: one replaced by every newer checkpoint would
         # never finish when saves come faster than uploads.
+        self.before_file()
         return not self.closing
 
     def _run(self) -> None:

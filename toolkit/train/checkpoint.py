@@ -41,14 +41,16 @@ class Tiers:
 class Checkpointer:
     def __init__(self, tiers: Tiers, engine, dist, rank: int, world: int, progress, log: Callable[[str], None],
                  frozen_excluded: bool, lineage: str, asynchronous: bool, board: StatusBoard,
-                 every: float | AutoCadence | None = None, history: tuple[int, float] = (0, 0.0)):
+                 every: float | AutoCadence | None = None, history: tuple[int, float] = (0, 0.0),
+                 before_file: Callable[[], None] = lambda: None):
         self.tiers, self.engine, self.dist, self.rank = tiers, engine, dist, rank
         self.progress, self.log, self.frozen_excluded, self.lineage = progress, log, frozen_excluded, lineage
         self.board = board
-        self.mirror = Mirror(tiers.remote, tiers.shared, board, log) if rank == 0 and tiers.remote else None
+        self.mirror = Mirror(tiers.remote, tiers.shared, board, log, before_file=before_file) \
+            if rank == 0 and tiers.remote else None
         zipfile = bool(getattr(getattr(engine, "checkpoint_engine", None), "zipfile_serialization", True))
         self.writer = BackgroundWriter(tiers.shared, rank, world, lineage, zipfile, self._published, log,
-                                       asynchronous)
+                                       asynchronous, before_file)
         self.snapshots = SnapshotEngine(self.writer, defer_copy=getattr(engine, "device", None) is not None
                                         and torch_device_type(engine.device) == "cpu")
         engine.checkpoint_engine = self.snapshots
@@ -192,7 +194,8 @@ class Checkpointer:
             self.mirror.close(upload_wait)
 
 
-def checkpointer_for(layout, spec, engine, dist, progress, log: Callable[[str], None]) -> Checkpointer:
+def checkpointer_for(layout, spec, engine, dist, progress, log: Callable[[str], None],
+                     before_file: Callable[[], None] = lambda: None) -> Checkpointer:
     """A rank's checkpointer, from the run spec and the job's environment (FT_S3_PREFIX: the
     cluster's s3_prefix; AWS_ENDPOINT_URL and credentials: the object store's)."""
     recipe = spec.recipe
@@ -213,4 +216,5 @@ def checkpointer_for(layout, spec, engine, dist, progress, log: Callable[[str], 
     return Checkpointer(Tiers(shared, remote), engine, dist, rank, world, progress, log,
                         frozen_excluded=recipe.method.kind != "full", lineage=lineage_of(recipe),
                         asynchronous=recipe.checkpoint.asynchronous, board=board,
-                        every=every * 60 if isinstance(every, float | int) else every, history=history)
+                        every=every * 60 if isinstance(every, float | int) else every, history=history,
+                        before_file=before_file)

@@ -129,9 +129,11 @@ class BackgroundWriter:
     the publish. With `asynchronous` off the same work runs inside the save (a synchronous save)."""
 
     def __init__(self, shared: SharedTier, rank: int, world: int, lineage: str, zipfile: bool,
-                 on_published: Callable[[Manifest], None], log: Callable[[str], None], asynchronous: bool = True):
+                 on_published: Callable[[Manifest], None], log: Callable[[str], None], asynchronous: bool = True,
+                 before_file: Callable[[], None] = lambda: None):
         self.shared, self.rank, self.world, self.lineage, self.zipfile = shared, rank, world, lineage, zipfile
         self.on_published, self.log, self.asynchronous = on_published, log, asynchronous
+        self.before_file = before_file  # a hook for injected faults (toolkit/train/faults.py)
         self.jobs: queue.Queue[SaveJob | None] = queue.Queue()
         self.closing = threading.Event()
         self.write_seconds, self.last_write_s = 0.0, 0.0
@@ -192,6 +194,7 @@ class BackgroundWriter:
             self._publish(job.tag)
 
     def _write_file(self, path: Path, state) -> FileEntry:
+        self.before_file()
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as handle:
             hashing = HashingFile(handle)

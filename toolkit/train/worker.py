@@ -109,7 +109,7 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, config=deepspeed_config(recipe.training, plan, steps),
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
     progress = Reporter()
-    checkpointer = checkpointer_for(layout, spec, engine, dist, progress, log)
+    checkpointer = checkpointer_for(layout, spec, engine, dist, progress, log, faults.checkpoint_file)
     start = checkpointer.resume()
     tracker = Tracker(layout, recipe, rank)
     loop = Loop(engine, dist, rank, world, recipe, plan, units, objective, tokenizer.pad_token_id, tracker,
