@@ -2,8 +2,9 @@
 whose shared checkpoints are deleted mid-run (and whose newest S3 copy is corrupt), and one
 resubmitted under another shared root, both resume from S3 and end with the weights of an
 uninterrupted run (atol 1e-5); a rank killed while a checkpoint is written and another uploaded
-loses neither tier; a store that is down for most of a run costs it nothing, and the mirror catches
-up when it is back."""
+loses neither tier (and the model that run trains, only in S3 at first, is fetched once for both
+ranks and the restart); a store that is down for most of a run costs it nothing, and the mirror
+catches up when it is back."""
 
 from __future__ import annotations
 
@@ -93,12 +94,30 @@ def test_shared_checkpoints_deleted_mid_run_are_fetched_back_from_s3(tiny_baseli
     assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), "after resuming from S3")
 
 
-def test_a_rank_killed_while_checkpoints_are_written_and_uploaded_loses_neither_tier(tiny_baseline, runs, s3,
-                                                                                     store, tmp_path):
+@pytest.fixture
+def pushed_model(lab, s3, tmp_path):
+    """The tiny model every lab run trains, built the same way and pushed by an admin to the lab's
+    S3 (`ft model push`) under a new name: no cache holds it yet."""
+    from toolkit.train.tiny import ensure_tiny_llama
+
+    name = f"lab-tests/tiny-{uuid.uuid4().hex[:8]}"
+    pushed = ft("model", "push", str(ensure_tiny_llama(tmp_path / "models")), "--name", name, env=s3)
+    assert pushed.returncode == 0, pushed.stderr
+    entry = Path(lab.shared_dir) / "models" / name.replace("/", "--")
+    yield name, entry
+    for cached in (entry, Path(f"/tmp/ft-model-cache-{os.getuid()}") / entry.name):
+        shutil.rmtree(cached, ignore_errors=True)
+
+
+def test_a_rank_killed_while_checkpoints_are_written_and_uploaded_loses_neither_tier(tiny_baseline, runs, s3, store,
+                                                                                     pushed_model, tmp_path):
+    """The run also trains a model that only the object store holds: both ranks ask for it at once,
+    and it is fetched once, for the run and its restart (the model cache's object-store tier)."""
+    name, entry = pushed_model
     prefix = mirror_prefix()
     # Every checkpoint file takes 2 s more to write and to upload: a slow filesystem and store.
-    run = submit(recipe(runs, "killed", checkpoint={"s3_mirror": prefix}, env={"FT_FAULT_SLOW_CHECKPOINT_S": "2"}),
-                 runs_dir=runs, env=s3)
+    run = submit(recipe(runs, "killed", model={"base": name}, checkpoint={"s3_mirror": prefix},
+                        env={"FT_FAULT_SLOW_CHECKPOINT_S": "2"}), runs_dir=runs, env=s3)
 
     def writing_and_uploading() -> bool:
         remote = tiers(run).get("remote") or {}
@@ -114,6 +133,9 @@ def test_a_rank_killed_while_checkpoints_are_written_and_uploaded_loses_neither_
     assert remote.tags()[0] == tag_for(120)
     for tag in remote.tags():  # whatever the kill left half-uploaded was never taken for a checkpoint
         remote.download(tag, tmp_path / tag, None)
+    logs = "".join((Path(run["run_dir"]) / "logs" / f"rank-{rank}.log").read_text() for rank in (0, 1))
+    assert logs.count("fetched from s3://ft-models") == 1, logs[-3000:]  # once, for both ranks and the restart
+    assert (entry / "manifest.json").is_file()
     assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), "after a kill mid-write and upload")
 
 
