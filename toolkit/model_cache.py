@@ -190,3 +190,53 @@ def writable(folder: Path) -> bool:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     return os.access(existing, os.W_OK | os.X_OK)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_WAIT_S = 30.0  # a login-side check never waits longer on the object store
+
+
+def fetch_tokenizer(name: str, models_url: str, cache: Path) -> Path | None:
+    """The tokenizer files of a model the object store holds (not its weights), into `cache` (the
+    user's own), each verified against the model's manifest: what validation needs on the login node
+    to count tokens. None when the store has no such model, or does not answer in time."""
+    import threading
+
+    found: list[Path | None] = []
+    thread = threading.Thread(target=lambda: found.append(_fetch_tokenizer(name, models_url, cache)), daemon=True)
+    thread.start()
+    thread.join(TOKENIZER_WAIT_S)
+    return found[0] if found else None
+
+
+def _fetch_tokenizer(name: str, models_url: str, cache: Path) -> Path | None:
+    import fsspec
+
+    from toolkit.checkpoint.manifest import sha256_file
+    from toolkit.checkpoint.remote import RemoteProblem, read_manifest
+
+    target = cache / "tokenizers" / name
+    if (target / "tokenizer.json").is_file():
+        return target
+    try:
+        filesystem, base = fsspec.core.url_to_fs(f"{models_url.rstrip('/')}/{name}")
+        described = read_manifest(filesystem, base)
+        staging = staging_path(target, "download")
+        staging.mkdir(parents=True)
+        for file in TOKENIZER_FILES:
+            entry = described.files.get(file)
+            if entry is None:
+                continue
+            filesystem.get_file(f"{base}/{file}", str(staging / file))
+            if (staging / file).stat().st_size != entry.bytes or sha256_file(staging / file) != entry.sha256:
+                discard(staging)
+                return None
+        if not (staging / "tokenizer.json").is_file():
+            discard(staging)
+            return None
+        staging.rename(target)
+        return target
+    except (RemoteProblem, OSError, ValueError):
+        return None
+    except Exception:  # the store's trouble (credentials, endpoint): validation goes on without lengths
+        return None

@@ -112,3 +112,19 @@ def test_a_model_the_store_does_not_have_is_not_found_and_push_refuses_a_broken_
     refused = push(tmp_path, s3_env, broken, "org/broken")
     assert refused.returncode != 0 and "is not a whole model folder" in refused.stderr
     assert "the tokenizer is missing" in refused.stderr
+
+
+def test_validation_gets_the_tokenizer_alone_from_the_store_verified(tmp_path, s3_env, store):
+    from toolkit.model_cache import fetch_tokenizer
+
+    _, fs = store
+    source = write_model_folder(tmp_path / "source")
+    assert push(tmp_path, s3_env, source, "org/tok").returncode == 0
+    cache = tmp_path / "user-cache"
+    folder = fetch_tokenizer("org--tok", f"s3://{BUCKET}", cache)
+    assert folder == cache / "tokenizers" / "org--tok"
+    assert (folder / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    assert not (folder / "model.safetensors").exists()  # the weights stay in the store
+    fs.pipe_file(f"{BUCKET}/org--tok/tokenizer.json", b'{"model": {"type": "planted"}}')  # changed after push
+    assert fetch_tokenizer("org--tok", f"s3://{BUCKET}", tmp_path / "other-cache") is None
+    assert fetch_tokenizer("org--absent", f"s3://{BUCKET}", tmp_path / "other-cache") is None

@@ -25,8 +25,16 @@ FORMATS_FOR = {"sft": {"prompt_completion", "chat"}, "dpo": {"preference"}}
 
 def tokenizer_for(resolved: ResolvedRecipe, override: str | None = None) -> tuple[LengthCounter | None, str | None]:
     """The recipe's tokenizer, or None and why (length checks are then skipped with a warning)."""
+    spec, profile = override or resolved.recipe.model.base, resolved.profile
+    revision = None if override else resolved.recipe.model.revision
+    if revision and not Path(spec).exists():
+        spec = f"{spec}@{revision}"  # the cache entry of that revision (and the store's)
     try:
-        return load_length_counter(override or resolved.recipe.model.base, resolved.profile.shared_root), None
+        cache = user_cache(profile.shared_root) if profile.s3_models else None
+    except SharedFolderError:
+        cache = None
+    try:
+        return load_length_counter(spec, profile.shared_root, profile.s3_models, cache), None
     except TokenizerNotFound as exc:
         return None, str(exc)
 

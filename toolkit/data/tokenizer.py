@@ -82,9 +82,11 @@ def _from_dir(folder: Path) -> LengthCounter:
     return LengthCounter(Tokenizer.from_str(text), template, **special)
 
 
-def load_length_counter(spec: str, shared_root: str = "") -> LengthCounter:
+def load_length_counter(spec: str, shared_root: str = "", models_url: str = "",
+                        cache: Path | None = None) -> LengthCounter:
     """A tokenizer by model name ('tiny-llama', a local folder, a model id in the cluster's model
-    cache) or by the path of a tokenizer.json."""
+    cache, or in its object store: `models_url`, its tokenizer files fetched into `cache`) or by the
+    path of a tokenizer.json."""
     if spec == "tiny-llama":
         from toolkit.data.tiny_tokenizer import TINY_CHAT_TEMPLATE, train_tiny_tokenizer
 
@@ -105,5 +107,11 @@ def load_length_counter(spec: str, shared_root: str = "") -> LengthCounter:
         for candidate in candidates:
             if (candidate / "tokenizer.json").is_file():
                 return _from_dir(candidate)
+    if models_url and cache is not None:
+        from toolkit.model_cache import fetch_tokenizer
+
+        fetched = fetch_tokenizer(name, models_url, cache)
+        if fetched is not None:
+            return _from_dir(fetched)
     raise TokenizerNotFound(f"no tokenizer for {spec!r}: not a folder or tokenizer.json, and not in the cluster's "
-                            "model cache")
+                            "model cache" + (f" or its object store ({models_url})" if models_url else ""))
