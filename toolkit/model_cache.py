@@ -54,7 +54,8 @@ def cache_dirs(shared_root: str) -> list[Path]:
 
 
 def entry_name(base: str, revision: str | None) -> str:
-    return base.replace("/", "--") + (f"@{revision}" if revision else "")
+    """A model's folder name in every tier: one path part, whatever '/' the id and revision hold."""
+    return base.replace("/", "--") + (f"@{revision.replace('/', '--')}" if revision else "")
 
 
 def made_by_ft(entry: Path) -> bool:
@@ -81,7 +82,10 @@ def usable(entry: Path, warn: Callable[[str], None]) -> bool:
 
 
 def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name != COPY_MARK)
+    """The bytes a node-local copy holds of its source: dot files and folders (a download's .cache,
+    .gitattributes, ft's own mark) are not copied, so not counted."""
+    return sum(p.stat().st_size for p in folder.rglob("*")
+               if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
 
 
 def copy_problems(entry: Path) -> list[str]:
@@ -91,6 +95,20 @@ def copy_problems(entry: Path) -> list[str]:
         return [f"{COPY_MARK} is unreadable"]
     size = folder_bytes(entry)
     return [] if size == expected else [f"it holds {size} bytes, its source {expected}"]
+
+
+def sweep_leftovers(tier: Path, name: str) -> None:
+    """The staging folders of this entry that a builder on this host left when it died (a full disk,
+    a kill): named by staging_path, with the builder's pid, which no longer runs."""
+    import re
+    import socket
+
+    builder = re.escape(f"{name}-{socket.gethostname()}")
+    pattern = re.compile(rf"\.(copying|download)-{builder}-(\d+)-[0-9a-f]{{6}}")
+    for leftover in tier.iterdir():
+        match = pattern.fullmatch(leftover.name)
+        if match and not Path(f"/proc/{match.group(2)}").exists():
+            discard(leftover)
 
 
 def copy_to_local(source: Path, local: Path, log: Callable[[str], None]) -> Path:
@@ -109,9 +127,14 @@ def copy_to_local(source: Path, local: Path, log: Callable[[str], None]) -> Path
                 log(f"model {source.name}: no room on node-local disk for {size / 1e9:.1f} GB: read from {source}")
                 return source
             started = time.monotonic()
+            sweep_leftovers(local, source.name)
             staging = staging_path(target, "copying")
-            shutil.copytree(source, staging, ignore=shutil.ignore_patterns(".*"))
-            (staging / COPY_MARK).write_text(json.dumps({"from": str(source), "bytes": size}) + "\n")
+            try:
+                shutil.copytree(source, staging, ignore=shutil.ignore_patterns(".*"))
+                (staging / COPY_MARK).write_text(json.dumps({"from": str(source), "bytes": size}) + "\n")
+            except BaseException:
+                discard(staging)  # a full disk leaves no half copy behind
+                raise
             problems = model_folder_problems(staging) or copy_problems(staging)
             if problems:
                 discard(staging)
@@ -141,6 +164,7 @@ def fetch_from_store(name: str, models_url: str, tier: Path, log: Callable[[str]
     with exclusive(tier / f".{name}.lock"):
         if usable(target, log):
             return target
+        sweep_leftovers(tier, name)
         started = time.monotonic()
         staging = staging_path(target, "download")
         try:

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from toolkit.checkpoint.cadence import FIRST_INTERVAL_S, AutoCadence, daly_interval_s
+from toolkit.checkpoint.cadence import FIRST_INTERVAL_S, MIN_INTERVAL_S, AutoCadence, daly_interval_s
 from toolkit.cluster.profile import load_profile
 from toolkit.recipe.resolve import derive
 from toolkit.recipe.schema import Recipe
@@ -22,18 +22,21 @@ def test_daly_is_youngs_square_root_for_cheap_saves_and_the_mtbf_for_dear_ones()
     assert daly_interval_s(day, day) == day and daly_interval_s(0, day) == 0
 
 
-def test_the_interval_never_undercuts_the_write_and_waits_for_a_first_measure():
+def test_the_interval_never_undercuts_the_write_nor_a_minute_and_waits_for_a_first_measure():
     cadence = AutoCadence(job_mtbf_hours=100)
     assert cadence.interval_s(None, 0) == FIRST_INTERVAL_S
     assert cadence.interval_s(0.01, write_s=120) == 120  # a 10 ms snapshot would ask for a save every ~85 s
     assert "the background write's time" in cadence.describe(0.01, write_s=120)
+    assert cadence.interval_s(0.0, write_s=0) == MIN_INTERVAL_S == cadence.interval_s(-1, write_s=0)
 
 
-def test_the_runs_own_faults_count_when_worse_than_the_clusters_rate():
+def test_the_runs_own_faults_move_the_estimate_without_collapsing_it():
     cadence = AutoCadence(job_mtbf_hours=100)
     assert cadence.mtbf_s()[0] == 100 * 3600
-    assert cadence.mtbf_s(faults=4, observed_s=2 * 3600) == (1800, "this run's 4 fault(s) in 2.00 h")
-    assert cadence.mtbf_s(faults=1, observed_s=1000 * 3600)[0] == 100 * 3600  # luck does not lengthen it
+    one_early = cadence.mtbf_s(faults=1, observed_s=120)[0]
+    assert one_early == (100 * 3600 + 120) / 2  # one fault two minutes in halves it, no more
+    assert cadence.mtbf_s(faults=40, observed_s=2 * 3600)[0] < 3 * 3600  # many faults: the run's own rate
+    assert "this run's 40 fault(s) in 2.00 h" in cadence.mtbf_s(faults=40, observed_s=7200)[1]
     assert cadence.interval_s(5, 0, faults=4, observed_s=7200) < cadence.interval_s(5, 0)
 
 

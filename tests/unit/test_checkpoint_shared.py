@@ -122,3 +122,42 @@ def test_a_manifest_naming_a_path_outside_its_folder_is_refused(name):
 def test_a_malformed_manifest_is_refused(text):
     with pytest.raises(ValueError):
         Manifest.from_json(text)
+
+
+def test_a_checkpoint_brought_back_replaces_the_newer_unusable_ones_and_is_kept(tmp_path):
+    tier = SharedTier(tmp_path / "shared", keep_last=2)
+    for step in (10, 20):
+        write_checkpoint(tier, step)
+    for tag in ("step-00000010", "step-00000020"):  # both damaged (a lost storage target)
+        (tier.root / tag / "model.pt").write_bytes(b"gone")
+    assert tier.newest_whole(LINEAGE, lambda _: None) is None
+    other = SharedTier(tmp_path / "elsewhere", keep_last=2)  # stands in for the copy from S3
+    write_checkpoint(other, 5)
+    landing = tier.staging / "restore-step-00000005"
+    landing.parent.mkdir(parents=True, exist_ok=True)
+    (other.root / "step-00000005").rename(landing)
+    tier.adopt(landing, "step-00000005")
+    assert tier.tags() == ["step-00000005"]  # kept, and the damaged newer ones gone
+    assert tier.newest_whole(LINEAGE, print) == "step-00000005"
+
+
+def test_a_checkpoint_being_uploaded_is_not_pruned_under_it(tmp_path):
+    tier = SharedTier(tmp_path, keep_last=1)
+    write_checkpoint(tier, 10)
+    tier.pinned.add("step-00000010")
+    write_checkpoint(tier, 20)
+    assert tier.tags() == ["step-00000020", "step-00000010"]
+    tier.pinned.clear()
+    tier.prune()
+    assert tier.tags() == ["step-00000020"]
+
+
+def test_a_manifest_of_another_step_or_of_nothing_is_not_whole(tmp_path):
+    tier = SharedTier(tmp_path, keep_last=3)
+    write_checkpoint(tier, 10)
+    (tmp_path / "step-00000010").rename(tmp_path / "step-00000030")  # a folder renamed by hand
+    assert "of step 10" in manifest.verify(tmp_path / "step-00000030", LINEAGE, 30)
+    for text in ('{"step": 1, "files": {}}', '{"step": -1, "files": {"a": {"bytes": 1, "sha256": "' + "a" * 64 + '"}}}',
+                 "[" * 100_000 + "]" * 100_000):
+        with pytest.raises(ValueError):
+            Manifest.from_json(text)

@@ -200,3 +200,22 @@ def test_a_checkpoint_that_would_run_code_is_refused_as_it_loads(tmp_path):
     honest = tmp_path / "honest.pt"
     torch.save({"module": {"w": torch.ones(2)}, "step": 3}, honest)
     assert engine.load(str(honest))["step"] == 3
+
+
+def test_a_writer_whose_mark_cannot_be_written_lives_on_and_the_next_save_does_not_hang(tmp_path):
+    from toolkit.checkpoint.shared import SharedTier
+    from toolkit.train.snapshot import BackgroundWriter, SaveJob
+
+    class MarkFails(SharedTier):
+        def mark_written(self, *args, **kwargs):
+            raise OSError(122, "Disk quota exceeded")
+
+    logged: list[str] = []
+    writer = BackgroundWriter(MarkFails(tmp_path, 2), rank=1, world=2, lineage="l", zipfile=True,
+                              on_published=lambda m: None, log=logged.append)
+    for step in (1, 2):
+        job = SaveJob(f"step-{step:08d}", [(tmp_path / ".staging" / f"step-{step:08d}" / "x.pt", {"w": torch.ones(2)})])
+        writer.submit(job)
+        assert writer.wait_marked() < 5 and writer.wait() < 5
+    assert writer.thread.is_alive() and sum("quota" in line for line in logged) == 2
+    writer.close()

@@ -174,3 +174,30 @@ def test_the_hub_tier_is_the_shared_cache_even_when_the_local_tier_is_left_out(t
     monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(snapshot_download=snapshot_download))
     path = resolve_model("org/m", None, str(tmp_path / "shared"), tmp_path / "user-cache")
     assert path == tmp_path / "shared" / "models" / "org--m" and downloads == [tmp_path / "shared" / "models"]
+
+
+def test_a_revision_with_slashes_is_one_folder_and_one_that_climbs_is_refused(tmp_path, monkeypatch):
+    from pydantic import ValidationError
+
+    from toolkit.model_cache import entry_name
+    from toolkit.recipe.schema import ModelSpec
+
+    assert entry_name("org/beta", "refs/pr/1") == "org--beta@refs--pr--1"
+    assert ModelSpec(base="org/beta", revision="refs/pr/1").revision == "refs/pr/1"
+    for climbing in ("x/../../../tmp/escaped", "../up", "/abs", "a//b"):
+        with pytest.raises(ValidationError):
+            ModelSpec(base="org/beta", revision=climbing)
+
+
+def test_a_model_with_dot_files_is_copied_to_node_local_disk(tmp_path, monkeypatch):
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    entry = write_model_folder(shared / "models" / ENTRY)
+    (entry / ".gitattributes").write_text("*.safetensors filter=lfs\n")  # what a hub download leaves
+    (entry / ".cache" / "huggingface").mkdir(parents=True)
+    (entry / ".cache" / "huggingface" / "download.lock").write_text("x" * 100)
+    monkeypatch.setenv("FT_MODEL_CACHE_LOCAL", str(local))
+    logged: list[str] = []
+    found = resolve_model("meta-llama/Llama-3.1-8B", "abc123", str(shared), tmp_path / "user-cache",
+                          log=logged.append)
+    assert found == local / ENTRY, logged
+    assert not any("not whole" in line for line in logged)

@@ -75,9 +75,14 @@ class Manifest:
         """ValueError, saying what, for anything but a well-formed manifest with safe file names."""
         if len(text) > MAX_MANIFEST_BYTES:
             raise ValueError(f"the manifest is over {MAX_MANIFEST_BYTES} bytes")
-        raw = json.loads(text)
+        try:
+            raw = json.loads(text)
+        except RecursionError:
+            raise ValueError("the manifest is nested too deeply") from None
         if not isinstance(raw, dict) or not isinstance(raw.get("files"), dict) or type(raw.get("step")) is not int:
             raise ValueError("the manifest lacks its step or its files")
+        if raw["step"] < 0 or not raw["files"]:
+            raise ValueError("the manifest has a negative step or names no file")
         files = {}
         for name, entry in raw["files"].items():
             if not safe_name(name):
@@ -132,10 +137,13 @@ def lineage_problem(manifest: Manifest, lineage: str | None) -> str | None:
     return None
 
 
-def verify(folder: Path, lineage: str | None = None) -> str | None:
-    """None when the checkpoint in `folder` is whole, unchanged and of this lineage; else what is wrong."""
+def verify(folder: Path, lineage: str | None = None, step: int | None = None) -> str | None:
+    """None when the checkpoint in `folder` is whole, unchanged, of this lineage (and of this step);
+    else what is wrong."""
     try:
         manifest = read(folder)
     except (OSError, ValueError):
         return "no readable manifest (the write never finished)"
+    if step is not None and manifest.step != step:
+        return f"its manifest is of step {manifest.step}"
     return lineage_problem(manifest, lineage) or problem(folder, manifest)

@@ -141,7 +141,15 @@ class Mirror:
             pass
         started = time.monotonic()
         self.board.pending(checkpoint.step)
-        self.remote.upload(self.shared.root / checkpoint.tag, checkpoint, self._keep_going)
+        self.shared.pinned.add(checkpoint.tag)  # not pruned while it goes up
+        try:
+            self.remote.upload(self.shared.root / checkpoint.tag, checkpoint, self._keep_going)
+        except FileNotFoundError:
+            if self.wanted is not None:  # pruned or replaced meanwhile: a newer one is waiting
+                raise InterruptedError(f"checkpoint {checkpoint.tag} was superseded") from None
+            raise
+        finally:
+            self.shared.pinned.discard(checkpoint.tag)
         seconds = time.monotonic() - started
         self.remote.prune()
         self.board.mirrored(checkpoint.step)

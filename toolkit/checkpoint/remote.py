@@ -71,6 +71,8 @@ class RemoteTier:
 
     def download(self, tag: str, destination: Path, lineage: str | None) -> Manifest:
         """Fetch a checkpoint into `destination` (a new folder) and verify it against its manifest."""
+        if self.manifest(tag).step != step_of(tag):
+            raise RemoteProblem(f"{tag}'s manifest is of another step")
         return get_folder(self.filesystem, self._path(tag), destination, lineage)
 
     def prune(self) -> None:
@@ -138,6 +140,8 @@ def get_folder(fs, base: str, destination: Path, lineage: str | None = None) -> 
                 fs.get_file(f"{base}/{name}", str(target))
             except FileNotFoundError:
                 raise RemoteProblem(f"{base}/{name} is missing") from None
+            except (IsADirectoryError, NotADirectoryError, FileExistsError) as exc:  # 'a' and 'a/b' both named
+                raise RemoteProblem(f"{base}'s manifest names clashing paths ({exc})") from None
         trouble = manifest.problem(destination, described)
         if trouble:
             raise RemoteProblem(trouble)

@@ -12,9 +12,10 @@ import json
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from toolkit.cache_entries import discard
 from toolkit.checkpoint import manifest
 from toolkit.checkpoint.manifest import FileEntry, Manifest, is_tag, step_of
 
@@ -45,6 +46,11 @@ class Mark:
 class SharedTier:
     root: Path
     keep_last: int
+    # Tags being uploaded by this process's mirror: not pruned under it (keep_last 1 would otherwise
+    # delete each checkpoint before its upload ends, and none would ever reach the store).
+    pinned: set[str] = field(default_factory=set)
+    # Tags the last look found unusable: a checkpoint brought back from another tier replaces them.
+    unusable: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         return f"the shared filesystem ({self.root})"
@@ -71,11 +77,13 @@ class SharedTier:
 
     def newest_whole(self, lineage: str | None, warn: Callable[[str], None]) -> str | None:
         """The newest checkpoint that verifies."""
+        self.unusable = []
         for tag in self.tags():
-            trouble = manifest.verify(self.root / tag, lineage)
+            trouble = manifest.verify(self.root / tag, lineage, step_of(tag))
             if trouble is None:
                 return tag
             warn(f"checkpoint {tag} on {self} is unusable ({trouble}); trying the one before")
+            self.unusable.append(tag)
         return None
 
     def prepare(self) -> None:
@@ -123,8 +131,12 @@ class SharedTier:
         return described
 
     def adopt(self, folder: Path, tag: str) -> None:
-        """A verified copy from another tier (downloaded into .staging) becomes a checkpoint here."""
+        """A verified copy from another tier (downloaded into .staging) becomes a checkpoint here; the
+        newer ones found unusable go (else keep-last would count them, and prune the one adopted)."""
         fsync_tree(folder)
+        for bad in self.unusable:
+            if step_of(bad) > step_of(tag):
+                discard(self.root / bad)
         self._install(folder, tag)
 
     def _install(self, folder: Path, tag: str) -> None:
@@ -140,8 +152,10 @@ class SharedTier:
             pointer.replace(self.root / LATEST)  # the pointer moves last
         else:  # an older checkpoint brought back from another tier: the pointer stays on the newest
             pointer.unlink()
-        self.prune()
+        self.prune(keep=tag)
 
-    def prune(self) -> None:
+    def prune(self, keep: str | None = None) -> None:
+        """Keep the newest keep_last, the one just installed, and any being uploaded."""
         for tag in self.tags()[self.keep_last:]:
-            shutil.rmtree(self.root / tag, ignore_errors=True)
+            if tag != keep and tag not in self.pinned:
+                shutil.rmtree(self.root / tag, ignore_errors=True)

@@ -52,7 +52,7 @@ def summary_line(state: dict, now: float | None = None) -> str | None:
     before the first checkpoint, or for a file that is not what rank 0 writes)."""
     try:
         return _summary(state, time.time() if now is None else now)
-    except (AttributeError, TypeError, ValueError, KeyError):
+    except (AttributeError, TypeError, ValueError, KeyError, OverflowError):
         return None
 
 

@@ -3,6 +3,7 @@ per cluster and copy to node-local disk once per node (toolkit/model_cache.py)."
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import typer
@@ -32,8 +33,17 @@ def push(
     if not profile.s3_models:
         raise UsageError(f"cluster profile {profile.name} has no s3_models",
                          hint="set s3_models: s3://bucket/prefix in the profile (Ansible: ft_profile_s3_models)")
+    from pydantic import ValidationError
+
+    from toolkit.recipe.schema import ModelSpec
+
     base, _, revision = name.partition("@")
-    if not base or base.startswith(("/", ".")) or ".." in base or not manifest.safe_name(base.replace("/", "--")):
+    try:
+        ModelSpec(base=base, revision=revision or None)  # the revision rule recipes follow
+        named = bool(re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._@+-]{0,250}", entry_name(base, revision or None)))
+    except ValidationError:
+        named = False
+    if not named:
         raise UsageError(f"--name {name!r} is not a model id", hint="use org/name, or org/name@revision")
     problems = model_folder_problems(folder)
     if problems:

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+REVISION_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}(/[A-Za-z0-9_][A-Za-z0-9._-]{0,99}){0,4}"
 # Environment names that carry secrets (a word of the name, so TOKENIZERS_PARALLELISM is not one):
 # passed from the submitting environment by name, never written into a script.
 SECRET_ENV_WORDS = {"KEY", "APIKEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASS", "CREDENTIAL", "CREDENTIALS"}
@@ -62,7 +63,16 @@ class Tier(StrEnum):
 class ModelSpec(Strict):
     base: str = Field(description="Local path, a model id (resolved through the cluster's model cache), "
                                   "or 'tiny-llama' (built locally: tests and the lab)")
-    revision: str | None = Field(None, description="Revision of a model id (a tag or commit)")
+    revision: str | None = Field(None, description="Revision of a model id (a tag, a commit, or a ref "
+                                                   "such as refs/pr/1)")
+
+    @field_validator("revision")
+    @classmethod
+    def plain_revision(cls, value: str | None) -> str | None:
+        # It names cache folders and object keys: plain parts only, never '..'.
+        if value is not None and not re.fullmatch(REVISION_PATTERN, value) or value and ".." in value.split("/"):
+            raise ValueError(f"{value!r} is not a revision: letters, digits, '.', '_', '-', and '/' between parts")
+        return value
     params_b: Annotated[float, Field(gt=0)] | None = Field(
         None, description="Size in billions of parameters; inferred from the name when it says (8B, 70b)")
 

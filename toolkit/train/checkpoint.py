@@ -57,6 +57,7 @@ class Checkpointer:
         self.last_save = time.monotonic()
         self.seconds, self.written = 0.0, 0  # the time training stood still for saves, and how many
         self.every, self.history = every, history  # seconds or auto; the run's (faults, seconds) so far
+        self.started = time.monotonic()
         self.stalls: list[float] = []
         self.told = ""
 
@@ -150,13 +151,18 @@ class Checkpointer:
         if not isinstance(self.every, AutoCadence):
             return self.every or 0.0
         cost = statistics.median(self.stalls[-5:]) if self.stalls else None
-        return self.every.interval_s(cost, self.writer.last_write_s, *self.history)
+        return self.every.interval_s(cost, self.writer.last_write_s, *self.seen())
+
+    def seen(self) -> tuple[int, float]:
+        """The run's faults and wall clock so far: its history, and this start's time since."""
+        faults, wall = self.history
+        return faults, wall + time.monotonic() - self.started
 
     def _tell_cadence(self) -> None:
         if self.rank != 0 or not isinstance(self.every, AutoCadence):
             return
         cost = statistics.median(self.stalls[-5:]) if self.stalls else None
-        told = self.every.describe(cost, self.writer.last_write_s, *self.history)
+        told = self.every.describe(cost, self.writer.last_write_s, *self.seen())
         if told.split(":")[0] != self.told.split(":")[0]:  # the interval changed (to the 0.1 min)
             self.log(f"checkpoint cadence (auto): {told}")
         self.told = told
@@ -165,7 +171,7 @@ class Checkpointer:
         """Snapshot the state and return; the write goes on in the background."""
         started = time.monotonic()
         self.progress.report("save", step)
-        waited = self.writer.wait()  # the previous save's write, if still going: saves never overlap
+        waited = self.settle_previous()  # the previous save's write, if still going: saves never overlap
         if waited > 0.5:
             self.log(f"waited {waited:.1f} s for checkpoint writes before saving step {step}: checkpoints come "
                      "faster than the filesystem takes them (checkpoint.every_steps / every_minutes)")
@@ -183,13 +189,24 @@ class Checkpointer:
                  + (" (the write goes on in the background)" if self.writer.asynchronous else ""))
         self._tell_cadence()
 
+    def settle_previous(self) -> float:
+        """Every rank: its part of the last save written; then (a barrier) rank 0's publish of it,
+        which gives up at once on a part that is missing now, since it will never come. Seconds
+        waited."""
+        started = time.monotonic()
+        self.writer.wait_marked()
+        self.dist.barrier()
+        self.writer.ranks_done.set()
+        self.writer.wait()
+        return time.monotonic() - started
+
     def close(self, upload_wait: float, together: bool = True) -> None:
         """The end of this process's checkpoints: the last write waited for, the last upload for at
-        most `upload_wait` seconds. `together`: every rank closes (then a barrier, after which rank 0
-        has published); not after a failure, when another rank may never come."""
-        self.writer.close(abandon_unpublished=not together)
+        most `upload_wait` seconds. `together`: every rank closes (after which rank 0 has published);
+        not after a failure, when another rank may never come."""
         if together:
-            self.dist.barrier()
+            self.settle_previous()
+        self.writer.close(abandon_unpublished=not together)
         if self.mirror:
             self.mirror.close(upload_wait)
 

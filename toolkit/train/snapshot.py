@@ -111,6 +111,7 @@ class SaveJob:
     files: list[tuple[Path, object]] = field(default_factory=list)  # the states, live until copied
     buffers: HostBuffers | None = None  # set: the writer takes the copies (into these) before writing
     copied: threading.Event = field(default_factory=threading.Event)
+    marked: threading.Event = field(default_factory=threading.Event)  # this rank's part written (or failed)
 
     def take_copies(self) -> None:
         try:
@@ -136,6 +137,10 @@ class BackgroundWriter:
         self.before_file = before_file  # a hook for injected faults (toolkit/train/faults.py)
         self.jobs: queue.Queue[SaveJob | None] = queue.Queue()
         self.closing = threading.Event()
+        self.last: SaveJob | None = None
+        # Set once every rank is past its own part of the save being published (a barrier): a mark
+        # still missing then will never come, and rank 0 abandons that checkpoint at once.
+        self.ranks_done = threading.Event()
         self.write_seconds, self.last_write_s = 0.0, 0.0
         self.thread = threading.Thread(target=self._run, name="ft-checkpoint-writer", daemon=True)
         # Every byte is hashed into the manifest (sha256) as it is written: the zip format's own CRC32
@@ -146,15 +151,24 @@ class BackgroundWriter:
             self.thread.start()
 
     def submit(self, job: SaveJob) -> None:
+        self.last = job
+        self.ranks_done.clear()
         if self.asynchronous:
             self.jobs.put(job)
         else:
             self._write(job)
 
     def wait(self) -> float:
-        """Wait for the save being written (if any); the seconds waited."""
+        """Wait for the save being written (if any), published included on rank 0; the seconds waited."""
         started = time.monotonic()
         self.jobs.join()
+        return time.monotonic() - started
+
+    def wait_marked(self) -> float:
+        """Wait until this rank's part of the last save is written (or failed); the seconds waited."""
+        started = time.monotonic()
+        if self.last is not None:
+            self.last.marked.wait()
         return time.monotonic() - started
 
     def close(self, abandon_unpublished: bool = False) -> None:
@@ -170,7 +184,11 @@ class BackgroundWriter:
         while (job := self.jobs.get()) is not None:
             try:
                 self._write(job)
+            except Exception as exc:  # never the end of the thread: the next save would wait forever
+                self.log(f"warning: checkpoint {job.tag} was not written: {type(exc).__name__}: {exc}")
             finally:
+                job.copied.set()
+                job.marked.set()
                 self.jobs.task_done()
         self.jobs.task_done()
 
@@ -187,7 +205,12 @@ class BackgroundWriter:
             failure = f"{type(exc).__name__}: {exc}"
             self.log(f"warning: writing checkpoint {job.tag} failed: {failure}")
         job.files.clear()  # the snapshot's references go; the buffers stay for the next save
-        self.shared.mark_written(job.tag, self.rank, written, failure)
+        try:
+            self.shared.mark_written(job.tag, self.rank, written, failure)
+        except OSError as exc:  # the mark itself could not be written: rank 0 gives up on this save
+            self.log(f"warning: checkpoint {job.tag}: this rank's mark could not be written ({exc})")
+        finally:
+            job.marked.set()
         self.last_write_s = time.monotonic() - started
         self.write_seconds += self.last_write_s
         if self.rank == 0:
@@ -206,7 +229,7 @@ class BackgroundWriter:
     def _publish(self, tag: str) -> None:
         deadline = time.monotonic() + PUBLISH_WAIT_S
         while len(marks := self.shared.written_marks(tag)) < self.world:
-            if self.closing.is_set() or time.monotonic() > deadline:
+            if self.closing.is_set() or self.ranks_done.is_set() or time.monotonic() > deadline:
                 self.log(f"warning: checkpoint {tag} abandoned: {self.world - len(marks)} rank(s) never wrote "
                          "their part")
                 return
@@ -222,7 +245,10 @@ class BackgroundWriter:
         except Exception as exc:
             self.log(f"warning: publishing checkpoint {tag} failed: {type(exc).__name__}: {exc}")
             return
-        self.on_published(published)
+        try:
+            self.on_published(published)
+        except Exception as exc:  # the status board or the mirror's hand-over: the checkpoint stands
+            self.log(f"warning: after publishing checkpoint {tag}: {type(exc).__name__}: {exc}")
 
 
 class SnapshotEngine(CheckpointEngine):
