@@ -10,7 +10,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -56,6 +56,22 @@ class Submission:
     run: RunRecord
     run_dir: Path
     created: bool  # False: an earlier submission with the same idempotency key was returned
+    warnings: list[str] = field(default_factory=list)
+
+
+def mirror_warnings(resolved: ResolvedRecipe, run_id: str) -> list[str]:
+    """What the user should know before the job runs: checkpoints bound for an object store that
+    this environment (which the job inherits) has no credentials for."""
+    from toolkit.checkpoint.remote import mirror_url
+    from toolkit.data import object_store
+
+    url = mirror_url(resolved.recipe.checkpoint.s3_mirror, resolved.profile.s3_prefix, run_id)
+    if url is None or object_store.credentials_visible(resolved.profile.s3_endpoint):
+        return []
+    lab = ' (the lab\'s: eval "$(ft lab env)")' if resolved.profile.name == "lab" else ""
+    return [f"checkpoints will be mirrored to {url}, but this environment has no S3 credentials (AWS_ACCESS_KEY_ID "
+            f"or AWS_PROFILE){lab}: the job inherits it, so its uploads will fail (training is not affected; "
+            "`ft status` shows the mirror)"]
 
 
 def _executor(folder: Path, script: str):
@@ -134,4 +150,4 @@ def _submit_new(resolved: ResolvedRecipe, store: RunStore, key: str | None, mode
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-done: no run without a job
         raise
     record = store.add_job(run_id, JobRecord(job_id, time.time()))  # the job may have registered first
-    return Submission(record, run_dir, created=True)
+    return Submission(record, run_dir, created=True, warnings=mirror_warnings(resolved, run_id))

@@ -69,12 +69,19 @@ def rank0_log(run: dict) -> str:
     return (Path(run["run_dir"]) / "logs" / "rank-0.log").read_text()
 
 
-def test_shared_checkpoints_deleted_mid_run_are_fetched_back_from_s3(tiny_baseline, runs, s3, store):
+@pytest.fixture(scope="module")
+def deleted_mid_run(tiny_baseline, runs, s3) -> dict:
+    """A run whose shared checkpoints are deleted mid-run, and whose newest copy in S3 is corrupt:
+    rank 1 stopped (no checkpoint can be published any more), the newest S3 copy flipped, the shared
+    copies removed, then the rank killed; the restart inside the job must come from S3."""
+    import s3fs
+
+    store = s3fs.S3FileSystem(endpoint_url=s3["AWS_ENDPOINT_URL"], key=s3["AWS_ACCESS_KEY_ID"],
+                              secret=s3["AWS_SECRET_ACCESS_KEY"], skip_instance_cache=True)
     prefix = mirror_prefix()
-    run = submit(recipe(runs, "deleted", checkpoint={"s3_mirror": prefix}), runs_dir=runs, env=s3)
+    document = recipe(runs, "deleted", checkpoint={"s3_mirror": prefix})
+    run = submit(document, runs_dir=runs, env=s3)
     wait_for("two checkpoints in S3", lambda: mirrored_step(run) >= 40, timeout=300, interval=0.3)
-    # Rank 1 stopped: no checkpoint can be published any more. Then the newest copy in S3 is
-    # corrupted, the shared copies go, and the rank.
     stopped = chaos.hang_rank(run["run_id"], 1)
     time.sleep(2)  # a publish or an upload already under way finishes
     remote = RemoteTier(prefix, keep_last=2, filesystem=store)
@@ -85,13 +92,34 @@ def test_shared_checkpoints_deleted_mid_run_are_fetched_back_from_s3(tiny_baseli
     store.pipe_file(key, bytes(data))
     shutil.rmtree(Path(run["run_dir"]) / "checkpoints")
     os.kill(stopped.pid, signal.SIGKILL)
-
     finished(run, runs)
+    return {"run": run, "prefix": prefix, "newest": newest, "before": before, "recipe": document, "remote": remote}
+
+
+def test_shared_checkpoints_deleted_mid_run_are_fetched_back_from_s3(tiny_baseline, deleted_mid_run):
+    run, prefix, newest, before = (deleted_mid_run[key] for key in ("run", "prefix", "newest", "before"))
     log = rank0_log(run)
     assert f"checkpoint {newest} in the object store ({prefix}) is unusable" in log and "sha256" in log, log[-3000:]
     assert f"fetched checkpoint {before} from the object store" in log, log[-3000:]
     assert f"resumed from checkpoint {before} (from the object store ({prefix})" in log, log[-3000:]
     assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), "after resuming from S3")
+
+
+def test_a_run_resubmitted_under_another_shared_root_continues_from_s3(tiny_baseline, deleted_mid_run, runs, s3):
+    """The same recipe (its s3_mirror names the run's checkpoints) resubmitted where none of the first
+    run's files are: it continues from S3, from the step before the last (the last one taken away)."""
+    remote, prefix = deleted_mid_run["remote"], deleted_mid_run["prefix"]
+    last, before_last = remote.tags()[:2]
+    assert last == tag_for(120)
+    remote.filesystem.rm(f"{prefix.removeprefix('s3://')}/{last}", recursive=True)
+    elsewhere = runs.parent / f"elsewhere-{uuid.uuid4().hex[:8]}"  # another shared root
+    elsewhere.mkdir()
+    second = submit(deleted_mid_run["recipe"], runs_dir=elsewhere, env=s3)
+    finished(second, elsewhere)
+    log = rank0_log(second)
+    assert f"resumed from checkpoint {before_last} (from the object store ({prefix})" in log, log[-3000:]
+    assert "step 120/120" in log
+    assert_same_weights(Path(tiny_baseline["run_dir"]), Path(second["run_dir"]), "after moving to another root")
 
 
 @pytest.fixture
@@ -137,24 +165,6 @@ def test_a_rank_killed_while_checkpoints_are_written_and_uploaded_loses_neither_
     assert logs.count("fetched from s3://ft-models") == 1, logs[-3000:]  # once, for both ranks and the restart
     assert (entry / "manifest.json").is_file()
     assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), "after a kill mid-write and upload")
-
-
-def test_a_run_resubmitted_under_another_shared_root_continues_from_s3(tiny_baseline, runs, s3, tmp_path_factory):
-    prefix = mirror_prefix()
-    document = recipe(runs, "moving", checkpoint={"s3_mirror": prefix})
-    first = submit(document, runs_dir=runs, env=s3)
-    wait_for("a checkpoint in S3", lambda: mirrored_step(first) >= 20, timeout=300, interval=0.3)
-    assert ft("cancel", first["run_id"], runs_dir=runs).returncode == 0
-    reached = mirrored_step(first)
-
-    elsewhere = Path(runs.parent) / f"elsewhere-{uuid.uuid4().hex[:8]}"  # another shared root: nothing of the first
-    elsewhere.mkdir()
-    second = submit(document, runs_dir=elsewhere, env=s3)
-    finished(second, elsewhere)
-    log = rank0_log(second)
-    resumed = int(log.split("resumed from checkpoint step-", 1)[1][:8])
-    assert resumed >= reached and f"(from the object store ({prefix})" in log, log[-3000:]
-    assert_same_weights(Path(tiny_baseline["run_dir"]), Path(second["run_dir"]), "after moving to another root")
 
 
 def test_a_store_down_for_most_of_a_run_costs_nothing_and_the_mirror_catches_up(lab, runs, s3, store):

@@ -165,3 +165,35 @@ def test_the_mirror_of_a_run():
     assert mirror_url("s3://bucket/mine/", "s3://site/ft", "run-1") == "s3://bucket/mine"
     assert mirror_url(None, "s3://site/ft/", "run-1") == "s3://site/ft/runs/run-1/checkpoints"
     assert mirror_url(None, "", "run-1") is None
+
+
+def test_the_status_of_a_run_that_ended_with_an_upload_abandoned_says_so_and_stops_counting(tmp_path):
+    board = StatusBoard(tmp_path / "checkpoints.json", "s3://bucket/run")
+    board.published(20)
+    board.pending(20)
+    board.mirrored(20)
+    state = json.loads((tmp_path / "checkpoints.json").read_text())
+    assert state["remote"]["pending"] is None  # nothing in flight once it is up
+    board.published(40)
+    board.pending(40)
+    board.failed("NoCredentialsError: Unable to locate credentials")
+    assert "retrying" in summary_line(json.loads((tmp_path / "checkpoints.json").read_text()))
+    board.gave_up(40)
+    line = summary_line(json.loads((tmp_path / "checkpoints.json").read_text()), now=time.time() + 3600)
+    assert "step 40 was not uploaded when the job ended: NoCredentialsError" in line
+    assert "retrying" not in line and "failing for" not in line and "uploading" not in line
+
+
+def test_submit_warns_when_the_mirror_will_find_no_credentials(tmp_path, monkeypatch):
+    from tests.support.training import TINY
+    from toolkit.recipe.resolve import resolve
+    from toolkit.submission import mirror_warnings
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    resolved = resolve(TINY, "lab")
+    (warning,) = mirror_warnings(resolved, "run-1")
+    assert "s3://ft-checkpoints/runs/run-1/checkpoints" in warning and 'eval "$(ft lab env)"' in warning
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "lab-key")
+    assert mirror_warnings(resolved, "run-1") == []

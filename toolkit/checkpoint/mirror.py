@@ -91,6 +91,7 @@ class Mirror:
             in_flight, abandoned = self.uploading, self.uploading or self.wanted
             self.condition.notify_all()
         if not drained and abandoned is not None:
+            self.board.gave_up(abandoned.step)
             why = f"the store is failing: {self.failing}" if self.failing else f"not within {timeout:.0f} s"
             self.log(f"warning: checkpoint step {abandoned.step} did not reach {self.remote} ({why}): its upload "
                      "is abandoned (the shared filesystem has it; a restart's mirror uploads it)")

@@ -19,7 +19,8 @@ class StatusBoard:
         self.lock = threading.Lock()
         self.state: dict = {"shared": {"step": None, "at": None},
                             "remote": {"url": remote_url, "step": None, "at": None, "pending": None,
-                                       "error": None, "failing_since": None} if remote_url else None}
+                                       "error": None, "failing_since": None, "retrying": False,
+                                       "abandoned": None} if remote_url else None}
 
     def _update(self, tier: str, **values) -> None:
         from toolkit.shared_dirs import write_atomically
@@ -40,11 +41,18 @@ class StatusBoard:
         self._update("remote", pending=step)
 
     def mirrored(self, step: int) -> None:
-        self._update("remote", step=step, at=time.time(), error=None, failing_since=None)
+        pending = (self.state.get("remote") or {}).get("pending")
+        self._update("remote", step=step, at=time.time(), error=None, failing_since=None, retrying=False,
+                     pending=None if pending is not None and pending <= step else pending)
 
     def failed(self, error: str) -> None:
         since = (self.state.get("remote") or {}).get("failing_since") or time.time()
-        self._update("remote", error=error[:500], failing_since=since)
+        self._update("remote", error=error[:500], failing_since=since, retrying=True)
+
+    def gave_up(self, step: int) -> None:
+        """The process ends with this checkpoint not uploaded: nothing retries it any more (a
+        restart's mirror will)."""
+        self._update("remote", abandoned=step, pending=None, retrying=False)
 
 
 def summary_line(state: dict, now: float | None = None) -> str | None:
@@ -68,7 +76,10 @@ def _summary(state: dict, now: float) -> str | None:
         parts.append(f"step {step} {where}" if step is not None else f"none yet {where}")
         if remote.get("pending") is not None and remote.get("pending") != step:
             parts.append(f"uploading step {remote['pending']}")
-        if remote.get("error"):
+        if remote.get("abandoned") is not None:
+            why = f": {remote['error']}" if remote.get("error") else ""
+            parts.append(f"step {remote['abandoned']} was not uploaded when the job ended{why}")
+        elif remote.get("error") and remote.get("retrying", True):
             since = now - float(remote.get("failing_since") or now)
             parts.append(f"failing for {since:.0f} s, retrying: {remote['error']}")
     return "; ".join(parts)

@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 
 from toolkit.checkpoint.status import summary_line as checkpoint_summary
-from toolkit.cli.output import console, plain, print_json, task_spinner
+from toolkit.cli.output import console, err_console, plain, print_json, task_spinner
 from toolkit.errors import FtError
 from toolkit.runs.layout import RunLayout
 
@@ -61,8 +61,10 @@ def submit(
     run = submission.run
     if as_json:
         print_json({"run_id": run.run_id, "job_id": run.latest_job, "run_dir": str(submission.run_dir),
-                    "created": submission.created})
+                    "created": submission.created, "warnings": submission.warnings})
         return
+    for warning in submission.warnings:
+        err_console.print(f"[yellow]warning:[/] {plain(warning)}", soft_wrap=True)
     verb = "submitted" if submission.created else "already submitted (same idempotency key)"
     console.print(f"run [bold]{plain(run.run_id)}[/] {verb}: job {plain(run.latest_job)}")
     console.print(f"  run directory {plain(submission.run_dir)}")

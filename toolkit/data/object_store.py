@@ -84,3 +84,20 @@ def ask_presence(url: str) -> Presence:
     except Exception as exc:  # connection refused, DNS, TLS, credentials, timeouts: the store's fault
         return Presence(False, f"{type(exc).__name__}: {exc}")
     return Presence(info.get("type") == "file")
+
+
+CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+
+
+def credentials_visible(profile_endpoint: str = "") -> bool:
+    """Whether a job started from this environment will find S3 credentials: in the environment or
+    the user's AWS files. Against AWS itself the nodes' instance role may hold them: not known here,
+    so counted as found."""
+    endpoint = s3_endpoint(profile_endpoint)
+    if not endpoint or "amazonaws.com" in endpoint:
+        return True
+    if any(os.environ.get(name) for name in CREDENTIAL_VARIABLES):
+        return True
+    home = os.path.expanduser("~/.aws")
+    return os.path.isfile(os.path.join(home, "credentials")) or os.path.isfile(os.path.join(home, "config"))
