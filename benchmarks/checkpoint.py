@@ -127,16 +127,13 @@ def run_rank(work: Path, model: Path, args) -> dict:
 
 def upload_rates(folder: Path, rounds: int) -> tuple[list[float], list[float], int]:
     """MB/s of ft's upload and of a plain s3fs put of the same files, alternating (SeaweedFS on loopback)."""
-    import s3fs
-
-    from tests.support.s3 import s3_server
+    from tests.support.s3 import filesystem, s3_server
     from toolkit.checkpoint import manifest
     from toolkit.checkpoint.remote import RemoteTier
 
     described = manifest.read(folder)
     with tempfile.TemporaryDirectory() as scratch, s3_server(Path(scratch)) as server:
-        fs = s3fs.S3FileSystem(endpoint_url=server.endpoint, key=server.env["AWS_ACCESS_KEY_ID"],
-                               secret=server.env["AWS_SECRET_ACCESS_KEY"], skip_instance_cache=True)
+        fs = filesystem(server.env)
         fs.mkdir("bench")
         ours, theirs = [], []
         for index in range(rounds):

@@ -224,43 +224,37 @@ def fetch_tokenizer(name: str, models_url: str, cache: Path) -> Path | None:
     """The tokenizer files of a model the object store holds (not its weights), into `cache` (the
     user's own), each verified against the model's manifest: what validation needs on the login node
     to count tokens. None when the store has no such model, or does not answer in time."""
-    import threading
+    from toolkit.data.object_store import within
 
-    found: list[Path | None] = []
-    thread = threading.Thread(target=lambda: found.append(_fetch_tokenizer(name, models_url, cache)), daemon=True)
-    thread.start()
-    thread.join(TOKENIZER_WAIT_S)
-    return found[0] if found else None
+    answer = within(lambda: _fetch_tokenizer(name, models_url, cache), TOKENIZER_WAIT_S)
+    return answer.value if answer.in_time and not answer.error else None
 
 
 def _fetch_tokenizer(name: str, models_url: str, cache: Path) -> Path | None:
+    """The store's trouble (no such model, credentials, the endpoint) raises: `within` makes it None."""
     import fsspec
 
     from toolkit.checkpoint.manifest import sha256_file
-    from toolkit.checkpoint.remote import RemoteProblem, read_manifest
+    from toolkit.checkpoint.remote import read_manifest
 
     target = cache / "tokenizers" / name
     if (target / "tokenizer.json").is_file():
         return target
+    filesystem, base = fsspec.core.url_to_fs(f"{models_url.rstrip('/')}/{name}")
+    described = read_manifest(filesystem, base)
+    staging = staging_path(target, "download")
+    staging.mkdir(parents=True)
     try:
-        filesystem, base = fsspec.core.url_to_fs(f"{models_url.rstrip('/')}/{name}")
-        described = read_manifest(filesystem, base)
-        staging = staging_path(target, "download")
-        staging.mkdir(parents=True)
         for file in TOKENIZER_FILES:
             entry = described.files.get(file)
             if entry is None:
                 continue
             filesystem.get_file(f"{base}/{file}", str(staging / file))
             if (staging / file).stat().st_size != entry.bytes or sha256_file(staging / file) != entry.sha256:
-                discard(staging)
                 return None
         if not (staging / "tokenizer.json").is_file():
-            discard(staging)
             return None
         staging.rename(target)
         return target
-    except (RemoteProblem, OSError, ValueError):
-        return None
-    except Exception:  # the store's trouble (credentials, endpoint): validation goes on without lengths
-        return None
+    finally:
+        discard(staging)  # what is left of it: nothing once renamed into place

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
-from tests.support.training import TINY, ft, submit, wait_done
+from tests.support.training import TINY, ft, lab_runs, submit, wait_done
 
 
 @pytest.fixture(scope="session")
 def tiny_baseline(lab) -> dict:
     """One uninterrupted 2-node run of the tiny recipe: what every interrupted run must end equal to."""
     pytest.importorskip("deepspeed", reason="the training stack (ft[train]) is not installed")
-    runs = Path(lab.shared_dir) / "tests" / f"baseline-{os.getpid()}"
-    runs.mkdir(parents=True, exist_ok=True)
+    runs = lab_runs(lab, "baseline")
     run = submit(TINY, runs_dir=runs)
     assert wait_done(run["run_id"], runs_dir=runs) == "COMPLETED", \
         ft("logs", run["run_id"], "--rank", "0", runs_dir=runs).stdout[-3000:]

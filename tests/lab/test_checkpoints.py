@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from tests.lab.test_recovery import finished, recipe
+from tests.support.s3 import filesystem
 from tests.support.slurm import wait_for
 from tests.support.tcp_gate import TcpGate
-from tests.support.training import assert_same_weights, ft, submit
+from tests.support.training import assert_same_weights, ft, lab_runs, submit
 from toolkit.checkpoint.manifest import tag_for
 from toolkit.checkpoint.remote import RemoteTier
 from toolkit.lab import chaos
@@ -31,9 +32,7 @@ pytest.importorskip("deepspeed", reason="the training stack (ft[train]) is not i
 
 @pytest.fixture(scope="module")
 def runs(lab) -> Path:
-    folder = Path(lab.shared_dir) / "tests" / f"checkpoints-{os.getpid()}"
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+    return lab_runs(lab, "checkpoints")
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +43,7 @@ def s3(lab) -> dict[str, str]:
 
 @pytest.fixture
 def store(s3):
-    import s3fs
-
-    return s3fs.S3FileSystem(endpoint_url=s3["AWS_ENDPOINT_URL"], key=s3["AWS_ACCESS_KEY_ID"],
-                             secret=s3["AWS_SECRET_ACCESS_KEY"], skip_instance_cache=True)
+    return filesystem(s3)
 
 
 def mirror_prefix() -> str:
@@ -74,10 +70,7 @@ def deleted_mid_run(tiny_baseline, runs, s3) -> dict:
     """A run whose shared checkpoints are deleted mid-run, and whose newest copy in S3 is corrupt:
     rank 1 stopped (no checkpoint can be published any more), the newest S3 copy flipped, the shared
     copies removed, then the rank killed; the restart inside the job must come from S3."""
-    import s3fs
-
-    store = s3fs.S3FileSystem(endpoint_url=s3["AWS_ENDPOINT_URL"], key=s3["AWS_ACCESS_KEY_ID"],
-                              secret=s3["AWS_SECRET_ACCESS_KEY"], skip_instance_cache=True)
+    store = filesystem(s3)
     prefix = mirror_prefix()
     document = recipe(runs, "deleted", checkpoint={"s3_mirror": prefix})
     run = submit(document, runs_dir=runs, env=s3)

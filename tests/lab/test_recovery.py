@@ -11,7 +11,6 @@ free-tier run preempted by a premium job checkpoints within KillWait and resumes
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 import yaml
 
 from tests.support.slurm import cancel, sbatch, wait_for, write_script
-from tests.support.training import TINY, assert_same_weights, ft, submit, wait_done
+from tests.support.training import TINY, assert_same_weights, ft, lab_runs, submit, wait_done
 from toolkit.lab import chaos, lifecycle
 
 pytest.importorskip("deepspeed", reason="the training stack (ft[train]) is not installed")
@@ -27,9 +26,7 @@ pytest.importorskip("deepspeed", reason="the training stack (ft[train]) is not i
 
 @pytest.fixture(scope="module")
 def runs(lab) -> Path:
-    folder = Path(lab.shared_dir) / "tests" / f"recovery-{os.getpid()}"
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+    return lab_runs(lab, "recovery")
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tests.support.slurm import job_fields, wait_for
-from tests.support.training import REPO, TINY, assert_same_weights, ft, submit, wait_done
+from tests.support.training import REPO, TINY, assert_same_weights, ft, lab_runs, submit, wait_done
 from toolkit.slurm import commands
 
 PAIRS = [("cat", "chat"), ("dog", "chien"), ("house", "maison"), ("water", "eau"), ("moon", "lune"),
@@ -24,8 +24,7 @@ pytest.importorskip("deepspeed", reason="the training stack (ft[train]) is not i
 
 @pytest.fixture(scope="module")
 def runs_env(lab, tmp_path_factory):
-    runs = Path(lab.shared_dir) / "tests" / f"training-{os.getpid()}"
-    runs.mkdir(parents=True, exist_ok=True)
+    runs = lab_runs(lab, "training")
     previous = os.environ.get("FT_RUNS_DIR")
     os.environ["FT_RUNS_DIR"] = str(runs)
     yield runs

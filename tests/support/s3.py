@@ -32,6 +32,15 @@ class S3Server:
                 "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"}
 
 
+def filesystem(env: dict[str, str]):
+    """An s3fs filesystem on the server (and with the credentials) `env` names: a test's own server
+    (S3Server.env) or the lab's (LabObjectStore.env). Never a cached instance of another test's."""
+    import s3fs
+
+    return s3fs.S3FileSystem(endpoint_url=env["AWS_ENDPOINT_URL"], key=env["AWS_ACCESS_KEY_ID"],
+                             secret=env["AWS_SECRET_ACCESS_KEY"], skip_instance_cache=True)
+
+
 def free_ports(count: int) -> list[int]:
     sockets = [socket.socket() for _ in range(count)]
     try:

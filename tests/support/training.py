@@ -15,6 +15,13 @@ TINY = REPO / "recipes" / "tiny-lora-sft.yaml"
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "NODE_FAIL", "TIMEOUT", "OUT_OF_MEMORY"}
 
 
+def lab_runs(lab, purpose: str) -> Path:
+    """A runs folder of this test session's own on the lab's shared filesystem, seen by every node."""
+    folder = Path(lab.shared_dir) / "tests" / f"{purpose}-{os.getpid()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def ft(*args: str, runs_dir: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`ft ARGS` as a user runs it; `env`: variables added to this process's (the job inherits them)."""
     environment = dict(os.environ, **(env or {}), **({"FT_RUNS_DIR": str(runs_dir)} if runs_dir else {}))

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from tests.support.s3 import s3_server
+from tests.support.s3 import filesystem, s3_server
 from tests.unit.test_checkpoint_shared import LINEAGE, write_checkpoint
 from toolkit.checkpoint import manifest
 from toolkit.checkpoint.mirror import Mirror
@@ -24,11 +24,8 @@ BUCKET = "ckpt"
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    import s3fs
-
     with s3_server(tmp_path_factory.mktemp("s3")) as server:
-        fs = s3fs.S3FileSystem(endpoint_url=server.endpoint, key=server.env["AWS_ACCESS_KEY_ID"],
-                               secret=server.env["AWS_SECRET_ACCESS_KEY"], skip_instance_cache=True)
+        fs = filesystem(server.env)
         fs.mkdir(BUCKET)
         yield fs
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from tests.support.model_folders import write_model_folder
-from tests.support.s3 import s3_server
+from tests.support.s3 import filesystem, s3_server
 from toolkit.model_cache import DOWNLOAD_MARK, ModelFolderBroken, find_model
 
 pytest.importorskip("s3fs")
@@ -25,11 +25,8 @@ BUCKET = "models"
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    import s3fs
-
     with s3_server(tmp_path_factory.mktemp("s3")) as server:
-        fs = s3fs.S3FileSystem(endpoint_url=server.endpoint, key=server.env["AWS_ACCESS_KEY_ID"],
-                               secret=server.env["AWS_SECRET_ACCESS_KEY"], skip_instance_cache=True)
+        fs = filesystem(server.env)
         fs.mkdir(BUCKET)
         yield server, fs
 

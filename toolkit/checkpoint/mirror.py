@@ -10,7 +10,6 @@ and its unfinished multipart uploads are aborted (now, or by the next mirror of 
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -19,22 +18,9 @@ from toolkit.checkpoint.manifest import Manifest
 from toolkit.checkpoint.remote import RemoteProblem, RemoteTier
 from toolkit.checkpoint.shared import SharedTier
 from toolkit.checkpoint.status import StatusBoard
+from toolkit.data.object_store import within
 
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 60.0
-
-
-def bounded(call: Callable[[], object], seconds: float) -> bool:
-    """Run `call` in a daemon thread and wait at most `seconds`: a store that does not answer never
-    holds the caller. True when it returned in time (exceptions count as returned)."""
-    thread = threading.Thread(target=lambda: _quietly(call), daemon=True)
-    thread.start()
-    thread.join(seconds)
-    return not thread.is_alive()
-
-
-def _quietly(call: Callable[[], object]) -> None:
-    with contextlib.suppress(Exception):  # best effort by design: the caller gave up on this store
-        call()
 
 
 class Mirror:
@@ -95,8 +81,8 @@ class Mirror:
             why = f"the store is failing: {self.failing}" if self.failing else f"not within {timeout:.0f} s"
             self.log(f"warning: checkpoint step {abandoned.step} did not reach {self.remote} ({why}): its upload "
                      "is abandoned (the shared filesystem has it; a restart's mirror uploads it)")
-            if in_flight is not None:
-                bounded(self.remote.abort_unfinished, 15)
+            if in_flight is not None:  # best effort: the next start's mirror aborts what is left
+                within(self.remote.abort_unfinished, 15)
         return drained
 
     def _keep_going(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # Bounded connection attempts: botocore's default (60 s connect, legacy retries) would let an
@@ -59,16 +60,37 @@ def where(url: str, profile_endpoint: str = "") -> str:
     return f"the object store at {endpoint}" if endpoint else "AWS S3"
 
 
-def presence(url: str, deadline_s: float = PRESENCE_DEADLINE_S) -> Presence:
-    """Whether a data file is there, asked of the store configured by `configure`, within a deadline
-    (the question runs in a daemon thread: one left waiting never holds the process)."""
-    answer: list[Presence] = []
-    thread = threading.Thread(target=lambda: answer.append(ask_presence(url)), daemon=True)
+@dataclass(frozen=True)
+class Answer:
+    """What a call to an object store gave within its deadline: a value, an error, or nothing yet."""
+
+    value: object = None
+    error: Exception | None = None
+    in_time: bool = True
+
+
+def within(call: Callable[[], object], seconds: float) -> Answer:
+    """Run `call` in a daemon thread and wait at most `seconds`: a store that does not answer never
+    holds the caller, and one left waiting never holds the process."""
+    answers: list[Answer] = []
+
+    def ask() -> None:
+        try:
+            answers.append(Answer(call()))
+        except Exception as exc:  # the store's trouble, whatever its kind: the caller decides
+            answers.append(Answer(error=exc))
+    thread = threading.Thread(target=ask, daemon=True)
     thread.start()
-    thread.join(deadline_s)
-    if not answer:
+    thread.join(seconds)
+    return answers[0] if answers else Answer(in_time=False)
+
+
+def presence(url: str, deadline_s: float = PRESENCE_DEADLINE_S) -> Presence:
+    """Whether a data file is there, asked of the store configured by `configure`, within a deadline."""
+    answer = within(lambda: ask_presence(url), deadline_s)
+    if not answer.in_time:
         return Presence(False, f"no answer within {deadline_s:.0f} s")
-    return answer[0]
+    return answer.value
 
 
 def ask_presence(url: str) -> Presence:

@@ -15,10 +15,11 @@ from pathlib import Path
 from toolkit.checkpoint import manifest
 from toolkit.checkpoint.cadence import DEFAULT_NODE_MTBF_HOURS, AutoCadence
 from toolkit.checkpoint.manifest import lineage_of, step_of, tag_for
-from toolkit.checkpoint.mirror import Mirror, bounded
+from toolkit.checkpoint.mirror import Mirror
 from toolkit.checkpoint.remote import RemoteProblem, RemoteTier, mirror_url
 from toolkit.checkpoint.shared import SharedTier
 from toolkit.checkpoint.status import StatusBoard
+from toolkit.data.object_store import within
 from toolkit.train.snapshot import BackgroundWriter, SnapshotEngine
 
 # How long a resume may spend listing the object store before it settles for the shared copy.
@@ -26,10 +27,6 @@ REMOTE_LIST_WAIT_S = 60.0
 # How long the end of a run waits for its last upload; a stop on request (preemption: Slurm's grace
 # time is short) waits less, and the next start's mirror uploads what was left.
 END_UPLOAD_WAIT_S, STOP_UPLOAD_WAIT_S = 300.0, 10.0
-
-
-def torch_device_type(device) -> str:
-    return getattr(device, "type", str(device).split(":")[0])
 
 
 @dataclass
@@ -51,8 +48,7 @@ class Checkpointer:
         zipfile = bool(getattr(getattr(engine, "checkpoint_engine", None), "zipfile_serialization", True))
         self.writer = BackgroundWriter(tiers.shared, rank, world, lineage, zipfile, self._published, log,
                                        asynchronous, before_file)
-        self.snapshots = SnapshotEngine(self.writer, defer_copy=getattr(engine, "device", None) is not None
-                                        and torch_device_type(engine.device) == "cpu")
+        self.snapshots = SnapshotEngine(self.writer, defer_copy=engine.device.type == "cpu")
         engine.checkpoint_engine = self.snapshots
         self.last_save = time.monotonic()
         self.seconds, self.written = 0.0, 0  # the time training stood still for saves, and how many
@@ -107,19 +103,12 @@ class Checkpointer:
     def _remote_tags(self, warn) -> list[str]:
         if self.tiers.remote is None:
             return []
-        found: list[list[str]] = []
-        failure: list[str] = []
-
-        def ask() -> None:
-            try:
-                found.append(self.tiers.remote.tags())
-            except Exception as exc:
-                failure.append(f"{type(exc).__name__}: {exc}")
-        if not bounded(ask, REMOTE_LIST_WAIT_S) or failure:
-            warn(f"{self.tiers.remote} is unreachable ({failure[0] if failure else 'no answer'}): resuming from "
-                 "the shared filesystem only")
+        answer = within(self.tiers.remote.tags, REMOTE_LIST_WAIT_S)
+        if not answer.in_time or answer.error:
+            why = f"{type(answer.error).__name__}: {answer.error}" if answer.error else "no answer"
+            warn(f"{self.tiers.remote} is unreachable ({why}): resuming from the shared filesystem only")
             return []
-        return found[0] if found else []
+        return answer.value
 
     def _restore(self, tag: str) -> None:
         shared = self.tiers.shared
@@ -150,8 +139,11 @@ class Checkpointer:
         cost measured so far (the median of the last five)."""
         if not isinstance(self.every, AutoCadence):
             return self.every or 0.0
-        cost = statistics.median(self.stalls[-5:]) if self.stalls else None
-        return self.every.interval_s(cost, self.writer.last_write_s, *self.seen())
+        return self.every.interval_s(self.save_cost(), self.writer.last_write_s, *self.seen())
+
+    def save_cost(self) -> float | None:
+        """Training's pause per save, the median of the last five (None before the first)."""
+        return statistics.median(self.stalls[-5:]) if self.stalls else None
 
     def seen(self) -> tuple[int, float]:
         """The run's faults and wall clock so far: its history, and this start's time since."""
@@ -161,8 +153,7 @@ class Checkpointer:
     def _tell_cadence(self) -> None:
         if self.rank != 0 or not isinstance(self.every, AutoCadence):
             return
-        cost = statistics.median(self.stalls[-5:]) if self.stalls else None
-        told = self.every.describe(cost, self.writer.last_write_s, *self.seen())
+        told = self.every.describe(self.save_cost(), self.writer.last_write_s, *self.seen())
         if told.split(":")[0] != self.told.split(":")[0]:  # the interval changed (to the 0.1 min)
             self.log(f"checkpoint cadence (auto): {told}")
         self.told = told
