@@ -59,6 +59,23 @@ def main() -> None:
     sys.exit(ending.code)
 
 
+# What train() imports, loaded ahead by the node's warm template (toolkit/launch/warm.py): a rank
+# forked from it starts without the import time (9-19 s on the lab's CPUs). transformers loads a
+# model's code only when asked for it: the Llama family's (the tiny model's, and most recipes').
+PRELOAD = ("torch", "torch.distributed", "deepspeed", "peft", "transformers",
+           "transformers.models.llama.modeling_llama", "toolkit.data.encode", "toolkit.data.object_store",
+           "toolkit.data.readers", "toolkit.train.checkpoint", "toolkit.train.compiled_ops",
+           "toolkit.train.dataset", "toolkit.train.engine", "toolkit.train.faults", "toolkit.train.loop",
+           "toolkit.train.models", "toolkit.train.objectives", "toolkit.train.snapshot", "toolkit.train.tracking")
+
+
+def preload() -> None:
+    import importlib
+
+    for module in PRELOAD:
+        importlib.import_module(module)
+
+
 def train(layout: RunLayout, spec: RunSpec) -> None:
     import deepspeed
     import torch

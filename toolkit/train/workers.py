@@ -23,6 +23,9 @@ import threading
 import time
 from pathlib import Path
 
+from toolkit.launch import warm
+from toolkit.launch.node import log
+from toolkit.launch.warm import WarmWorker
 from toolkit.runs.layout import RunLayout, RunSpecError
 from toolkit.watch import exits, stacks
 from toolkit.watch.heartbeat import Sender
@@ -45,6 +48,12 @@ def worker_env(node_rank: int, local_rank: int, per_node: int, nodes: int) -> di
         "LOCAL_WORLD_SIZE": str(per_node),
         "NODE_RANK": str(node_rank),
     })
+    return runtime_env(env)
+
+
+def runtime_env(env: dict[str, str]) -> dict[str, str]:
+    """What a rank's process must have from its first instruction: glibc reads its malloc
+    settings, and DeepSpeed picks its accelerator, as they load."""
     if env.get("FT_DIST_BACKEND") == "gloo":
         env.setdefault("DS_ACCELERATOR", "cpu")
         for name, value in CPU_MALLOC.items():  # the site's own settings win
@@ -53,19 +62,20 @@ def worker_env(node_rank: int, local_rank: int, per_node: int, nodes: int) -> di
 
 
 def start_workers(layout: RunLayout, node_rank: int, per_node: int, nodes: int
-                  ) -> tuple[dict[int, subprocess.Popen], dict[int, int]]:
-    """The workers, and the read end of each one's progress pipe."""
-    workers: dict[int, subprocess.Popen] = {}
+                  ) -> tuple[dict[int, subprocess.Popen | WarmWorker], dict[int, int]]:
+    """The workers (forked from the node's warm template where the supervisor started one, else new
+    processes), and the read end of each one's progress pipe."""
+    workers: dict[int, subprocess.Popen | WarmWorker] = {}
     pipes: dict[int, int] = {}
     for local_rank in range(per_node):
         env = worker_env(node_rank, local_rank, per_node, nodes)
         rank = int(env["RANK"])
         read_end, write_end = os.pipe()
         env[PROGRESS_FD] = str(write_end)
-        with open(layout.rank_log(rank), "a") as log:
-            workers[rank] = subprocess.Popen([sys.executable, "-u", "-m", "toolkit.train.worker"], env=env,
-                                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             pass_fds=(write_end,))
+        with open(layout.rank_log(rank), "a") as rank_log:
+            workers[rank] = warm.spawn(env, rank_log.fileno(), write_end, PROGRESS_FD, say=log) or \
+                subprocess.Popen([sys.executable, "-u", "-m", "toolkit.train.worker"], env=env, stdout=rank_log,
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(write_end,))
         os.close(write_end)
         pipes[rank] = read_end
     return workers, pipes

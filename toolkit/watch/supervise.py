@@ -82,6 +82,21 @@ def master_port(job_id: int, start: int) -> int:
     return 20000 + (job_id % 2000) * 10 + (2 * start) % 10
 
 
+def warm_command(command: list[str], nodes: list[str], output: str) -> list[str] | None:
+    """The step that keeps a warm template of the training runtime on every node of the
+    allocation (toolkit/launch/warm.py), from the training step's own srun command: the same
+    options (a container, GPUs, the site's extras), every node, one task each, sharing the nodes
+    with the training steps (--overlap), and kept when a node fails (--no-kill). None when the
+    command does not end in `PYTHON -m toolkit.launch`."""
+    if len(command) < 4 or command[-2:] != ["-m", "toolkit.launch"]:
+        return None
+    step_shape = ("--nodes=", "--ntasks=", "--ntasks-per-node=", "--kill-on-bad-exit", "--output=", "--nodelist=")
+    options = [option for option in command[1:-3] if not option.startswith(step_shape)]
+    return [command[0], f"--nodelist={','.join(nodes)}", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
+            "--ntasks-per-node=1", "--overlap", "--no-kill", "--kill-on-bad-exit=0", f"--output={output}",
+            *options, command[-3], "-m", "toolkit.launch.warm"]
+
+
 def addresses(nodes: list[str]) -> dict[str, str]:
     """The nodes' addresses, for those that resolve."""
     found = {}
@@ -123,6 +138,7 @@ class Supervisor:
         sources = set(peers.values()) | {self.address} if len(peers) == len(self.allocation) else None
         self.receiver = Receiver(job_secret(), sources=sources).listen()
         self.process: subprocess.Popen | None = None
+        self.warm: subprocess.Popen | None = None
         self.stopping = threading.Event()  # the time limit is near, or the job is ending: no restart
         self.auto_resume = any(arg.startswith("--auto-resume") for arg in command)  # HyperPod restarts itself
         self.marks = Path(os.environ["FT_LAUNCH_MARKS"]) if os.environ.get("FT_LAUNCH_MARKS") else None
@@ -143,7 +159,8 @@ class Supervisor:
                 (self.marks / node).unlink()
         env = dict(os.environ, MASTER_ADDR=nodes[0], MASTER_PORT=str(master_port(int(self.job_id), start)),
                    FT_WATCH_ADDR=self.address, FT_WATCH_PORT=str(self.receiver.port), FT_WATCH_START=str(start),
-                   FT_WATCH_NODE=self.node, FT_WATCH_TIMEOUT=str(self.watchdog.heartbeat_timeout))
+                   FT_WATCH_NODE=self.node, FT_WATCH_TIMEOUT=str(self.watchdog.heartbeat_timeout),
+                   FT_WARM="1" if self.warm_alive() else "0")
         # --overlap: a step that spanned a lost node lingers until Slurm declares the node DOWN, and
         # holds its share of the survivors meanwhile (measured on Slurm 22.05).
         argv = [self.command[0], f"--nodelist={','.join(nodes)}", "--overlap", *self.command[1:]]
@@ -262,7 +279,39 @@ class Supervisor:
         record(self.run_dir, "end", code=code, **why)
         return code
 
+    # -- the warm templates -------------------------------------------------------------------------
+    def start_warm(self) -> None:
+        """One template per node of the allocation, spares included, for the whole of this job
+        (toolkit/launch/warm.py): a restart, here or on a spare, forks its ranks from it."""
+        logs = RunLayout(self.run_dir).logs
+        argv = warm_command(self.command, self.allocation, str(logs / "warm-%N.log"))
+        if argv is None or self.auto_resume:  # HyperPod restarts the step itself, with new processes
+            return
+        with open(logs / "warm-srun.err", "a") as errors:
+            self.warm = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=errors)
+        log(f"warm templates of the training runtime starting on {', '.join(self.allocation)}")
+
+    def warm_alive(self) -> bool:
+        return self.warm is not None and self.warm.poll() is None
+
+    def stop_warm(self) -> None:
+        if not self.warm_alive():
+            return
+        self.warm.send_signal(signal.SIGTERM)
+        try:
+            self.warm.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.warm.kill()
+            self.warm.wait()
+
     def run(self) -> int:
+        self.start_warm()
+        try:
+            return self.attempts()
+        finally:
+            self.stop_warm()
+
+    def attempts(self) -> int:
         restarts, most = 0, self.watchdog.max_restarts
         while True:
             if self.finished():  # a failure after the run's end (an upload, say) never reruns it

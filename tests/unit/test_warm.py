@@ -1,0 +1,164 @@
+"""The warm template (toolkit/launch/warm.py): a real template process that imports the real training
+runtime, and ranks forked from it for a launcher (this test process) through warm.spawn. A rank that
+must stay alive waits on the compiled-op lock this test holds (toolkit/train/compiled_ops.prepare,
+the first thing a rank does that can wait); Slurm is not needed here: the lab tests run every ft
+training run through the templates."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.run_specs import run_spec, write_run_spec
+from toolkit.launch import warm
+from toolkit.watch import exits
+from toolkit.watch.supervise import warm_command
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = {"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0", "SLURMD_NODENAME": "node-a", "FT_DIST_BACKEND": "gloo"}
+
+
+def wait_for(probe, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what} did not happen within {timeout:.0f} s")
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("warm")
+    log = folder / "template.log"
+    env = dict(os.environ, TMPDIR=str(folder), **JOB)
+    with open(log, "w") as output:
+        process = subprocess.Popen([sys.executable, "-m", "toolkit.launch.warm"], env=env, cwd=REPO, stdout=output,
+                                   stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "serving ranks" in log.read_text() or process.poll() is not None, 240, "the template's start")
+        assert process.poll() is None, log.read_text()
+        yield {"folder": folder, "process": process, "log": log}
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture
+def launcher(template, monkeypatch, tmp_path):
+    """This process as a launcher of the template's node, with a run folder and a rank log."""
+    for name, value in {**JOB, "TMPDIR": str(template["folder"]), warm.WANTED: "1"}.items():
+        monkeypatch.setenv(name, value)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    write_run_spec(run_dir, run_spec(nodes=2))
+    locks = tmp_path / "extensions"
+    locks.mkdir()
+    return {"run_dir": run_dir, "extensions": locks, "log": tmp_path / "rank-1.log"}
+
+
+def rank_env(launcher, **extra) -> dict[str, str]:
+    return dict(os.environ, RANK="1", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="9",
+                FT_RUN_DIR=str(launcher["run_dir"]), FT_SHARED_ROOT=str(launcher["run_dir"].parent),
+                TORCH_EXTENSIONS_DIR=str(launcher["extensions"]), **extra)
+
+
+def spawn(launcher, env) -> tuple[warm.WarmWorker, int, list[str]]:
+    said: list[str] = []
+    read_end, write_end = os.pipe()
+    with open(launcher["log"], "a") as log:
+        worker = warm.spawn(env, log.fileno(), write_end, "FT_PROGRESS_FD", say=said.append)
+    os.close(write_end)
+    assert worker is not None, said
+    return worker, read_end, said
+
+
+def held_compiled_op_lock(launcher):
+    handle = open(launcher["extensions"] / ".ft-build.lock", "a")  # noqa: SIM115 - held across the test
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    return handle
+
+
+def test_a_rank_forked_from_the_template_is_the_rank_its_launcher_asked_for(template, launcher):
+    lock = held_compiled_op_lock(launcher)
+    worker, progress, _ = spawn(launcher, rank_env(launcher))
+    try:
+        status = Path(f"/proc/{worker.pid}/status").read_text()
+        assert f"PPid:\t{template['process'].pid}\n" in status  # forked by the template, not started anew
+        # The progress pipe and the log are this launcher's own: the same pipe, the same file (the
+        # environment it runs with shows in the next test: /proc shows only the template's own).
+        # (The child takes them up just after the fork: waited for.)
+        wait_for(lambda: os.readlink(f"/proc/{worker.pid}/fd/2") == str(launcher["log"]), 10, "the log as stderr")
+        assert os.readlink(f"/proc/{worker.pid}/fd/1") == str(launcher["log"])
+        held = {os.readlink(f"/proc/{worker.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{worker.pid}/fd")}
+        assert f"pipe:[{os.fstat(progress).st_ino}]" in held
+        assert worker.poll() is None  # waiting on the lock this test holds
+        worker.kill()
+        assert worker.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        worker.kill()
+        lock.close()
+        os.close(progress)
+
+
+def test_a_ranks_exit_status_and_output_come_back_to_its_launcher(template, launcher):
+    (launcher["run_dir"] / "recipe.json").write_text("{not json")
+    worker, progress, _ = spawn(launcher, rank_env(launcher))
+    assert worker.wait(timeout=60) == exits.USER_ERROR  # a damaged spec: never restarted
+    # The spec it read is the one in the run folder its launcher named.
+    assert f"{launcher['run_dir']}/recipe.json does not hold a usable run spec" in launcher["log"].read_text()
+    assert exits.read_exit_status(launcher["run_dir"]) == exits.USER_ERROR
+    assert os.read(progress, 100) == b""  # the rank's end closed its pipe
+    os.close(progress)
+
+
+def test_a_rank_does_not_outlive_its_launcher(template, launcher):
+    lock = held_compiled_op_lock(launcher)
+    worker, progress, _ = spawn(launcher, rank_env(launcher))
+    try:
+        assert warm.process_alive(worker.pid)
+        worker.connection.close()  # what the launcher's death does to its end
+        wait_for(lambda: not warm.process_alive(worker.pid), 15, "the rank's end")
+    finally:
+        lock.close()
+        os.close(progress)
+    assert template["process"].poll() is None  # the template serves on
+
+
+def test_without_a_working_template_the_launcher_starts_ranks_itself(launcher, monkeypatch, tmp_path):
+    monkeypatch.setattr(warm, "SERVER_WAIT_S", 0.2)
+    monkeypatch.setenv("SLURMD_NODENAME", "node-without-one")
+    said: list[str] = []
+    assert warm.spawn(rank_env(launcher), 1, 2, "FT_PROGRESS_FD", say=said.append) is None
+    assert "starting the rank cold" in said[0]
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    open_folder = warm.socket_path().parent
+    open_folder.mkdir(mode=0o777)
+    open_folder.chmod(0o777)  # others may enter: a socket there may be anyone's
+    assert warm.spawn(rank_env(launcher), 1, 2, "FT_PROGRESS_FD", say=said.append) is None
+    assert not warm.private_folder(open_folder)
+
+    monkeypatch.setenv(warm.WANTED, "0")  # the supervisor started no template
+    assert warm.spawn(rank_env(launcher), 1, 2, "FT_PROGRESS_FD", say=said.append) is None
+    assert len(said) == 2
+
+
+def test_the_template_step_keeps_the_training_steps_options_over_every_node():
+    command = ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+               "--output=/runs/x/logs/node-%N.log", "--container-image=nvcr.io#nvidia/pytorch:24.07-py3",
+               "--mpi=pmix", "/opt/ft/bin/python", "-m", "toolkit.launch"]
+    argv = warm_command(command, ["n1", "n2", "n3"], "/runs/x/logs/warm-%N.log")
+    assert argv == ["srun", "--nodelist=n1,n2,n3", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1", "--overlap",
+                    "--no-kill", "--kill-on-bad-exit=0", "--output=/runs/x/logs/warm-%N.log",
+                    "--container-image=nvcr.io#nvidia/pytorch:24.07-py3", "--mpi=pmix", "/opt/ft/bin/python", "-m",
+                    "toolkit.launch.warm"]
+    assert warm_command(["srun", "python", "train.py"], ["n1"], "x") is None  # not ft's launcher: no template
