@@ -17,7 +17,10 @@ each mode with a node crash every --crash-every seconds (the lab healed after ea
 uninterrupted run's time over the interrupted one's, from the first training step to the end
 (target >= 0.85 at a crash every 90 s; slurm-native measured 0.57 on the lab before ft).
 
-    python benchmarks/recovery.py [--kills 5] [--heartbeat-timeout 5] [--goodput-steps 600]
+Then a hung rank (--hangs times): rank 1 stopped with SIGSTOP, the seconds to the first new step
+(watchdog.hang_floor --hang-floor; target <= 30 s).
+
+    python benchmarks/recovery.py [--kills 5] [--heartbeat-timeout 5] [--hangs 3] [--goodput-steps 600]
 
 The lab's SlurmdTimeout is 10 s, far kinder to slurm-native than a real cluster's 300 s default.
 """
@@ -66,7 +69,8 @@ def goodput(env: dict, work: Path, args) -> dict:
     return {"uninterrupted_seconds": clean["seconds"], **found}
 
 
-def recipe_for(work: Path, mode: str, heartbeat_timeout: float, steps: int = 100_000) -> Path:
+def recipe_for(work: Path, mode: str, heartbeat_timeout: float, steps: int = 100_000, hang_floor: float = 0
+               ) -> Path:
     document = yaml.safe_load(RECIPE.read_text())
     document["data"]["train"] = str(RECIPE.parent / document["data"]["train"])
     document["training"]["steps"] = steps  # the kill runs are stopped by the benchmark, never finished
@@ -75,7 +79,9 @@ def recipe_for(work: Path, mode: str, heartbeat_timeout: float, steps: int = 100
         document.setdefault(section, {}).update(values)
     if document["watchdog"].get("enabled", True):
         document["watchdog"]["heartbeat_timeout"] = heartbeat_timeout
-    path = work / f"{mode}-{steps}.yaml"
+    if hang_floor:
+        document["watchdog"]["hang_floor"] = hang_floor
+    path = work / f"{mode}-{steps}{'-hang' if hang_floor else ''}.yaml"
     path.write_text(yaml.safe_dump(document))
     return path
 
@@ -105,7 +111,7 @@ def one_kill(env: dict, recipe: Path, victim_rank: int) -> dict:
         time.sleep(2)  # a few steps past it: some work to lose
         before = metrics(run_dir)
         killed_at = time.time()
-        chaos.crash_rank_node(run["run_id"], victim_rank)
+        chaos.crash_rank_node(Path(run["run_dir"]), victim_rank)
         first = wait("the first step after the crash",
                      lambda: next((m for m in metrics(run_dir) if m["time"] > killed_at + 0.5), None), 600)
         resumed = [m for m in metrics(run_dir) if m["time"] > killed_at + 0.5]
@@ -116,6 +122,26 @@ def one_kill(env: dict, recipe: Path, victim_rank: int) -> dict:
                        cwd=REPO)
         time.sleep(2)
         lifecycle.up()
+
+
+def one_hang(env: dict, recipe: Path) -> dict:
+    """A rank stopped (SIGSTOP) once training has passed its first checkpoint: the seconds from the
+    stop to the first new training step (the watchdog's hang rule, the stacks dumped, the restart)."""
+    run = json.loads(ft(env, "submit", "--json", "--skip-validation", str(recipe)))
+    run_dir = Path(run["run_dir"])
+    try:
+        wait("the first checkpoint", lambda: (run_dir / "checkpoints" / "latest").exists(), 300)
+        time.sleep(2)
+        before = metrics(run_dir)
+        stopped_at = time.time()
+        chaos.hang_rank(run_dir, 1)
+        first = wait("the first step after the hang",
+                     lambda: next((m for m in metrics(run_dir) if m["time"] > stopped_at + 0.5), None), 600)
+        return {"seconds": first["time"] - stopped_at, "steps_lost": before[-1]["step"] - (first["step"] - 1)}
+    finally:
+        subprocess.run([sys.executable, "-m", "toolkit", "cancel", run["run_id"]], env=env, capture_output=True,
+                       cwd=REPO)
+        time.sleep(2)
 
 
 def first_step_to_end(run_dir: Path) -> float:
@@ -137,7 +163,7 @@ def goodput_run(env: dict, recipe: Path, crash_every: float | None) -> dict:
         if healing is not None and healing.poll() is None:
             continue  # the last crashed node is not back yet
         try:
-            chaos.crash_rank_node(run["run_id"], crashes % 2)
+            chaos.crash_rank_node(Path(run["run_dir"]), crashes % 2)
         except Exception:  # noqa: BLE001 - between two starts: no rank to crash yet, try again
             continue
         crashes, last = crashes + 1, time.monotonic()
@@ -154,6 +180,8 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=5)
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--hangs", type=int, default=3)
+    parser.add_argument("--hang-floor", type=float, default=10.0)
     parser.add_argument("--goodput-steps", type=int, default=600)
     parser.add_argument("--crash-every", type=float, default=90.0)
     args = parser.parse_args()
@@ -177,6 +205,14 @@ def main() -> None:
         lost = max(r["steps_lost"] for r in outcomes)
         ratio = f"  {median / native:.2f}x slurm-native" if native else ""
         print(f"  {mode:14s} {median:6.1f} s ({spread}), at most {lost} steps lost{ratio}")
+    if args.hangs:
+        recipe = recipe_for(work, "ft-no-spare", args.heartbeat_timeout, hang_floor=args.hang_floor)
+        results["hang"] = [one_hang(env, recipe) for _ in range(args.hangs)]
+        for number, outcome in enumerate(results["hang"], 1):
+            print(f"hung rank {number}: {outcome['seconds']:.1f} s to the first new step, {outcome['steps_lost']} "
+                  "steps lost", flush=True)
+        print(f"  a hung rank (hang_floor {args.hang_floor:.0f} s): back to training in "
+              f"{statistics.median(r['seconds'] for r in results['hang']):.1f} s (median; target <= 30 s)")
     if args.goodput_steps:
         results["goodput"] = goodput(env, work, args)
     (work / "results.json").write_text(json.dumps(results, indent=2))

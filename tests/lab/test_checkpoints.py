@@ -75,7 +75,7 @@ def deleted_mid_run(tiny_baseline, runs, s3) -> dict:
     document = recipe(runs, "deleted", checkpoint={"s3_mirror": prefix})
     run = submit(document, runs_dir=runs, env=s3)
     wait_for("two checkpoints in S3", lambda: mirrored_step(run) >= 40, timeout=300, interval=0.3)
-    stopped = chaos.hang_rank(run["run_id"], 1)
+    stopped = chaos.hang_rank(Path(run["run_dir"]), 1)
     time.sleep(2)  # a publish or an upload already under way finishes
     remote = RemoteTier(prefix, keep_last=2, filesystem=store)
     newest, before = remote.tags()[:2]
@@ -145,7 +145,7 @@ def test_a_rank_killed_while_checkpoints_are_written_and_uploaded_loses_neither_
         uploading = remote.get("pending") is not None and remote.get("pending") != remote.get("step")
         return uploading and "checkpoint step 40: training paused" in rank0_log(run)
     wait_for("a save being written while another uploads", writing_and_uploading, timeout=300, interval=0.2)
-    chaos.kill_rank(run["run_id"], 0)  # the writer and the uploader die with it
+    chaos.kill_rank(Path(run["run_dir"]), 0)  # the writer and the uploader die with it
 
     finished(run, runs)
     log = rank0_log(run)

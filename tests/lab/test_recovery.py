@@ -79,11 +79,11 @@ def test_a_lost_node_is_replaced_by_a_spare_and_a_bad_gpu_with_no_spare_left_req
     run = submit(recipe(runs, "spare", resources={"spare_nodes": 1}, watchdog={"heartbeat_timeout": 5}),
                  runs_dir=runs)
     checkpoint_after(run, 0)  # the first one
-    first = chaos.crash_rank_node(run["run_id"], 1).node
+    first = chaos.crash_rank_node(Path(run["run_dir"]), 1).node
     wait_for("the restart on the spare", lambda: len([e for e in events(run) if e["event"] == "start"]) == 2,
              timeout=120, interval=0.3)
     checkpoint_after(run, latest_step(run))  # trained on the spare
-    second = chaos.fail_gpu(run["run_id"], 1)[0].node  # the spare's GPU: its health check drains it
+    second = chaos.fail_gpu(Path(run["run_dir"]), 1)[0].node  # the spare's GPU: its health check drains it
     slurm_out = Path(run["run_dir"]) / "logs" / f"slurm-{run['job_id']}.out"
     wait_for("the requeue", lambda: slurm_out.exists() and any(
         "is requeued without" in line and second in line.split() for line in slurm_out.read_text().splitlines()),
@@ -113,9 +113,9 @@ def test_a_lost_node_is_replaced_by_a_spare_and_a_bad_gpu_with_no_spare_left_req
 def test_a_hung_rank_then_a_killed_one_are_restarted_on_the_same_nodes(tiny_baseline, runs):
     run = submit(recipe(runs, "hang", watchdog={"hang_floor": 5, "hang_factor": 10}), runs_dir=runs)
     checkpoint_after(run, 0)  # the first one
-    hung = chaos.hang_rank(run["run_id"], 1)
+    hung = chaos.hang_rank(Path(run["run_dir"]), 1)
     checkpoint_after(run, latest_step(run))
-    chaos.kill_rank(run["run_id"], 0)
+    chaos.kill_rank(Path(run["run_dir"]), 0)
 
     finished(run, runs)
     attempts = [json.loads(line) for line in (Path(run["run_dir"]) / "attempts.jsonl").read_text().splitlines()]
@@ -136,9 +136,12 @@ def test_a_hung_rank_then_a_killed_one_are_restarted_on_the_same_nodes(tiny_base
 
 
 def test_a_lost_batch_host_is_reported_by_the_survivors_and_the_job_requeued(tiny_baseline, runs, heal_lab):
-    run = submit(recipe(runs, "batch-host", watchdog={"heartbeat_timeout": 5}), runs_dir=runs)
+    # With a spare (--no-kill), where Slurm itself would keep the job running without its batch
+    # script: the survivors requeue it.
+    run = submit(recipe(runs, "batch-host", watchdog={"heartbeat_timeout": 5}, resources={"spare_nodes": 1}),
+                 runs_dir=runs)
     checkpoint_after(run, 0)  # the first one
-    crashed = chaos.crash_rank_node(run["run_id"], 0).node  # rank 0 runs on the batch host
+    crashed = chaos.crash_rank_node(Path(run["run_dir"]), 0).node  # rank 0 runs on the batch host
 
     finished(run, runs)
     attempts = [json.loads(line) for line in (Path(run["run_dir"]) / "attempts.jsonl").read_text().splitlines()]

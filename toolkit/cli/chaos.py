@@ -16,35 +16,35 @@ RANK = typer.Option(1, "--rank", "-r", help="Which rank.")
 @app.command()
 def hang(run_id: str = RUN, rank: int = RANK) -> None:
     """Stop a rank (SIGSTOP), as a rank stuck in a driver call would hang."""
-    from toolkit.lab.chaos import hang_rank
+    from toolkit.lab.chaos import hang_rank, run_folder
 
-    found = hang_rank(run_id, rank)
+    found = hang_rank(run_folder(run_id), rank)
     console.print(f"rank {rank} (pid {found.pid} on {plain(found.node)}) stopped")
 
 
 @app.command()
 def kill(run_id: str = RUN, rank: int = RANK) -> None:
     """Kill a rank (SIGKILL)."""
-    from toolkit.lab.chaos import kill_rank
+    from toolkit.lab.chaos import kill_rank, run_folder
 
-    found = kill_rank(run_id, rank)
+    found = kill_rank(run_folder(run_id), rank)
     console.print(f"rank {rank} (pid {found.pid} on {plain(found.node)}) killed")
 
 
 @app.command()
 def crash(run_id: str = RUN, rank: int = RANK) -> None:
     """Crash the node a rank runs on, as a power loss would (`ft lab up` brings it back)."""
-    from toolkit.lab.chaos import crash_rank_node
+    from toolkit.lab.chaos import crash_rank_node, run_folder
 
-    found = crash_rank_node(run_id, rank)
+    found = crash_rank_node(run_folder(run_id), rank)
     console.print(f"{plain(found.node)} (running rank {rank}) crashed")
 
 
 @app.command("gpu-bad")
 def gpu_bad(run_id: str = RUN, rank: int = RANK) -> None:
     """A GPU of the node a rank runs on falls off the bus: the node's health check drains it."""
-    from toolkit.lab.chaos import fail_gpu
+    from toolkit.lab.chaos import fail_gpu, run_folder
 
-    found, device = fail_gpu(run_id, rank)
+    found, device = fail_gpu(run_folder(run_id), rank)
     console.print(f"{plain(found.node)} (running rank {rank}) lost GPU {plain(device.name)}: its health check "
                   "drains it within seconds; `ft lab up` puts the GPU back")

@@ -3,6 +3,7 @@ recovery and for the tests. A rank is found by its run and rank among the lab no
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ from toolkit.errors import FtError
 from toolkit.lab.lifecycle import crash, require_root
 from toolkit.lab.manifest import LabManifest, state_dir
 from toolkit.lab.processes import netns_pids
+from toolkit.runs.layout import RunLayout
+from toolkit.runs.store import RunStore
 
 
 @dataclass(frozen=True)
@@ -20,53 +23,60 @@ class RankProcess:
     pid: int
 
 
-def find_rank(run_id: str, rank: int) -> RankProcess:
-    """The worker process of one rank of a run, on whichever lab node it runs."""
+def run_folder(run_id: str) -> Path:
+    """A lab run's folder (FT_RUNS_DIR where a test or benchmark keeps its own runs)."""
+    from toolkit.cluster.profile import load_profile
+
+    return RunStore.for_shared_root(load_profile("lab").shared_root).run_dir(run_id)
+
+
+def find_rank(run_dir: Path, rank: int) -> RankProcess:
+    """The worker process of one rank of a run, where its launcher says it runs (ranks/<n>.json in
+    the run folder), checked: a process of the run on that lab node."""
     require_root("chaos")
     manifest = LabManifest.load()
     if manifest is None:
         raise FtError("there is no lab on this machine", hint="run `ft lab up` first")
-    wanted = {f"FT_RUN_ID={run_id}".encode(), f"RANK={rank}".encode()}
-    for node in manifest.nodes:
-        for pid in netns_pids(node.netns):
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
-            except OSError:
-                continue  # ended meanwhile
-            if b"toolkit.train.worker" in cmdline and wanted <= environ:
-                return RankProcess(node.name, pid)
-    raise FtError(f"no rank {rank} of run {run_id} is running on the lab",
-                  hint="is the run training? (`ft status`; ranks start after the model loads)")
+    not_running = FtError(f"no rank {rank} of run {run_dir.name} is running on the lab",
+                          hint="is the run training? (`ft status`; ranks start after the model loads)")
+    try:
+        place = json.loads(RunLayout(run_dir).rank_place(rank).read_text())
+        node, pid = next(n for n in manifest.nodes if n.name == place["node"]), int(place["pid"])
+        environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+    except (OSError, ValueError, KeyError, TypeError, StopIteration):
+        raise not_running from None
+    if pid not in netns_pids(node.netns) or f"FT_RUN_ID={run_dir.name}".encode() not in environ:
+        raise not_running  # the record is older than the rank's last start
+    return RankProcess(node.name, pid)
 
 
-def hang_rank(run_id: str, rank: int) -> RankProcess:
+def hang_rank(run_dir: Path, rank: int) -> RankProcess:
     """Stop a rank (SIGSTOP): it holds its collectives, as a rank stuck in a driver call would."""
-    found = find_rank(run_id, rank)
+    found = find_rank(run_dir, rank)
     os.kill(found.pid, signal.SIGSTOP)
     return found
 
 
-def kill_rank(run_id: str, rank: int) -> RankProcess:
-    found = find_rank(run_id, rank)
+def kill_rank(run_dir: Path, rank: int) -> RankProcess:
+    found = find_rank(run_dir, rank)
     os.kill(found.pid, signal.SIGKILL)
     return found
 
 
-def crash_rank_node(run_id: str, rank: int) -> RankProcess:
+def crash_rank_node(run_dir: Path, rank: int) -> RankProcess:
     """Crash the node a rank runs on: every process of the node ends, slurmd included."""
-    found = find_rank(run_id, rank)
+    found = find_rank(run_dir, rank)
     crash(found.node)
     return found
 
 
-def fail_gpu(run_id: str, rank: int) -> tuple[RankProcess, Path]:
+def fail_gpu(run_dir: Path, rank: int) -> tuple[RankProcess, Path]:
     """A GPU falls off the bus on the node a rank runs on. The lab's GPUs are device files (gres.conf
     names them, as /dev/nvidiaN on a real node): one goes, and the node's own health check
     (HealthCheckProgram, every few seconds on the lab) drains it, as it would a real node; ft's
     watchdog then sees the drain. `ft lab up` puts the device back, and the health check resumes
     the node it drained."""
-    found = find_rank(run_id, rank)
+    found = find_rank(run_dir, rank)
     devices = sorted((state_dir() / "dev" / found.node).glob("nvidia[0-9]*"))
     if not devices:
         raise FtError(f"{found.node} has no GPU device left to fail", hint="`ft lab up` puts them back")

@@ -113,10 +113,15 @@ def batch_host_lost(node: str, quiet: float) -> None:
     why = (f"ft: batch host of job {job} (run {os.environ.get('FT_RUN_ID', '?')}) lost: its supervisor did not "
            f"answer for {quiet:.0f} s, nor its slurmd")
     slurm = CliSlurmClient()
-    if slurm.mark_node_down(batch_host, why):
-        log(f"{why}: marked {batch_host} DOWN, so that Slurm requeues the job now")
-    elif slurm.requeue(job):
-        log(f"{why}: requeued job {job} (marking {batch_host} DOWN needs operator rights)")
+    marked = slurm.mark_node_down(batch_host, why)
+    # Slurm requeues a job for its DOWN node by itself, except a job that holds spare nodes
+    # (--no-kill): that one it keeps running without its batch script, for good (seen on the lab).
+    # So the job is requeued here in every case (refused, harmlessly, where Slurm has done it).
+    requeued = slurm.requeue(job)
+    log(f"{why}: " + (f"marked {batch_host} DOWN" if marked else
+                      f"could not mark {batch_host} DOWN (operator rights)")
+        + (f"; requeued job {job}" if requeued else "; Slurm requeues the job" if marked else
+           "; Slurm requeues the job once it notices (SlurmdTimeout)"))
 
 
 def train(run_dir: Path, node_rank: int, nodes: int, beat: Sender | None) -> int:

@@ -17,7 +17,8 @@
     summary.json      what the finished run did and cost
     checkpoints/      the checkpoints, unless the recipe stages them elsewhere
     output/           the adapter or the weights, with the tokenizer
-    logs/             slurm-<job>.out, node-<host>.log, rank-<n>.log, stacks/
+    logs/             slurm-<job>.out, node-<host>.log, rank-<n>.log, warm-<host>.log, stacks/
+    ranks/            <n>.json: where each rank runs now (node, process id; its launcher writes it)
     launch/           the launchers' start marks, per start of the job
     preflight/        what each node saw in a preflight job
     cache/            the run's own cache, when the user's shared one may not be used
@@ -60,6 +61,7 @@ LAUNCH_MARKS = "launch"
 LAUNCH_FAILURES = "launch-failures"
 PREFLIGHT = "preflight"
 CACHE = "cache"
+RANKS = "ranks"
 
 # A run id names a folder and a Slurm comment, and is typed by users: plain characters only.
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
@@ -177,6 +179,9 @@ class RunLayout:
 
     def node_log(self, node: str) -> Path:
         return self.logs / f"node-{node}.log"
+
+    def rank_place(self, rank: int) -> Path:
+        return self.root / RANKS / f"{rank}.json"
 
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank-{rank}.log"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 from toolkit.recipe.schema import Recipe
@@ -13,20 +14,38 @@ from toolkit.train.step_signals import StepRecord
 
 
 class Tracker:
+    """Rank 0's metrics: every step in metrics.jsonl at once; W&B as soon as it has started. W&B's
+    start (its service process: 1-3 s) runs in a thread beside the model load and the resume, so a
+    restart's first step never waits for it; what is logged meanwhile waits in a queue."""
+
+    WANDB_START_WAIT_S = 120.0  # at the end of a run, for the queue to reach W&B
+
     def __init__(self, layout: RunLayout, recipe: Recipe, rank: int):
         self.enabled = rank == 0
         self.layout = layout
         self.wandb = None
+        self.queued: list[tuple[int, dict]] = []
+        self.starting: threading.Thread | None = None
         wandb_spec = recipe.tracking.wandb
         if self.enabled and wandb_spec.mode != "disabled":
+            self.starting = threading.Thread(target=self._start_wandb, args=(recipe,), name="ft-wandb", daemon=True)
+            self.starting.start()
+
+    def _start_wandb(self, recipe: Recipe) -> None:
+        wandb_spec = recipe.tracking.wandb
+        try:
             import wandb
 
             run_id = os.environ.get("FT_RUN_ID")
-            self.wandb = wandb.init(project=wandb_spec.project or "ft", entity=wandb_spec.entity,
-                                    mode=wandb_spec.mode, dir=str(layout.root), tags=wandb_spec.tags,
-                                    name=run_id, id=run_id, resume="allow", config=recipe.model_dump(mode="json"))
-            link = getattr(self.wandb, "url", None) or str(Path(self.wandb.dir).parent)
-            layout.tracking.write_text(json.dumps({"wandb": link, "mode": wandb_spec.mode}) + "\n")
+            run = wandb.init(project=wandb_spec.project or "ft", entity=wandb_spec.entity, mode=wandb_spec.mode,
+                             dir=str(self.layout.root), tags=wandb_spec.tags, name=run_id, id=run_id,
+                             resume="allow", config=recipe.model_dump(mode="json"))
+            link = getattr(run, "url", None) or str(Path(run.dir).parent)
+            self.layout.tracking.write_text(json.dumps({"wandb": link, "mode": wandb_spec.mode}) + "\n")
+            self.wandb = run
+        except Exception as exc:  # noqa: BLE001 - W&B failing never stops training
+            print(f"warning: W&B did not start ({type(exc).__name__}: {exc}); metrics go to "
+                  f"{self.layout.metrics} only", flush=True)
 
     def log(self, records: list[StepRecord]) -> None:
         """Several steps at once: one append to metrics.jsonl (see step_signals for why batched)."""
@@ -37,16 +56,29 @@ class Tracker:
         with open(self.layout.metrics, "a") as handle:
             handle.write("".join(json.dumps({"step": r.step, "time": round(r.time, 3), **m}) + "\n"
                                  for r, m in zip(records, metrics, strict=True)))
-        if self.wandb:
-            try:
-                for record, values in zip(records, metrics, strict=True):
-                    self.wandb.log(values, step=record.step)
-            except Exception as exc:  # noqa: BLE001 - W&B failing (its service killed, say) never stops training
-                print(f"warning: W&B stopped taking metrics ({type(exc).__name__}: {exc}); they go on in "
-                      f"{self.layout.metrics} only", flush=True)
-                self.wandb = None
+        if self.starting is not None:
+            self.queued += [(record.step, values) for record, values in zip(records, metrics, strict=True)]
+            self._to_wandb(wait=0)
+
+    def _to_wandb(self, wait: float) -> None:
+        """The queue to W&B, once it has started (waiting up to `wait` seconds for that)."""
+        self.starting.join(timeout=wait)
+        if self.starting.is_alive():
+            return
+        queued, self.queued = self.queued, []
+        if not self.wandb:
+            return
+        try:
+            for step, values in queued:
+                self.wandb.log(values, step=step)
+        except Exception as exc:  # noqa: BLE001 - W&B failing (its service killed, say) never stops training
+            print(f"warning: W&B stopped taking metrics ({type(exc).__name__}: {exc}); they go on in "
+                  f"{self.layout.metrics} only", flush=True)
+            self.wandb = None
 
     def artifact(self, folder: Path) -> None:
+        if self.starting is not None:
+            self._to_wandb(wait=self.WANDB_START_WAIT_S)
         if self.wandb:
             import wandb
 
@@ -55,6 +87,8 @@ class Tracker:
             self.wandb.log_artifact(artifact)
 
     def finish(self) -> None:
+        if self.starting is not None:
+            self._to_wandb(wait=self.WANDB_START_WAIT_S)
         if self.wandb:
             try:
                 self.wandb.finish()

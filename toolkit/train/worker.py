@@ -113,6 +113,7 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     if world != spec.derived.world_size:  # the batch arithmetic holds for the planned ranks only
         raise RunEnds(exits.USER_ERROR, f"{world} ranks started, but the recipe was planned for "
                                         f"{spec.derived.world_size}: render the job script again for this allocation")
+    tracker = Tracker(layout, recipe, rank)  # W&B starts beside the model load (tracking.py)
     faults = Faults.from_env()
     plan = batch_plan(recipe.training, world, faults.out_of_memory_retry)
     torch.manual_seed(recipe.training.seed)
@@ -128,7 +129,6 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     progress = Reporter()
     checkpointer = checkpointer_for(layout, spec, engine, dist, progress, log, faults.checkpoint_file)
     start = checkpointer.resume()
-    tracker = Tracker(layout, recipe, rank)
     loop = Loop(engine, dist, rank, world, recipe, plan, units, objective, tokenizer.pad_token_id, tracker,
                 checkpointer, progress, faults, log, lambda: _stop_requested, backend)
     started = time.monotonic()

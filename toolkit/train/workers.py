@@ -13,6 +13,8 @@ heartbeats to the supervisor every second meanwhile (toolkit/watch/heartbeat.py)
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import selectors
 import signal
@@ -27,6 +29,7 @@ from toolkit.launch import warm
 from toolkit.launch.node import log
 from toolkit.launch.warm import WarmWorker
 from toolkit.runs.layout import RunLayout, RunSpecError
+from toolkit.shared_dirs import write_atomically
 from toolkit.watch import exits, stacks
 from toolkit.watch.heartbeat import Sender
 from toolkit.watch.progress import PROGRESS_FD, HangRule, NodeProgress
@@ -78,7 +81,20 @@ def start_workers(layout: RunLayout, node_rank: int, per_node: int, nodes: int
                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(write_end,))
         os.close(write_end)
         pipes[rank] = read_end
+        record_place(layout, rank, workers[rank])
     return workers, pipes
+
+
+def record_place(layout: RunLayout, rank: int, process: subprocess.Popen | WarmWorker) -> None:
+    """Where the rank runs now, for `ft chaos` and for whoever looks (a forked rank's command line
+    and environment in /proc are its template's, so they cannot tell)."""
+    place = {"node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(), "pid": process.pid,
+             "job": os.environ.get("SLURM_JOB_ID", ""), "start": os.environ.get("FT_WATCH_START", ""),
+             "warm": isinstance(process, WarmWorker), "time": time.time()}
+    with contextlib.suppress(OSError):
+        path = layout.rank_place(rank)
+        path.parent.mkdir(exist_ok=True)
+        write_atomically(path, json.dumps(place))
 
 
 def read_progress(pipes: dict[int, int], progress: NodeProgress, lock: threading.Lock) -> None:

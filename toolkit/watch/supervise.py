@@ -47,6 +47,7 @@ from toolkit.watch.heartbeat import Receiver
 
 SILENT_AT_END_S = 3.0  # a node quiet this long before srun ended was lost, whatever srun says
 STOP_GRACE_S = 5.0
+LOST_STOP_GRACE_S = 1.0  # a step with a lost node: nothing worth waiting for (no checkpoint can be taken)
 DRAIN_CHECK_S = 5.0  # how often the step's nodes are checked for a drain
 CHECKPOINT_GRACE_S = 120.0  # how long ranks on a drained node may take to checkpoint before the stop
 
@@ -195,10 +196,17 @@ class Supervisor:
                     log(f"{lost.why} on {', '.join(lost.nodes)}: left to HyperPod's --auto-resume")
                     record(self.run_dir, "node_silent", nodes=lost.nodes, left_to="auto-resume")
                 reported = True
+            elif lost and lost.drained:
+                log(f"{lost.why} ({', '.join(lost.nodes)}): stopping the step after a checkpoint")
+                self.stop_step(process, checkpoint_first=True)
+                return Outcome(None, lost)
             elif lost:
-                log(f"{lost.why} ({', '.join(lost.nodes)}): stopping the step"
-                    + (" after a checkpoint" if lost.drained else ""))
-                self.stop_step(process, checkpoint_first=lost.drained)
+                # A silent node first marked DOWN: Slurm then ends the step's part there, and srun
+                # waits for nothing that will never answer; the survivors' ranks are killed (they
+                # would wait on the lost one's collectives) and the next start goes on at once.
+                log(f"{lost.why} ({', '.join(lost.nodes)}): stopping the step")
+                self.exclude(lost)
+                self.stop_step(process, grace=LOST_STOP_GRACE_S)
                 return Outcome(None, lost)
 
     def ended(self, code: int, nodes: list[str]) -> Outcome:
@@ -230,7 +238,8 @@ class Supervisor:
             log(f"could not check the nodes' state ({exc.message}); checking again in {DRAIN_CHECK_S:.0f} s")
             return {}
 
-    def stop_step(self, process: subprocess.Popen, checkpoint_first: bool = False) -> None:
+    def stop_step(self, process: subprocess.Popen, checkpoint_first: bool = False,
+                  grace: float = STOP_GRACE_S) -> None:
         """srun ends a step on two interrupts within a second; it is killed if it does not. A node
         drained under the job is sound for now: the ranks checkpoint first (USR2), within reason."""
         if checkpoint_first and process.poll() is None:
@@ -242,7 +251,7 @@ class Supervisor:
                 process.send_signal(signal.SIGINT)
                 time.sleep(0.3)
         try:
-            process.wait(timeout=STOP_GRACE_S)
+            process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
@@ -253,6 +262,8 @@ class Supervisor:
 
     def exclude(self, lost: Lost) -> None:
         for node in lost.nodes:
+            if node in self.excluded:
+                continue
             self.excluded.append(node)
             if lost.drained:  # someone else took it out, with their reason: left as it is
                 log(f"node {node} left out: {lost.why}")
@@ -287,6 +298,7 @@ class Supervisor:
         argv = warm_command(self.command, self.allocation, str(logs / "warm-%N.log"))
         if argv is None or self.auto_resume:  # HyperPod restarts the step itself, with new processes
             return
+        logs.mkdir(exist_ok=True)
         with open(logs / "warm-srun.err", "a") as errors:
             self.warm = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=errors)
         log(f"warm templates of the training runtime starting on {', '.join(self.allocation)}")
