@@ -57,11 +57,13 @@ def ft(env: dict, *args: str) -> str:
 
 def goodput(env: dict, work: Path, args) -> dict:
     found = {}
-    clean = goodput_run(env, recipe_for(work, "ft-no-spare", args.heartbeat_timeout, args.goodput_steps), None)
+    clean = goodput_run(env, recipe_for(work, "ft-no-spare", args.heartbeat_timeout, args.goodput_steps,
+                                        global_batch=args.goodput_global_batch), None)
     print(f"\ngoodput, a crash every {args.crash_every:.0f} s ({args.goodput_steps} steps; uninterrupted: "
           f"{clean['seconds']:.0f} s from the first step to the end):", flush=True)
     for mode in args.modes.split(","):
-        outcome = goodput_run(env, recipe_for(work, mode, args.heartbeat_timeout, args.goodput_steps),
+        outcome = goodput_run(env, recipe_for(work, mode, args.heartbeat_timeout, args.goodput_steps,
+                                              global_batch=args.goodput_global_batch),
                               args.crash_every)
         found[mode] = {**outcome, "goodput": clean["seconds"] / outcome["seconds"]}
         print(f"  {mode:14s} {found[mode]['goodput']:.2f} ({outcome['crashes']} crashes, "
@@ -69,8 +71,8 @@ def goodput(env: dict, work: Path, args) -> dict:
     return {"uninterrupted_seconds": clean["seconds"], **found}
 
 
-def recipe_for(work: Path, mode: str, heartbeat_timeout: float, steps: int = 100_000, hang_floor: float = 0
-               ) -> Path:
+def recipe_for(work: Path, mode: str, heartbeat_timeout: float, steps: int = 100_000, hang_floor: float = 0,
+               global_batch: int = 0) -> Path:
     document = yaml.safe_load(RECIPE.read_text())
     document["data"]["train"] = str(RECIPE.parent / document["data"]["train"])
     document["training"]["steps"] = steps  # the kill runs are stopped by the benchmark, never finished
@@ -81,7 +83,9 @@ def recipe_for(work: Path, mode: str, heartbeat_timeout: float, steps: int = 100
         document["watchdog"]["heartbeat_timeout"] = heartbeat_timeout
     if hang_floor:
         document["watchdog"]["hang_floor"] = hang_floor
-    path = work / f"{mode}-{steps}{'-hang' if hang_floor else ''}.yaml"
+    if global_batch:  # more accumulation per step: a longer step (recovery's share of the time shows)
+        document["training"]["global_batch"] = global_batch
+    path = work / f"{mode}-{steps}{'-hang' if hang_floor else ''}-{global_batch or 'b'}.yaml"
     path.write_text(yaml.safe_dump(document))
     return path
 
@@ -184,6 +188,8 @@ def main() -> None:
     parser.add_argument("--hang-floor", type=float, default=10.0)
     parser.add_argument("--goodput-steps", type=int, default=600)
     parser.add_argument("--crash-every", type=float, default=90.0)
+    parser.add_argument("--goodput-global-batch", type=int, default=128,
+                        help="the goodput runs' global batch: 128 makes a lab step about 0.5 s")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ft-bench-recovery-", dir="/var/lib/ft-lab/shared"))
     env = dict(os.environ, FT_RUNS_DIR=str(work / "runs"), SLURM_CONF="/etc/slurm/slurm.conf")

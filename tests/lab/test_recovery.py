@@ -76,8 +76,9 @@ def reasons(*nodes: str) -> dict[str, str]:
 
 def test_a_lost_node_is_replaced_by_a_spare_and_a_bad_gpu_with_no_spare_left_requeues(tiny_baseline, runs,
                                                                                       heal_lab):
-    run = submit(recipe(runs, "spare", resources={"spare_nodes": 1}, watchdog={"heartbeat_timeout": 5}),
-                 runs_dir=runs)
+    # Slower steps: training on the spare must outlast the wait for its checkpoint and the health check.
+    run = submit(recipe(runs, "spare", resources={"spare_nodes": 1}, watchdog={"heartbeat_timeout": 5},
+                        env={"FT_FAULT_SLOW_STEP_S": "0.1"}), runs_dir=runs)
     checkpoint_after(run, 0)  # the first one
     first = chaos.crash_rank_node(Path(run["run_dir"]), 1).node
     wait_for("the restart on the spare", lambda: len([e for e in events(run) if e["event"] == "start"]) == 2,

@@ -40,6 +40,7 @@ from toolkit.watch.progress import PROGRESS_FD, HangRule, NodeProgress
 # The mmap threshold is glibc's largest; the heap keeps its peak, which every step reaches again.
 CPU_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(16 << 30),
               "MALLOC_TOP_PAD_": str(256 << 20)}
+HANG_KILL_DELAY_S = 2.0  # see supervise(): the other nodes read their ranks' stacks meanwhile
 
 
 def worker_env(node_rank: int, local_rank: int, per_node: int, nodes: int) -> dict[str, str]:
@@ -165,6 +166,10 @@ def supervise(layout: RunLayout, host: str, workers: dict[int, subprocess.Popen]
                 print(f"[ft-launch {host}] rank {rank} on {host} is hung: {why}", flush=True)
             stacks.dump_all(layout, {rank: p.pid for rank, p in workers.items() if p.poll() is None},
                             lambda line: print(f"[ft-launch {host}] {line}", flush=True))
+            # The other nodes' launchers see the same stall within a second or two and read their
+            # ranks' stacks: ranks killed here at once would break those ranks' collectives first,
+            # and their stacks would show the error instead of where they waited.
+            time.sleep(HANG_KILL_DELAY_S)
             stop(workers, grace=0)
             exits.leave_exit_status(layout.root, exits.HUNG)
             return exits.HUNG

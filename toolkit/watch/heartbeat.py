@@ -30,6 +30,7 @@ MAX_DATAGRAM = 4096
 INTERVAL_S = 1.0
 RECEIVE_BUFFER = 4 << 20  # room for a burst of junk without losing the real heartbeats
 ANSWERS_PER_BEAT = 64  # datagrams a launcher reads per heartbeat: a flood never starves the sending
+REPORT_WAIT_S = 60.0  # a launcher ending waits this long for its report of a lost batch host to reach Slurm
 
 
 def seal(secret: bytes, message: dict) -> bytes:
@@ -69,6 +70,7 @@ class Sender:
         self.silence_s, self.on_silence = silence_s, on_silence
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="ft-heartbeat", daemon=True)
+        self.reporting: threading.Thread | None = None
 
     def start(self) -> Sender:
         self.thread.start()
@@ -89,7 +91,8 @@ class Sender:
                     and time.monotonic() - self.answered > self.silence_s):
                 report, self.on_silence = self.on_silence, None
                 quiet = time.monotonic() - self.answered
-                threading.Thread(target=report, args=(quiet,), name="ft-silence", daemon=True).start()
+                self.reporting = threading.Thread(target=report, args=(quiet,), name="ft-silence", daemon=True)
+                self.reporting.start()
 
     def read_answers(self) -> None:
         for _ in range(ANSWERS_PER_BEAT):
@@ -118,6 +121,8 @@ class Sender:
         self.stopped.set()
         self.thread.join(timeout=2)
         self.send()
+        if self.reporting is not None:  # the silence is being reported (Slurm told): let it finish
+            self.reporting.join(timeout=REPORT_WAIT_S)
 
 
 @dataclass
