@@ -7,8 +7,11 @@ training run through the templates."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -35,21 +38,23 @@ def wait_for(probe, timeout: float, what: str):
     raise AssertionError(f"{what} did not happen within {timeout:.0f} s")
 
 
-@pytest.fixture(scope="module")
-def template(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("warm")
+def start_template(folder: Path) -> dict:
     log = folder / "template.log"
     env = dict(os.environ, TMPDIR=str(folder), **JOB)
     with open(log, "w") as output:
         process = subprocess.Popen([sys.executable, "-m", "toolkit.launch.warm"], env=env, cwd=REPO, stdout=output,
                                    stderr=subprocess.STDOUT)
-    try:
-        wait_for(lambda: "serving ranks" in log.read_text() or process.poll() is not None, 240, "the template's start")
-        assert process.poll() is None, log.read_text()
-        yield {"folder": folder, "process": process, "log": log}
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    wait_for(lambda: "serving ranks" in log.read_text() or process.poll() is not None, 240, "the template's start")
+    assert process.poll() is None, log.read_text()
+    return {"folder": folder, "process": process, "log": log}
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    started = start_template(tmp_path_factory.mktemp("warm"))
+    yield started
+    started["process"].kill()
+    started["process"].wait(timeout=30)
 
 
 @pytest.fixture
@@ -57,6 +62,7 @@ def launcher(template, monkeypatch, tmp_path):
     """This process as a launcher of the template's node, with a run folder and a rank log."""
     for name, value in {**JOB, "TMPDIR": str(template["folder"]), warm.WANTED: "1"}.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr(warm, "_cold", False)
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
     write_run_spec(run_dir, run_spec(nodes=2))
@@ -125,7 +131,7 @@ def test_a_rank_does_not_outlive_its_launcher(template, launcher):
     worker, progress, _ = spawn(launcher, rank_env(launcher))
     try:
         assert warm.process_alive(worker.pid)
-        worker.connection.close()  # what the launcher's death does to its end
+        worker.channel.sock.close()  # what the launcher's death does to its end
         wait_for(lambda: not warm.process_alive(worker.pid), 15, "the rank's end")
     finally:
         lock.close()
@@ -138,16 +144,18 @@ def test_without_a_working_template_the_launcher_starts_ranks_itself(launcher, m
     monkeypatch.setenv("SLURMD_NODENAME", "node-without-one")
     said: list[str] = []
     assert warm.spawn(rank_env(launcher), 1, 2, "FT_PROGRESS_FD", say=said.append) is None
-    assert "starting the rank cold" in said[0]
+    assert "starting ranks cold" in said[0]
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     open_folder = warm.socket_path().parent
     open_folder.mkdir(mode=0o777)
     open_folder.chmod(0o777)  # others may enter: a socket there may be anyone's
+    monkeypatch.setattr(warm, "_cold", False)
     assert warm.spawn(rank_env(launcher), 1, 2, "FT_PROGRESS_FD", say=said.append) is None
     assert not warm.private_folder(open_folder)
 
     monkeypatch.setenv(warm.WANTED, "0")  # the supervisor started no template
+    monkeypatch.setattr(warm, "_cold", False)
     assert warm.spawn(rank_env(launcher), 1, 2, "FT_PROGRESS_FD", say=said.append) is None
     assert len(said) == 2
 
@@ -162,3 +170,84 @@ def test_the_template_step_keeps_the_training_steps_options_over_every_node():
                     "--container-image=nvcr.io#nvidia/pytorch:24.07-py3", "--mpi=pmix", "/opt/ft/bin/python", "-m",
                     "toolkit.launch.warm"]
     assert warm_command(["srun", "python", "train.py"], ["n1"], "x") is None  # not ft's launcher: no template
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def raw_request(path: Path, payload: bytes, fds: list[int] = ()) -> socket.socket:
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.connect(str(path))
+    socket.send_fds(client, [payload], list(fds)) if fds else client.sendall(payload)
+    return client
+
+
+def framed(message) -> bytes:
+    body = json.dumps(message).encode()
+    return struct.pack("!I", len(body)) + body
+
+
+def test_hostile_or_broken_requests_neither_end_the_template_nor_leak_into_it(template, launcher):
+    path, pid = warm.socket_path(), template["process"].pid
+    before = open_fds(pid)
+    log = open(launcher["log"], "a")  # noqa: SIM115
+    read_end, write_end = os.pipe()
+    try:
+        for payload in (framed(["a", "list"]), framed({"env": "not a dict"}), struct.pack("!I", 1 << 30),
+                        framed({"env": {}})[:-3], struct.pack("!I", 200_000) + b"[" * 100_000 + b"]" * 100_000):
+            raw_request(path, payload, [log.fileno(), write_end]).close()
+        silent = raw_request(path, b"")  # says nothing: the template waits for it a bounded time only
+        lock = held_compiled_op_lock(launcher)
+        # A launcher that gives up at once (its request queued, its connection closed): no rank
+        # outlives it.
+        gone = raw_request(path, framed({"env": rank_env(launcher)}), [log.fileno(), write_end])
+        gone.close()
+        worker, progress, _ = spawn(launcher, rank_env(launcher))  # the next launcher is served
+        assert worker.poll() is None
+        worker.channel.sock.send(b"extra bytes")  # what no launcher sends: dropped, the rank is kept
+        time.sleep(0.5)
+        assert worker.poll() is None and template["process"].poll() is None
+        worker.kill()
+        assert worker.wait(timeout=10) == -signal.SIGKILL
+        silent.close()
+        lock.close()
+        os.close(progress)
+    finally:
+        log.close()
+        os.close(read_end)
+        os.close(write_end)
+    wait_for(lambda: open_fds(pid) <= before, 10, "the template's descriptors back to where they were")
+    children = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    assert children == []  # none left running, none left unreaped
+
+
+def test_two_replies_in_one_read_are_two_messages():
+    here, there = socket.socketpair()
+    there.sendall(framed({"pid": 12}) + framed({"exit": 0}))
+    channel = warm.Channel(here)
+    assert channel.receive(1)[0] == {"pid": 12}
+    assert channel.receive(1)[0] == {"exit": 0}
+    there.close()
+    assert channel.receive(1) == (None, [])
+
+
+def test_slurms_signals_to_the_template_leave_its_ranks_to_their_launchers(tmp_path, launcher, monkeypatch):
+    (tmp_path / "own").mkdir()
+    own = start_template(tmp_path / "own")  # this one is stopped by the test
+    monkeypatch.setenv("TMPDIR", str(own["folder"]))
+    lock = held_compiled_op_lock(launcher)
+    worker, progress, _ = spawn(launcher, rank_env(launcher))
+    try:
+        own["process"].send_signal(signal.SIGUSR2)  # the job's pre-timeout signal, and a job's end:
+        own["process"].send_signal(signal.SIGTERM)  # the rank's launcher passes them on, not the template
+        time.sleep(1)
+        assert worker.poll() is None and own["process"].poll() is None
+        assert not warm.socket_path().exists()  # no new ranks from a template told to end
+        worker.kill()
+        assert worker.wait(timeout=10) == -signal.SIGKILL
+        assert own["process"].wait(timeout=15) == 0  # its last rank ended: so does it
+    finally:
+        lock.close()
+        os.close(progress)
+        own["process"].kill()

@@ -73,47 +73,70 @@ def private_folder(folder: Path) -> bool:
     return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077
 
 
-# -- messages: a length, then JSON; file descriptors ride with the first bytes -------------------------
-def send_message(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
-    data = json.dumps(message).encode()
-    packet = struct.pack("!I", len(data)) + data
-    sent = socket.send_fds(sock, [packet], list(fds)) if fds else sock.send(packet)
-    if sent < len(packet):
-        sock.sendall(packet[sent:])
+# -- messages: a length, then a JSON object; a request's descriptors ride with its first bytes -------
+class Channel:
+    """One connection's messages. What a read brings beyond a message is kept for the next one (the
+    template's two replies may arrive in one read)."""
 
+    def __init__(self, sock: socket.socket):
+        self.sock, self.buffer = sock, b""
 
-def receive_message(sock: socket.socket, max_fds: int = 0) -> tuple[dict | None, list[int]]:
-    """One message and the descriptors that came with it; (None, []) at the end of the connection."""
-    if max_fds:
-        data, fds, _, _ = socket.recv_fds(sock, 65536, max_fds)
-    else:
-        data, fds = sock.recv(65536), []
-    if len(data) < 4:
-        data += receive_exactly(sock, 4 - len(data)) if data else b""
-        if len(data) < 4:
+    def send(self, message: dict, fds: list[int] = ()) -> None:
+        data = json.dumps(message).encode()
+        packet = struct.pack("!I", len(data)) + data
+        sent = socket.send_fds(self.sock, [packet], list(fds)) if fds else self.sock.send(packet)
+        if sent < len(packet):
+            self.sock.sendall(packet[sent:])
+
+    def receive(self, timeout: float | None, max_fds: int = 0) -> tuple[dict | None, list[int]]:
+        """The next message, and the descriptors that came with it; (None, []) at the connection's
+        end. Within `timeout` seconds in all (0: only what has arrived; None: no limit), else
+        TimeoutError or BlockingIOError. ValueError: not a message. Descriptors are closed on any
+        error: nothing leaks into the ranks forked later."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fds: list[int] = []
+        try:
+            while True:
+                message = self._take()
+                if message is not None:
+                    return message, fds
+                self.sock.settimeout(None if deadline is None else max(deadline - time.monotonic(), 0))
+                if max_fds and not fds:
+                    data, fds, _, _ = socket.recv_fds(self.sock, 65536, max_fds)
+                else:
+                    data = self.sock.recv(65536)
+                if not data:
+                    if self.buffer:
+                        raise ValueError("the connection ended inside a message")
+                    for fd in fds:
+                        os.close(fd)
+                    return None, []
+                self.buffer += data
+                if deadline is not None and time.monotonic() > deadline and self._take(peek=True) is None:
+                    raise TimeoutError("a message trickling in")
+        except BaseException:
             for fd in fds:
                 os.close(fd)
-            return None, []
-    size = struct.unpack("!I", data[:4])[0]
-    if size > MAX_REQUEST:
-        raise ValueError(f"a message of {size} bytes")
-    body = data[4:]
-    if len(body) < size:
-        body += receive_exactly(sock, size - len(body))
-    if len(body) != size:  # more than one message in one read is never sent: one request, then replies
-        raise ValueError("a torn message")
-    return json.loads(body), fds
+            raise
 
-
-def receive_exactly(sock: socket.socket, size: int) -> bytes:
-    chunks = []
-    while size > 0:
-        chunk = sock.recv(min(size, 65536))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size -= len(chunk)
-    return b"".join(chunks)
+    def _take(self, peek: bool = False) -> dict | None:
+        if len(self.buffer) < 4:
+            return None
+        size = struct.unpack("!I", self.buffer[:4])[0]
+        if size > MAX_REQUEST:
+            raise ValueError(f"a message of {size} bytes")
+        if len(self.buffer) < 4 + size:
+            return None
+        if peek:
+            return {}
+        body, self.buffer = self.buffer[4:4 + size], self.buffer[4 + size:]
+        try:
+            message = json.loads(body)
+        except RecursionError:
+            raise ValueError("JSON nested too deep") from None
+        if not isinstance(message, dict):
+            raise ValueError("not a JSON object")
+        return message
 
 
 # -- the launcher's side -------------------------------------------------------------------------------
@@ -121,13 +144,13 @@ class WarmWorker:
     """A rank forked by the node's template: the parts of subprocess.Popen the launcher uses. The
     exit status comes over the connection (the rank is the template's child, not ours)."""
 
-    def __init__(self, connection: socket.socket, pid: int):
-        self.connection, self.pid, self.returncode = connection, pid, None
+    def __init__(self, channel: Channel, pid: int):
+        self.channel, self.pid, self.returncode = channel, pid, None
         self.args = [f"warm rank (pid {pid})"]
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self._read()
+            self._read(timeout=0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -136,14 +159,13 @@ class WarmWorker:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise subprocess.TimeoutExpired(self.args, timeout)
-            self._read(timeout=None if left is None else max(left, 0.01))
+            self._read(timeout=left)
         return self.returncode
 
-    def _read(self, timeout: float | None = 0) -> None:
-        """The template's word on the rank, if it came (timeout 0: do not wait for it)."""
-        self.connection.settimeout(timeout)
+    def _read(self, timeout: float | None) -> None:
+        """The template's word on the rank, if it comes within `timeout` seconds."""
         try:
-            message, _ = receive_message(self.connection)
+            message, _ = self.channel.receive(timeout)
         except (BlockingIOError, TimeoutError):
             return
         except (OSError, ValueError):
@@ -153,7 +175,7 @@ class WarmWorker:
         elif isinstance(message.get("exit"), int):
             self.returncode = message["exit"]
         if self.returncode is not None:
-            self.connection.close()
+            self.channel.sock.close()
 
     def _orphaned(self) -> int:
         """The template died and left its child running: stop it, its exit status is lost."""
@@ -162,7 +184,7 @@ class WarmWorker:
         return -signal.SIGKILL
 
     def send_signal(self, signum: int) -> None:
-        if self.returncode is None:
+        if self.poll() is None:  # an exit already reported: the pid may be another process's now
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signum)
 
@@ -181,40 +203,47 @@ def process_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+_cold = False  # this launcher found the template wanting once: its other ranks do not wait on it again
+
+
 def spawn(env: dict[str, str], log_fd: int, progress_fd: int, progress_env: str, say=log) -> WarmWorker | None:
     """A rank from this node's template, or None (not started for this job, or not working: the
     caller starts the rank itself)."""
-    if os.environ.get(WANTED) != "1":
+    global _cold
+    if os.environ.get(WANTED) != "1" or _cold:
         return None
     path = socket_path()
     deadline = time.monotonic() + SERVER_WAIT_S
     while not path.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     if not private_folder(path.parent) or not path.exists():
-        say(f"no warm template at {path}: starting the rank cold")
+        _cold = True
+        say(f"no warm template at {path}: starting ranks cold")
         return None
-    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    channel = Channel(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
     try:
-        connection.settimeout(REPLY_WAIT_S)
-        connection.connect(str(path))
-        send_message(connection, {"env": env, "cwd": os.getcwd(), "progress_env": progress_env,
-                                  "launcher": os.getpid()}, [log_fd, progress_fd])
-        reply, _ = receive_message(connection)
-    except (OSError, ValueError) as exc:
-        connection.close()
-        say(f"the warm template at {path} did not answer ({exc}): starting the rank cold")
-        return None
+        channel.sock.settimeout(SERVER_WAIT_S)
+        channel.sock.connect(str(path))
+        channel.send({"env": env, "cwd": os.getcwd(), "progress_env": progress_env}, [log_fd, progress_fd])
+        reply, _ = channel.receive(REPLY_WAIT_S)
+    except (OSError, ValueError) as exc:  # TimeoutError included: the template then kills what it forks
+        reply, problem = None, f"did not answer ({exc})"
+    else:
+        problem = "closed the connection"
     if not reply or not isinstance(reply.get("pid"), int):
-        connection.close()
-        say(f"the warm template at {path} could not start the rank ({(reply or {}).get('error', 'it closed')}): "
-            "starting it cold")
+        channel.sock.close()
+        _cold = True
+        say(f"the warm template at {path} {problem}: starting ranks cold")
         return None
-    return WarmWorker(connection, reply["pid"])
+    return WarmWorker(channel, reply["pid"])
 
 
 # -- the template's side -------------------------------------------------------------------------------
 class Template:
-    """One node's template: listens, forks a rank per request, reports each one's end."""
+    """One node's template: listens, forks a rank per request, reports each one's end. One thread:
+    whatever a client sends, the loop goes on (a request must arrive whole within REQUEST_WAIT_S)."""
+
+    REQUEST_WAIT_S = 2.0
 
     def __init__(self, path: Path):
         self.path = path
@@ -230,12 +259,21 @@ class Template:
         os.set_blocking(self.wakeup_write, False)
         signal.set_wakeup_fd(self.wakeup_write)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the loop through the pipe
+        # Slurm signals every step of a job: the ranks' own launchers pass them on (a TERM makes
+        # them checkpoint); the template only stops taking requests on TERM or INT.
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+        for ignored in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+            signal.signal(ignored, signal.SIG_IGN)
         self.stopping = False
 
     def serve(self) -> None:
         self.selector.register(self.listener, selectors.EVENT_READ, "listen")
         self.selector.register(self.wakeup_read, selectors.EVENT_READ, "wakeup")
-        while not self.stopping:
+        while not (self.stopping and not self.children):
+            if self.stopping and self.listener.fileno() >= 0:
+                self.selector.unregister(self.listener)
+                self.close_listener()  # the ranks running go on to their end
             for key, _ in self.selector.select(timeout=5.0):
                 if key.data == "listen":
                     self.accept()
@@ -245,32 +283,39 @@ class Template:
                 else:
                     self.launcher_gone(key.data)
             self.reap()
-        self.close()
+        self.close_listener()
 
     def accept(self) -> None:
         connection, _ = self.listener.accept()
+        try:
+            self.take_request(connection)
+        except Exception as exc:  # noqa: BLE001 - one client's trouble never ends the template
+            log(f"a request failed ({type(exc).__name__}: {exc})")
+            connection.close()
+
+    def take_request(self, connection: socket.socket) -> None:
         pid, uid, _ = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                                 struct.calcsize("3i")))
         if uid != os.getuid():
             connection.close()
             return
+        channel = Channel(connection)
+        request, fds = channel.receive(self.REQUEST_WAIT_S, max_fds=2)
         try:
-            connection.settimeout(5.0)
-            request, fds = receive_message(connection, max_fds=2)
-        except (OSError, ValueError) as exc:
-            log(f"a request from pid {pid} could not be read ({exc})")
-            connection.close()
-            return
-        if not request or len(fds) != 2 or not isinstance(request.get("env"), dict):
+            if request is None or len(fds) != 2 or not isinstance(request.get("env"), dict) or closed(connection):
+                connection.close()  # not a request, or its launcher gave up meanwhile
+                return
+            child = self.fork(request, fds, connection, pid)
+        finally:
             for fd in fds:
                 os.close(fd)
-            connection.close()
-            return
-        child = self.fork(request, fds, connection, pid)
-        for fd in fds:
-            os.close(fd)
         self.children[child] = connection
-        send_message(connection, {"pid": child})
+        connection.settimeout(self.REQUEST_WAIT_S)  # replies are a few bytes: never a wait
+        try:
+            channel.send({"pid": child})
+        except OSError:  # the launcher is gone already: so is its rank
+            kill_group(child)
+            return
         self.selector.register(connection, selectors.EVENT_READ, child)
 
     def fork(self, request: dict, fds: list[int], connection: socket.socket, launcher: int) -> int:
@@ -309,22 +354,21 @@ class Template:
             connection.close()
 
     def launcher_gone(self, pid: int) -> None:
-        """The launcher closed its connection (it ended, or was killed with its step): its rank
-        must not outlive it."""
+        """The launcher's connection is readable: at its end (the launcher ended, or was killed with
+        its step), its rank must not outlive it. Launchers send nothing after their request: any
+        bytes are read and dropped."""
         connection = self.children.get(pid)
         if connection is None:
             return
+        connection.setblocking(False)
         try:
-            if connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
-                return  # not an end (launchers send nothing after their request)
+            if connection.recv(4096):
+                return
         except BlockingIOError:
             return
         except OSError:
             pass  # reset: gone as well
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        kill_group(pid)
         self.selector.unregister(connection)
 
     def reap(self) -> None:
@@ -339,19 +383,37 @@ class Template:
             with contextlib.suppress(KeyError, ValueError):
                 self.selector.unregister(connection)
             with contextlib.suppress(OSError):
-                send_message(connection, {"exit": os.waitstatus_to_exitcode(status)})
+                Channel(connection).send({"exit": os.waitstatus_to_exitcode(status)})
             connection.close()
 
     def stop(self, *_) -> None:
         self.stopping = True
 
-    def close(self) -> None:
-        for pid in self.children:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        self.listener.close()
+    def close_listener(self) -> None:
+        if self.listener.fileno() >= 0:
+            self.listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+
+def closed(connection: socket.socket) -> bool:
+    """Whether the other end has gone (a request queued while the template imported, from a
+    launcher that gave up or died meanwhile, must not become a rank)."""
+    connection.setblocking(False)  # a socket with a timeout would wait for data despite MSG_DONTWAIT
+    try:
+        return connection.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def kill_group(pid: int) -> None:
+    """A rank forked here and the processes of its session (it has its own: see become_rank)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def become_rank(request: dict, fds: list[int], launcher: int) -> int:
@@ -399,8 +461,6 @@ def main() -> int:
         log(f"{path.parent} is not a private folder of this user's: no warm template (ranks start cold)")
         return 0
     template = Template(path)
-    signal.signal(signal.SIGTERM, template.stop)
-    signal.signal(signal.SIGINT, template.stop)
     began = time.monotonic()
     try:
         from toolkit.train import worker
@@ -408,13 +468,13 @@ def main() -> int:
         worker.preload()
     except Exception as exc:  # noqa: BLE001 - the ranks start cold: slower, not broken
         log(f"could not load the training runtime ({type(exc).__name__}: {exc}): ranks start cold")
-        template.close()
+        template.close_listener()
         return 0
     import torch
 
     if torch.cuda.is_initialized():
         log("CUDA was initialised while loading the runtime, and cannot cross a fork: ranks start cold")
-        template.close()
+        template.close_listener()
         return 0
     log(f"training runtime loaded in {time.monotonic() - began:.1f} s: serving ranks at {path}")
     template.serve()
