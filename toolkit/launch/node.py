@@ -12,6 +12,7 @@ import os
 import socket
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from toolkit.launch.rendezvous import RendezvousError, barrier, job_secret
@@ -98,9 +99,9 @@ def slurmd_answers(address: str, timeout: float = 3.0) -> bool:
 
 def batch_host_lost(node: str, quiet: float) -> None:
     """The supervisor stopped answering: its node (the batch host) is lost, and the job script with
-    it. Slurm would notice only after SlurmdTimeout; any surviving node tells it now (marking the
-    node DOWN requeues the job; without operator rights, the job is requeued directly). Only when
-    the node's slurmd does not answer either: a supervisor gone on a live node is Slurm's to see."""
+    it. Slurm would notice only after SlurmdTimeout; any surviving node tells it now: the node is
+    marked DOWN (with the reason) and the job requeued. Only when the node's slurmd does not answer
+    either: a supervisor gone on a live node is Slurm's to see."""
     from toolkit.slurm.client import CliSlurmClient
 
     batch_host, job = os.environ.get("FT_WATCH_NODE", ""), os.environ.get("SLURM_JOB_ID", "")
@@ -112,16 +113,18 @@ def batch_host_lost(node: str, quiet: float) -> None:
         return
     why = (f"ft: batch host of job {job} (run {os.environ.get('FT_RUN_ID', '?')}) lost: its supervisor did not "
            f"answer for {quiet:.0f} s, nor its slurmd")
-    slurm = CliSlurmClient()
-    marked = slurm.mark_node_down(batch_host, why)
     # Slurm requeues a job for its DOWN node by itself, except a job that holds spare nodes
     # (--no-kill): that one it keeps running without its batch script, for good (seen on the lab).
-    # So the job is requeued here in every case (refused, harmlessly, where Slurm has done it).
-    requeued = slurm.requeue(job)
-    log(f"{why}: " + (f"marked {batch_host} DOWN" if marked else
-                      f"could not mark {batch_host} DOWN (operator rights)")
-        + (f"; requeued job {job}" if requeued else "; Slurm requeues the job" if marked else
-           "; Slurm requeues the job once it notices (SlurmdTimeout)"))
+    # So both, at once: whichever Slurm carries out first ends this launcher's step (and this
+    # thread with it), and the other is on its way by then. A requeue Slurm has made already is
+    # refused, harmlessly.
+    log(f"{why}: marking {batch_host} DOWN and requeueing job {job}")
+    slurm = CliSlurmClient()
+    with ThreadPoolExecutor(max_workers=2) as both:
+        marked = both.submit(slurm.mark_node_down, batch_host, why)
+        requeued = both.submit(slurm.requeue, job)
+    if not marked.result() and not requeued.result():
+        log(f"Slurm took neither (operator rights?): it requeues job {job} once it notices (SlurmdTimeout)")
 
 
 def train(run_dir: Path, node_rank: int, nodes: int, beat: Sender | None) -> int:
