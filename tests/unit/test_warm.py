@@ -251,3 +251,19 @@ def test_slurms_signals_to_the_template_leave_its_ranks_to_their_launchers(tmp_p
         lock.close()
         os.close(progress)
         own["process"].kill()
+
+
+def test_a_rank_dies_with_its_template(tmp_path, launcher, monkeypatch):
+    (tmp_path / "own").mkdir()
+    own = start_template(tmp_path / "own")
+    monkeypatch.setenv("TMPDIR", str(own["folder"]))
+    lock = held_compiled_op_lock(launcher)
+    worker, progress, _ = spawn(launcher, rank_env(launcher))
+    try:
+        own["process"].kill()  # what Slurm's end of the job does to the template's step
+        wait_for(lambda: not warm.process_alive(worker.pid), 15, "the rank's end")
+        assert worker.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        lock.close()
+        os.close(progress)
+        own["process"].wait(timeout=10)

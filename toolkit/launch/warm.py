@@ -45,6 +45,7 @@ SERVER_WAIT_S = 30.0  # how long a launcher waits for its node's template to lis
 REPLY_WAIT_S = 600.0  # the first start waits while the template imports (as a cold rank would)
 MAX_REQUEST = 1 << 20
 PR_SET_PTRACER = 0x59616D61  # Yama: who may attach to this process (py-spy, for the hang dumps)
+PR_SET_PDEATHSIG = 1  # the signal this process gets when its parent dies
 
 
 def log(message: str) -> None:
@@ -321,13 +322,14 @@ class Template:
     def fork(self, request: dict, fds: list[int], connection: socket.socket, launcher: int) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
+        template = os.getpid()
         child = os.fork()
         if child:
             return child
         code = 1
         try:
             self.forget(connection)
-            code = become_rank(request, fds, launcher)
+            code = become_rank(request, fds, launcher, template)
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         except BaseException:  # noqa: BLE001 - the rank's own error, printed into its log
@@ -416,12 +418,17 @@ def kill_group(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def become_rank(request: dict, fds: list[int], launcher: int) -> int:
+def become_rank(request: dict, fds: list[int], launcher: int, template: int) -> int:
     """The forked child turns into the rank its launcher asked for: its own session (the template's
-    step signals never reach it), its log as stdout and stderr, the rank's environment."""
+    step signals never reach it), its log as stdout and stderr, the rank's environment. It dies
+    with the template (which ends on its own only once its ranks have): where Slurm tracks a
+    step's processes by process group, a session of its own would otherwise outlive the job."""
     os.setsid()
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != template:  # the template died before that took hold
+        return 1
     log_fd, progress_fd = fds
-    allow_tracer(launcher)
+    prctl(PR_SET_PTRACER, launcher)  # Yama (ptrace_scope 1): the launcher's py-spy may read its stacks
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(log_fd, 1)
@@ -443,11 +450,9 @@ def become_rank(request: dict, fds: list[int], launcher: int) -> int:
     return 0
 
 
-def allow_tracer(pid: int) -> None:
-    """Where Yama restricts ptrace (ptrace_scope 1), only a process's ancestors may read its stacks;
-    this rank's launcher is not one (the template is): name it, for the hang dumps."""
+def prctl(option: int, value: int) -> None:
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PTRACER, ctypes.c_ulong(pid), 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(option, ctypes.c_ulong(value), 0, 0, 0)
 
 
 def main() -> int:
