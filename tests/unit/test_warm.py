@@ -1,4 +1,4 @@
-"""The warm template (toolkit/launch/warm.py): a real template process that imports the real training
+"""The warm template (toolkit/train/warm.py): a real template process that imports the real training
 runtime, and ranks forked from it for a launcher (this test process) through warm.spawn. A rank that
 must stay alive waits on the compiled-op lock this test holds (toolkit/train/compiled_ops.prepare,
 the first thing a rank does that can wait); Slurm is not needed here: the lab tests run every ft
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.run_specs import run_spec, write_run_spec
-from toolkit.launch import warm
+from toolkit.train import warm
 from toolkit.watch import exits
 from toolkit.watch.supervise import warm_command
 
@@ -42,7 +42,7 @@ def start_template(folder: Path) -> dict:
     log = folder / "template.log"
     env = dict(os.environ, TMPDIR=str(folder), **JOB)
     with open(log, "w") as output:
-        process = subprocess.Popen([sys.executable, "-m", "toolkit.launch.warm"], env=env, cwd=REPO, stdout=output,
+        process = subprocess.Popen([sys.executable, "-m", "toolkit.train.warm"], env=env, cwd=REPO, stdout=output,
                                    stderr=subprocess.STDOUT)
     wait_for(lambda: "serving ranks" in log.read_text() or process.poll() is not None, 240, "the template's start")
     assert process.poll() is None, log.read_text()
@@ -168,7 +168,7 @@ def test_the_template_step_keeps_the_training_steps_options_over_every_node():
     assert argv == ["srun", "--nodelist=n1,n2,n3", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1", "--overlap",
                     "--no-kill", "--kill-on-bad-exit=0", "--output=/runs/x/logs/warm-%N.log",
                     "--container-image=nvcr.io#nvidia/pytorch:24.07-py3", "--mpi=pmix", "/opt/ft/bin/python", "-m",
-                    "toolkit.launch.warm"]
+                    "toolkit.train.warm"]
     assert warm_command(["srun", "python", "train.py"], ["n1"], "x") is None  # not ft's launcher: no template
 
 

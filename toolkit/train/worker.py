@@ -59,7 +59,7 @@ def main() -> None:
     sys.exit(ending.code)
 
 
-# What train() imports, loaded ahead by the node's warm template (toolkit/launch/warm.py): a rank
+# What train() imports, loaded ahead by the node's warm template (toolkit/train/warm.py): a rank
 # forked from it starts without the import time (9-19 s on the lab's CPUs). transformers loads a
 # model's code only when asked for it: the Llama family's (the tiny model's, and most recipes').
 PRELOAD = ("torch", "torch.distributed", "deepspeed", "peft", "transformers",

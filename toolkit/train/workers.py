@@ -25,11 +25,11 @@ import threading
 import time
 from pathlib import Path
 
-from toolkit.launch import warm
 from toolkit.launch.node import log
-from toolkit.launch.warm import WarmWorker
 from toolkit.runs.layout import RunLayout, RunSpecError
 from toolkit.shared_dirs import write_atomically
+from toolkit.train import warm
+from toolkit.train.warm import WarmWorker
 from toolkit.watch import exits, stacks
 from toolkit.watch.heartbeat import Sender
 from toolkit.watch.progress import PROGRESS_FD, HangRule, NodeProgress

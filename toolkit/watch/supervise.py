@@ -85,7 +85,7 @@ def master_port(job_id: int, start: int) -> int:
 
 def warm_command(command: list[str], nodes: list[str], output: str) -> list[str] | None:
     """The step that keeps a warm template of the training runtime on every node of the
-    allocation (toolkit/launch/warm.py), from the training step's own srun command: the same
+    allocation (toolkit/train/warm.py), from the training step's own srun command: the same
     options (a container, GPUs, the site's extras), every node, one task each, sharing the nodes
     with the training steps (--overlap), and kept when a node fails (--no-kill). None when the
     command does not end in `PYTHON -m toolkit.launch`."""
@@ -95,7 +95,7 @@ def warm_command(command: list[str], nodes: list[str], output: str) -> list[str]
     options = [option for option in command[1:-3] if not option.startswith(step_shape)]
     return [command[0], f"--nodelist={','.join(nodes)}", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
             "--ntasks-per-node=1", "--overlap", "--no-kill", "--kill-on-bad-exit=0", f"--output={output}",
-            *options, command[-3], "-m", "toolkit.launch.warm"]
+            *options, command[-3], "-m", "toolkit.train.warm"]
 
 
 def addresses(nodes: list[str]) -> dict[str, str]:
@@ -293,7 +293,7 @@ class Supervisor:
     # -- the warm templates -------------------------------------------------------------------------
     def start_warm(self) -> None:
         """One template per node of the allocation, spares included, for the whole of this job
-        (toolkit/launch/warm.py): a restart, here or on a spare, forks its ranks from it."""
+        (toolkit/train/warm.py): a restart, here or on a spare, forks its ranks from it."""
         logs = RunLayout(self.run_dir).logs
         argv = warm_command(self.command, self.allocation, str(logs / "warm-%N.log"))
         if argv is None or self.auto_resume:  # HyperPod restarts the step itself, with new processes

@@ -4,7 +4,7 @@ Importing torch, transformers, peft and DeepSpeed takes a rank 9-19 s on the lab
 half of a restart inside the allocation, benchmarks/RECOVERY.md) and seconds on any cluster. The
 supervisor starts one long-lived step over every node of the allocation, spares included:
 
-    srun --overlap --no-kill ... python -m toolkit.launch.warm
+    srun --overlap --no-kill ... python -m toolkit.train.warm
 
 On each node it imports the runtime once (toolkit.train.worker.preload) and then serves that node's
 launchers over a Unix socket in a folder of the user's alone: a launcher hands it a rank's
@@ -460,7 +460,7 @@ def main() -> int:
 
     wanted = runtime_env(dict(os.environ, PYTORCH_NVML_BASED_CUDA_CHECK="1"))  # asking for GPUs must not
     if wanted != dict(os.environ):  # initialise CUDA; the rest is read as the process starts: again, with it
-        os.execve(sys.executable, [sys.executable, "-m", "toolkit.launch.warm"], wanted)
+        os.execve(sys.executable, [sys.executable, "-m", "toolkit.train.warm"], wanted)
     path = socket_path()
     if not private_folder(path.parent):
         log(f"{path.parent} is not a private folder of this user's: no warm template (ranks start cold)")
