@@ -65,6 +65,10 @@ def goodput(env: dict, work: Path, args) -> dict:
         outcome = goodput_run(env, recipe_for(work, mode, args.heartbeat_timeout, args.goodput_steps,
                                               global_batch=args.goodput_global_batch),
                               args.crash_every)
+        if outcome["seconds"] is None:  # the run failed: no goodput until someone resubmits it
+            found[mode] = {**outcome, "goodput": 0.0}
+            print(f"  {mode:14s} 0 (the run ended FAILED after {outcome['crashes']} crashes)", flush=True)
+            continue
         found[mode] = {**outcome, "goodput": clean["seconds"] / outcome["seconds"]}
         print(f"  {mode:14s} {found[mode]['goodput']:.2f} ({outcome['crashes']} crashes, "
               f"{outcome['seconds']:.0f} s)", flush=True)
@@ -77,6 +81,9 @@ def recipe_for(work: Path, mode: str, heartbeat_timeout: float, steps: int = 100
     document["data"]["train"] = str(RECIPE.parent / document["data"]["train"])
     document["training"]["steps"] = steps  # the kill runs are stopped by the benchmark, never finished
     document["checkpoint"]["every_steps"] = 10
+    # Every step's line written as it ends (the default writes ten at a time): the last step before
+    # a crash is then on disk, and the steps lost can be counted.
+    document.setdefault("tracking", {})["log_every_steps"] = 1
     for section, values in MODES[mode].items():
         document.setdefault(section, {}).update(values)
     if document["watchdog"].get("enabled", True):
@@ -153,6 +160,13 @@ def first_step_to_end(run_dir: Path) -> float:
     return lines[-1]["time"] - lines[0]["time"]
 
 
+def job_alive(job_id: str) -> bool:
+    """Still queued, running or requeued (squeue lists it)."""
+    listed = subprocess.run(["squeue", "--noheader", "--jobs", str(job_id), "--format", "%i"], capture_output=True,
+                            text=True)
+    return listed.returncode == 0 and bool(listed.stdout.strip())
+
+
 def goodput_run(env: dict, recipe: Path, crash_every: float | None) -> dict:
     """Train to the end, crashing a node every `crash_every` seconds of the run (None: never)."""
     run = json.loads(ft(env, "submit", "--json", "--skip-validation", str(recipe)))
@@ -162,6 +176,8 @@ def goodput_run(env: dict, recipe: Path, crash_every: float | None) -> dict:
     last = time.monotonic()
     while not (run_dir / "done").exists():
         time.sleep(1)
+        if not job_alive(run["job_id"]) and not (run_dir / "done").exists():
+            return {"seconds": None, "crashes": crashes}  # ended unfinished: a user would resubmit by hand
         if crash_every is None or time.monotonic() - last < crash_every:
             continue
         if healing is not None and healing.poll() is None:
@@ -202,15 +218,16 @@ def main() -> None:
             results[mode].append(outcome)
             print(f"{mode}: kill {kill + 1}: {outcome['seconds']:.1f} s to the first new step, "
                   f"{outcome['steps_lost']} steps lost ({outcome['victim']})", flush=True)
-    native = statistics.median(r["seconds"] for r in results.get("slurm-native", [])) \
-        if results.get("slurm-native") else None
-    print(f"\nkill -> first new step (median of {args.kills}; heartbeat_timeout {args.heartbeat_timeout:.0f} s):")
-    for mode, outcomes in results.items():
-        median = statistics.median(r["seconds"] for r in outcomes)
-        spread = f"{min(r['seconds'] for r in outcomes):.1f}-{max(r['seconds'] for r in outcomes):.1f}"
-        lost = max(r["steps_lost"] for r in outcomes)
-        ratio = f"  {median / native:.2f}x slurm-native" if native else ""
-        print(f"  {mode:14s} {median:6.1f} s ({spread}), at most {lost} steps lost{ratio}")
+    if args.kills:
+        native = statistics.median(r["seconds"] for r in results.get("slurm-native", [])) \
+            if results.get("slurm-native") else None
+        print(f"\nkill -> first new step (median of {args.kills}; heartbeat_timeout {args.heartbeat_timeout:.0f} s):")
+        for mode, outcomes in results.items():
+            median = statistics.median(r["seconds"] for r in outcomes)
+            spread = f"{min(r['seconds'] for r in outcomes):.1f}-{max(r['seconds'] for r in outcomes):.1f}"
+            lost = max(r["steps_lost"] for r in outcomes)
+            ratio = f"  {median / native:.2f}x slurm-native" if native else ""
+            print(f"  {mode:14s} {median:6.1f} s ({spread}), at most {lost} steps lost{ratio}")
     if args.hangs:
         recipe = recipe_for(work, "ft-no-spare", args.heartbeat_timeout, hang_floor=args.hang_floor)
         results["hang"] = [one_hang(env, recipe) for _ in range(args.hangs)]
