@@ -162,6 +162,10 @@ FAKE_SRUN = textwrap.dedent("""
     import json, os, signal, sys, threading, time
     from toolkit.watch.heartbeat import Sender
     nodes = next(a for a in sys.argv if a.startswith("--nodelist=")).split("=", 1)[1].split(",")
+    if sys.argv[-1] == "toolkit.train.warm":  # the templates' step: ends at once, as a failed one would
+        with open(os.path.join(os.path.dirname(os.environ["FAKE_LOG"]), "warm.log"), "a") as log:
+            log.write(json.dumps(nodes) + "\\n")
+        sys.exit(1)
     start = int(os.environ["FT_WATCH_START"])
     plan = json.loads(open(os.environ["FAKE_PLAN"]).read()).get(str(start), {})
     with open(os.environ["FAKE_LOG"], "a") as log:
@@ -247,6 +251,10 @@ def test_a_lost_node_is_replaced_by_the_spare_inside_the_job(tmp_path, monkeypat
     assert [(node, "run run-1" in reason and "job 77" in reason) for node, reason in slurm.downed] == [("n2", True)]
     assert [e["event"] for e in events] == ["start", "node_lost", "restart", "start", "end"]
     assert took < 15  # noticed after the 2 s heartbeat timeout, not after srun's 60 s wait
+    # The warm templates' step over the whole allocation; gone (here: failed), started again with the
+    # next start on the nodes left.
+    warm_steps = [json.loads(line) for line in (tmp_path / "warm.log").read_text().splitlines()]
+    assert warm_steps == [["n1", "n2", "n3"], ["n1", "n3"]]
 
 
 def test_a_lost_node_without_a_spare_is_handed_back_for_a_requeue(tmp_path, monkeypatch):

@@ -153,6 +153,8 @@ class Supervisor:
 
     # -- one start of the training ---------------------------------------------------------------
     def start(self, nodes: list[str]) -> subprocess.Popen:
+        if self.warm is not None and not self.warm_alive():
+            self.start_warm()
         start = self.receiver.next_start()
         exits.clear_exit_status(self.run_dir)
         for node in nodes:  # each launcher leaves its mark as it starts (toolkit/launch/node.py)
@@ -293,15 +295,19 @@ class Supervisor:
     # -- the warm templates -------------------------------------------------------------------------
     def start_warm(self) -> None:
         """One template per node of the allocation, spares included, for the whole of this job
-        (toolkit/train/warm.py): a restart, here or on a spare, forks its ranks from it."""
+        (toolkit/train/warm.py): a restart, here or on a spare, forks its ranks from it. Slurm
+        sometimes ends the templates' step with a lost node (seen once in eight on the lab, despite
+        --no-kill): then it starts again on the nodes left, with the next start (which waits for
+        the imports, as a cold one would; the starts after it find the templates warm)."""
+        nodes = [n for n in self.allocation if n not in self.excluded]
         logs = RunLayout(self.run_dir).logs
-        argv = warm_command(self.command, self.allocation, str(logs / "warm-%N.log"))
+        argv = warm_command(self.command, nodes, str(logs / "warm-%N.log"))
         if argv is None or self.auto_resume:  # HyperPod restarts the step itself, with new processes
             return
         logs.mkdir(exist_ok=True)
         with open(logs / "warm-srun.err", "a") as errors:
             self.warm = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=errors)
-        log(f"warm templates of the training runtime starting on {', '.join(self.allocation)}")
+        log(f"warm templates of the training runtime starting on {', '.join(nodes)}")
 
     def warm_alive(self) -> bool:
         return self.warm is not None and self.warm.poll() is None
