@@ -1,7 +1,8 @@
 """A warm template of the training runtime on every node of the job, so that a restart pays no imports.
 
-Importing torch, transformers, peft and DeepSpeed takes a rank 9-19 s on the lab's CPUs (more than
-half of a restart inside the allocation, benchmarks/RECOVERY.md) and seconds on any cluster. The
+Importing torch, transformers, peft and DeepSpeed takes 5-12 s on the lab's CPUs (each template's
+log says how long), most of what a restart inside the allocation cost before (benchmarks/RECOVERY.md),
+and seconds on any cluster. The
 supervisor starts one long-lived step over every node of the allocation, spares included:
 
     srun --overlap --no-kill ... python -m toolkit.train.warm

@@ -60,7 +60,7 @@ def main() -> None:
 
 
 # What train() imports, loaded ahead by the node's warm template (toolkit/train/warm.py): a rank
-# forked from it starts without the import time (9-19 s on the lab's CPUs). transformers loads a
+# forked from it starts without the import time (5-12 s on the lab's CPUs). transformers loads a
 # model's code only when asked for it: the Llama family's (the tiny model's, and most recipes').
 PRELOAD = ("torch", "torch.distributed", "deepspeed", "peft", "transformers",
            "transformers.models.llama.modeling_llama", "toolkit.data.encode", "toolkit.data.object_store",
