@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+from toolkit.watch.stacks import process_state
+
 WANTED = "FT_WARM"  # set by the supervisor for the training step when it started the warm step
 SERVER_WAIT_S = 30.0  # how long a launcher waits for its node's template to listen
 REPLY_WAIT_S = 600.0  # the first start waits while the template imports (as a cold rank would)
@@ -114,23 +116,26 @@ class Channel:
                         os.close(fd)
                     return None, []
                 self.buffer += data
-                if deadline is not None and time.monotonic() > deadline and self._take(peek=True) is None:
+                if deadline is not None and time.monotonic() > deadline and not self._whole():
                     raise TimeoutError("a message trickling in")
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
 
-    def _take(self, peek: bool = False) -> dict | None:
+    def _whole(self) -> bool:
+        """Whether the buffer holds a whole message (ValueError: a length no message may have)."""
         if len(self.buffer) < 4:
-            return None
+            return False
         size = struct.unpack("!I", self.buffer[:4])[0]
         if size > MAX_REQUEST:
             raise ValueError(f"a message of {size} bytes")
-        if len(self.buffer) < 4 + size:
+        return len(self.buffer) >= 4 + size
+
+    def _take(self) -> dict | None:
+        if not self._whole():
             return None
-        if peek:
-            return {}
+        size = struct.unpack("!I", self.buffer[:4])[0]
         body, self.buffer = self.buffer[4:4 + size], self.buffer[4 + size:]
         try:
             message = json.loads(body)
@@ -198,11 +203,7 @@ class WarmWorker:
 
 
 def process_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
+    return process_state(pid) not in ("gone", "Z", "X")  # a zombie has ended: only its status is left
 
 
 _cold = False  # this launcher found the template wanting once: its other ranks do not wait on it again
