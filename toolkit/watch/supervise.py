@@ -296,7 +296,7 @@ class Supervisor:
     def start_warm(self) -> None:
         """One template per node of the allocation, spares included, for the whole of this job
         (toolkit/train/warm.py): a restart, here or on a spare, forks its ranks from it. Slurm
-        sometimes ends the templates' step with a lost node (seen once in eight on the lab, despite
+        sometimes ends the templates' step with a lost node (seen once on the lab, despite
         --no-kill): then it starts again on the nodes left, with the next start (which waits for
         the imports, as a cold one would; the starts after it find the templates warm)."""
         nodes = [n for n in self.allocation if n not in self.excluded]
