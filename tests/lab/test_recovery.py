@@ -90,6 +90,8 @@ def test_a_lost_node_is_replaced_by_a_spare_and_a_bad_gpu_with_no_spare_left_req
         "is requeued without" in line and second in line.split() for line in slurm_out.read_text().splitlines()),
         timeout=120, interval=0.5)
     out_of_service = reasons(first, second)
+    wait_for("Slurm's requeue hold lifted", lambda: any(e["event"] == "requeue_hold_lifted" for e in events(run)),
+             timeout=60, interval=0.5)
     lifecycle.up()  # the requeued job wants three nodes again: the crashed node and the GPU come back
 
     finished(run, runs)
@@ -136,6 +138,22 @@ def test_a_hung_rank_then_a_killed_one_are_restarted_on_the_same_nodes(tiny_base
     assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), "after a hung rank and a killed one")
 
 
+def test_a_lost_node_without_a_spare_requeues_the_job_without_slurms_hold(tiny_baseline, runs, heal_lab):
+    """The watchdog marks the silent node DOWN, Slurm requeues the job for it, and the helper the
+    watchdog left behind lifts the hold Slurm puts on a requeued job (cred_expire)."""
+    run = submit(recipe(runs, "no-spare", watchdog={"heartbeat_timeout": 5}), runs_dir=runs)
+    checkpoint_after(run, 0)  # the first one
+    crashed = chaos.crash_rank_node(Path(run["run_dir"]), 1).node
+
+    finished(run, runs)
+    attempts = [json.loads(line) for line in (Path(run["run_dir"]) / "attempts.jsonl").read_text().splitlines()]
+    assert {a["job_id"] for a in attempts} == {run["job_id"]} and attempts[-1]["restart"] >= 1
+    assert crashed not in attempts[-1]["nodes"]
+    assert [e["job"] for e in events(run) if e["event"] == "requeue_hold_lifted"] == [run["job_id"]]
+    assert run["run_id"] in reasons(crashed)[crashed]
+    assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after losing {crashed}, no spare")
+
+
 def test_a_lost_batch_host_is_reported_by_the_survivors_and_the_job_requeued(tiny_baseline, runs, heal_lab):
     # With a spare (--no-kill), where Slurm itself would keep the job running without its batch
     # script: the survivors requeue it.
@@ -151,6 +169,7 @@ def test_a_lost_batch_host_is_reported_by_the_survivors_and_the_job_requeued(tin
     reason = subprocess.run(["sinfo", "--noheader", "-n", crashed, "-o", "%E"], capture_output=True,
                             text=True).stdout
     assert "batch host" in reason and run["run_id"] in reason
+    assert any(e["event"] == "requeue_hold_lifted" for e in events(run))  # by a survivor's helper
     assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after losing the batch host {crashed}")
 
 

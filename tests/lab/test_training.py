@@ -242,11 +242,14 @@ def test_a_node_lost_before_the_step_starts_is_marked_down_and_the_run_requeued(
         batch_log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
         assert final["JobState"] == "COMPLETED", batch_log[-3000:]
         assert int(final["Restarts"]) == 1
-        assert f"node {victim} was lost before the step started on it: marked down" in batch_log
+        assert f"node {victim} was lost before the step started on it: marking it down" in batch_log
         attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
         assert len(attempts) == 1 and victim not in attempts[0]["nodes"]  # the failed start never trained
         assert victim not in hostnames(final["NodeList"])
         assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30
+        lifted = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()
+                  if '"requeue_hold_lifted"' in line]
+        assert [e["job"] for e in lifted] == [job_id]  # requeued without Slurm's credential hold
     finally:
         cancel(filler, *([job_id] if job_id else []))
 

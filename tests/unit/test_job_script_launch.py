@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,22 @@ case "$1 $2" in
 esac
 """
 
+# squeue: job 7 is pending (requeued), for the helper that lifts Slurm's requeue hold.
+FAKE_SQUEUE = """#!/bin/bash
+echo '{"jobs": [{"job_id": 7, "job_state": "PENDING", "nodes": ""}]}'
+"""
+
+
+def hold_lifted(calls: Path) -> str | None:
+    """The helper's update of job 7's begin time, once it came (it outlives the script)."""
+    for _ in range(100):
+        lines = calls.read_text().splitlines() if calls.exists() else []
+        found = [line for line in lines if line.startswith("update JobId=7")]
+        if found:
+            return found[0]
+        time.sleep(0.1)
+    return None
+
 
 def run_script(tmp_path: Path, started: str, unreached: str, error: str = COMMUNICATION,
                earlier_failures: int = 0, run_dir_mode: int = 0o700,
@@ -45,7 +62,8 @@ def run_script(tmp_path: Path, started: str, unreached: str, error: str = COMMUN
     (tmp_path / "job.sh").write_text(script)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, body in {"srun": FAKE_SRUN, "scontrol": FAKE_SCONTROL, "sleep": "#!/bin/bash\nexit 0\n"}.items():
+    for name, body in {"srun": FAKE_SRUN, "scontrol": FAKE_SCONTROL, "sleep": "#!/bin/bash\nexit 0\n",
+                       "squeue": FAKE_SQUEUE, "sbatch": '#!/bin/bash\necho "slurm 22.05.8"\n'}.items():
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
     run_dir.mkdir()
@@ -64,9 +82,10 @@ def run_script(tmp_path: Path, started: str, unreached: str, error: str = COMMUN
 
 def test_an_unreachable_node_is_marked_down_with_the_run_named(tmp_path):
     result, calls, run_dir = run_script(tmp_path, started="node1 node3", unreached="node2")
-    assert calls == ["update NodeName=node2 State=DOWN Reason=ft: lost before job 7 (run r1) started on it"]
+    assert calls[0] == "update NodeName=node2 State=DOWN Reason=ft: lost before job 7 (run r1) started on it"
     assert (run_dir / "launch-failures").read_text() == "7 node2\n"
-    assert "node node2 was lost before the step started on it: marked down" in result.stdout
+    assert hold_lifted(tmp_path / "calls") == "update JobId=7 StartTime=now+2"  # requeued without Slurm's hold
+    assert "node node2 was lost before the step started on it: marking it down" in result.stdout
     # Slurm requeues the job once the node is down; here (no Slurm) the wait ends and the job fails.
     assert result.returncode != 0 and "did not requeue job 7" in result.stdout
 
@@ -86,6 +105,11 @@ def test_a_node_whose_launcher_started_is_not_lost(tmp_path):
 def test_when_every_node_seems_lost_nothing_is_marked_down(tmp_path):
     result, calls, _ = run_script(tmp_path, started="", unreached="node1 node2 node3")
     assert calls == [] and "not a lost node" in result.stdout and result.returncode == 1
+
+
+def test_a_node_lost_again_is_requeued_after_a_backoff(tmp_path):
+    run_script(tmp_path, started="node1 node3", unreached="node2", earlier_failures=2)
+    assert hold_lifted(tmp_path / "calls") == "update JobId=7 StartTime=now+60"
 
 
 def test_requeues_stop_after_the_runs_budget(tmp_path):

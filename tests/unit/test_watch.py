@@ -198,7 +198,7 @@ class FakeSlurm:
     """Stands in for Slurm in a unit test (the lab tests use the real one)."""
 
     def __init__(self, nodes: list[str], drains: dict | None = None):
-        self.nodes, self.downed, self.drains = nodes, [], drains or {}
+        self.nodes, self.downed, self.drains, self.lifted = nodes, [], drains or {}, []
         self.began = time.monotonic()
 
     def hostnames(self, nodelist: str) -> list[str]:
@@ -207,6 +207,10 @@ class FakeSlurm:
     def mark_node_down(self, node: str, reason: str) -> bool:
         self.downed.append((node, reason))
         return True
+
+    def lift_hold(self, job_id: str) -> None:
+        """The requeue helper's stand-in (toolkit/watch/requeue.py, which test_requeue.py tests)."""
+        self.lifted.append(job_id)
 
     def drained(self, nodes: list[str]) -> dict[str, str]:
         """drains: {node: seconds after the start when a health check drains it}."""
@@ -231,7 +235,8 @@ def supervised(tmp_path, monkeypatch, allocation: list[str], nodes: int, plan: d
                         "PYTHONPATH": str(Path(__file__).resolve().parents[2])}.items():
         monkeypatch.setenv(name, value)
     slurm = FakeSlurm(allocation, drains)
-    supervisor = Supervisor([str(srun), *srun_options, "python", "-m", "toolkit.launch"], tmp_path, slurm)
+    supervisor = Supervisor([str(srun), *srun_options, "python", "-m", "toolkit.launch"], tmp_path, slurm,
+                            lift_hold=slurm.lift_hold)
     began = time.monotonic()
     if during:  # something done to the supervisor from outside while it runs (a signal, say)
         threading.Thread(target=during, args=(supervisor,), daemon=True).start()
@@ -248,6 +253,7 @@ def test_a_lost_node_is_replaced_by_the_spare_inside_the_job(tmp_path, monkeypat
     assert code == 0
     assert [s["nodes"] for s in starts] == [["n1", "n2"], ["n1", "n3"]]
     assert all("--overlap" in s["argv"] for s in starts)
+    assert slurm.lifted == []  # a spare took over: no requeue
     assert [(node, "run run-1" in reason and "job 77" in reason) for node, reason in slurm.downed] == [("n2", True)]
     assert [e["event"] for e in events] == ["start", "node_lost", "restart", "start", "end"]
     assert took < 15  # noticed after the 2 s heartbeat timeout, not after srun's 60 s wait
@@ -260,8 +266,9 @@ def test_a_lost_node_is_replaced_by_the_spare_inside_the_job(tmp_path, monkeypat
 def test_a_lost_node_without_a_spare_is_handed_back_for_a_requeue(tmp_path, monkeypatch):
     from toolkit.watch import exits
 
-    code, starts, events, _, _ = supervised(tmp_path, monkeypatch, ["n1", "n2"], 2, {"1": {"lose": "n1"}})
+    code, starts, events, slurm, _ = supervised(tmp_path, monkeypatch, ["n1", "n2"], 2, {"1": {"lose": "n1"}})
     assert code == exits.NODES_LOST and len(starts) == 1
+    assert slurm.lifted == ["77"]  # once, though both the loss and the hand-back ask for it
     assert (tmp_path / "marks" / "lost-nodes").read_text().split() == ["n1"]
     assert events[-1]["event"] == "end" and events[-1]["lost"] == ["n1"]
 

@@ -12,7 +12,6 @@ import os
 import socket
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from toolkit.launch.rendezvous import RendezvousError, barrier, job_secret
@@ -103,6 +102,7 @@ def batch_host_lost(node: str, quiet: float) -> None:
     marked DOWN (with the reason) and the job requeued. Only when the node's slurmd does not answer
     either: a supervisor gone on a live node is Slurm's to see."""
     from toolkit.slurm.client import CliSlurmClient
+    from toolkit.watch.requeue import lift_hold_soon
 
     batch_host, job = os.environ.get("FT_WATCH_NODE", ""), os.environ.get("SLURM_JOB_ID", "")
     if not batch_host or batch_host == node or not job:
@@ -115,16 +115,15 @@ def batch_host_lost(node: str, quiet: float) -> None:
            f"answer for {quiet:.0f} s, nor its slurmd")
     # Slurm requeues a job for its DOWN node by itself, except a job that holds spare nodes
     # (--no-kill): that one it keeps running without its batch script, for good (seen on the lab).
-    # So both, at once: whichever Slurm carries out first ends this launcher's step (and this
-    # thread with it), and the other is on its way by then. A requeue Slurm has made already is
-    # refused, harmlessly.
-    log(f"{why}: marking {batch_host} DOWN and requeueing job {job}")
-    slurm = CliSlurmClient()
-    with ThreadPoolExecutor(max_workers=2) as both:
-        marked = both.submit(slurm.mark_node_down, batch_host, why)
-        requeued = both.submit(slurm.requeue, job)
-    if not marked.result() and not requeued.result():
-        log(f"Slurm took neither (operator rights?): it requeues job {job} once it notices (SlurmdTimeout)")
+    # So both, by a helper that outlives this launcher's step (toolkit/watch/requeue.py), in this
+    # order: the requeue first (its TERM the helper ignores), then the mark, which would end the
+    # step at once (a KILL: with the mark first, or both at once, the requeue was sometimes never
+    # sent, and the job ran on without its script). The helper then lifts Slurm's hold on the job.
+    log(f"{why}: requeueing job {job} and marking {batch_host} DOWN")
+    if lift_hold_soon(job, requeue=True, down=(batch_host, why)) is None:  # no helper: both from here
+        slurm = CliSlurmClient()
+        if not slurm.requeue(job) and not slurm.mark_node_down(batch_host, why):
+            log(f"Slurm took neither (operator rights?): it requeues job {job} once it notices (SlurmdTimeout)")
 
 
 def train(run_dir: Path, node_rank: int, nodes: int, beat: Sender | None) -> int:

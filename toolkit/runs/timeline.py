@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 import time
 from pathlib import Path
 
@@ -22,6 +23,15 @@ from toolkit.runs.layout import RunLayout
 FAULTS = {"node_lost", "restart", "node_silent"}
 EARLIEST, LATEST = 1e9, 1e11  # plausible Unix times (2001 to the year 5138): anything else is torn or forged
 MAX_LINES = 1_000_000
+
+
+def record(run_dir: Path, event: str, **fields) -> None:
+    """One event of the run's timeline (the watchdog's, the requeue helper's): a JSON line."""
+    line = json.dumps({"time": round(time.time(), 3), "job": os.environ.get("SLURM_JOB_ID", ""), "event": event,
+                       **fields})
+    descriptor = os.open(RunLayout(run_dir).events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(descriptor, "a") as handle:
+        handle.write(line + "\n")
 
 
 def plausible_time(value) -> bool:

@@ -60,6 +60,8 @@ class SlurmClient(Protocol):
 
     def requeue(self, job_id: str) -> bool: ...
 
+    def start_after(self, job_id: str, seconds: int) -> bool: ...
+
     def drained(self, nodes: list[str]) -> dict[str, str]: ...
 
 
@@ -130,6 +132,13 @@ class CliSlurmClient:
 
     def requeue(self, job_id: str) -> bool:
         return commands.run(["scontrol", "requeue", job_id], timeout=self.timeout, check=False).returncode == 0
+
+    def start_after(self, job_id: str, seconds: int) -> bool:
+        """Let a pending job start `seconds` from now at the earliest (its begin time): what lifts
+        the hold Slurm puts on a requeued job (toolkit/watch/requeue.py)."""
+        result = commands.run(["scontrol", "update", f"JobId={job_id}", f"StartTime=now+{max(0, int(seconds))}"],
+                              timeout=self.timeout, check=False)
+        return result.returncode == 0
 
     def drained(self, nodes: list[str]) -> dict[str, str]:
         """The nodes among these that are drained or draining (a health check found them bad, or an

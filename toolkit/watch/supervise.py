@@ -27,7 +27,6 @@ Every decision is a line in the batch log and in <run dir>/events.jsonl.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -35,15 +34,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.errors import FtError
 from toolkit.launch.rendezvous import job_secret
 from toolkit.runs.layout import RunLayout, RunSpecError
+from toolkit.runs.timeline import record
 from toolkit.slurm.client import CliSlurmClient, SlurmClient
 from toolkit.watch import exits
 from toolkit.watch.heartbeat import Receiver
+from toolkit.watch.requeue import lift_hold_soon
 
 SILENT_AT_END_S = 3.0  # a node quiet this long before srun ended was lost, whatever srun says
 STOP_GRACE_S = 5.0
@@ -66,15 +68,6 @@ class Outcome:
 
 def log(message: str) -> None:
     print(f"ft: {time.strftime('%H:%M:%S')} {message}", flush=True)
-
-
-def record(run_dir: Path, event: str, **fields) -> None:
-    """The run's timeline (what `ft status` reads): one JSON line per start, fault and decision."""
-    line = json.dumps({"time": round(time.time(), 3), "job": os.environ.get("SLURM_JOB_ID", ""), "event": event,
-                       **fields})
-    descriptor = os.open(RunLayout(run_dir).events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    with os.fdopen(descriptor, "a") as handle:
-        handle.write(line + "\n")
 
 
 def master_port(job_id: int, start: int) -> int:
@@ -123,8 +116,9 @@ def reachable_address(node: str, peers: dict[str, str]) -> str:
 
 
 class Supervisor:
-    def __init__(self, command: list[str], run_dir: Path, slurm: SlurmClient | None = None):
-        self.command, self.run_dir = command, run_dir
+    def __init__(self, command: list[str], run_dir: Path, slurm: SlurmClient | None = None,
+                 lift_hold: Callable[[str], object] = lift_hold_soon):
+        self.command, self.run_dir, self.lift_hold = command, run_dir, lift_hold
         recipe = RunLayout(run_dir).read_spec().recipe
         self.watchdog = recipe.watchdog
         self.needed = recipe.resources.nodes
@@ -140,6 +134,7 @@ class Supervisor:
         self.receiver = Receiver(job_secret(), sources=sources).listen()
         self.process: subprocess.Popen | None = None
         self.warm: subprocess.Popen | None = None
+        self.lifting = False  # the helper that lifts Slurm's requeue hold is started (once)
         self.stopping = threading.Event()  # the time limit is near, or the job is ending: no restart
         self.auto_resume = any(arg.startswith("--auto-resume") for arg in command)  # HyperPod restarts itself
         self.marks = Path(os.environ["FT_LAUNCH_MARKS"]) if os.environ.get("FT_LAUNCH_MARKS") else None
@@ -263,10 +258,11 @@ class Supervisor:
         return [n for n in self.allocation if n not in self.excluded][self.needed:]
 
     def exclude(self, lost: Lost) -> None:
-        for node in lost.nodes:
-            if node in self.excluded:
-                continue
-            self.excluded.append(node)
+        fresh = [node for node in lost.nodes if node not in self.excluded]
+        self.excluded += fresh
+        if fresh and len(self.allocation) - len(self.excluded) < self.needed:
+            self.requeue_soon()  # before a node is marked DOWN: Slurm may requeue the job at that
+        for node in fresh:
             if lost.drained:  # someone else took it out, with their reason: left as it is
                 log(f"node {node} left out: {lost.why}")
                 record(self.run_dir, "node_lost", node=node, reason=lost.why, marked_down=False)
@@ -365,8 +361,17 @@ class Supervisor:
                                                                      f"exit {outcome.code}"))
             self.stopping.wait(pause)  # a signal in the pause is not lost: the loop looks first
 
+    def requeue_soon(self) -> None:
+        """No spare left: the job is about to be requeued (by Slurm, for a node marked DOWN, or by
+        the job script), and everything of it killed. A helper outlives that to lift Slurm's
+        requeue hold (toolkit/watch/requeue.py): the job may start again at once, elsewhere."""
+        if not self.lifting and not self.auto_resume:
+            self.lift_hold(self.job_id)
+            self.lifting = True
+
     def hand_back_lost(self) -> int:
         """No spare left: the job script requeues the job without the lost nodes."""
+        self.requeue_soon()
         marks = os.environ.get("FT_LAUNCH_MARKS")
         if marks:
             Path(marks, "lost-nodes").write_text("\n".join(self.excluded) + "\n")

@@ -1,0 +1,126 @@
+"""The helper that lifts Slurm's requeue hold (toolkit/watch/requeue.py).
+
+Slurm's tools are stand-ins here (a scripted squeue and a recording scontrol on PATH): the
+unit tests must not touch the lab's jobs. The lab's no-spare test runs the real thing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from toolkit.slurm.client import JobInfo
+from toolkit.watch import requeue
+
+FAKE_TOOLS = {
+    "sbatch": 'echo "slurm 22.05.8"',
+    # The job's state is whatever the test wrote into $FAKE_STATE.
+    "squeue": 'state=$(cat "$FAKE_STATE"); '
+              'printf \'{"jobs": [{"job_id": 41, "job_state": "%s", "nodes": "n1"}]}\' "$state"',
+    "scontrol": 'echo "$*" >> "$FAKE_CALLS"',
+}
+
+
+def fake_slurm_tools(tmp_path: Path, monkeypatch, state: str) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in FAKE_TOOLS.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "state").write_text(state)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_STATE", str(tmp_path / "state"))
+    monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls"))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    return tmp_path / "calls"
+
+
+class ScriptedSlurm:
+    def __init__(self, states: list[str | None], accept: bool = True):
+        self.states, self.accept, self.started_after = states, accept, []
+
+    def job(self, job_id: str) -> JobInfo | None:
+        state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
+        return None if state is None else JobInfo(job_id, state, "squeue")
+
+    def start_after(self, job_id: str, seconds: int) -> bool:
+        self.started_after.append((job_id, seconds))
+        return self.accept
+
+
+def test_the_begin_time_is_kept_ahead_until_the_starter_is_gone(monkeypatch):
+    monkeypatch.setattr(requeue, "POLL_S", 0.01)
+    slurm = ScriptedSlurm(["RUNNING", "RUNNING", "PENDING"])
+    starter = iter([True, True, False])
+    assert requeue.lift_hold(slurm, "41", after=2, starter_alive=lambda: next(starter))
+    assert slurm.started_after == [("41", 2)] * 3  # the last one once the helper was the job's last process
+
+
+def test_a_job_started_again_ends_the_helper(monkeypatch):
+    """Where the helper was not one of the job's processes (it outlived a tracking that lost it)."""
+    monkeypatch.setattr(requeue, "POLL_S", 0.01)
+    slurm = ScriptedSlurm(["PENDING", "PENDING", "RUNNING"])
+    assert requeue.lift_hold(slurm, "41", after=2, starter_alive=lambda: True)
+    assert len(slurm.started_after) == 2
+
+
+def test_a_job_that_ends_instead_is_left_alone(monkeypatch):
+    monkeypatch.setattr(requeue, "POLL_S", 0.01)
+    for states in (["RUNNING", "FAILED"], ["RUNNING", None]):
+        slurm = ScriptedSlurm(states)
+        assert not requeue.lift_hold(slurm, "41", after=2, starter_alive=lambda: False)
+        assert slurm.started_after == []
+
+
+def test_a_refused_update_is_tried_again_until_the_wait_ends(monkeypatch):
+    monkeypatch.setattr(requeue, "POLL_S", 0.01)
+    slurm = ScriptedSlurm(["PENDING"], accept=False)
+    assert not requeue.lift_hold(slurm, "41", after=2, starter_alive=lambda: False, wait_s=0.2)
+    assert len(slurm.started_after) > 1
+
+
+def test_the_helper_outlives_the_jobs_terminate_signal_and_lifts_the_hold(tmp_path, monkeypatch):
+    """What Slurm does to a job it requeues (TERM to every process of it), done to the helper
+    before the job is pending again: it must still be there to lift the hold."""
+    calls = fake_slurm_tools(tmp_path, monkeypatch, "RUNNING")
+    helper = requeue.lift_hold_soon("41", after=3, requeue=True, down=("n1", "ft: batch host lost"))
+    assert helper is not None
+    time.sleep(0.3)
+    assert os.getpgid(helper.pid) == helper.pid  # its own session: srun's interrupts do not reach it
+    os.kill(helper.pid, signal.SIGTERM)
+    time.sleep(1.5)  # long enough for Python to start and poll: the TERM, ignored, is behind it
+    assert helper.poll() is None
+    (tmp_path / "state").write_text("PENDING")
+    wait_for_line(calls, "update JobId=41 StartTime=now+3")
+    assert helper.poll() is None  # its starter (this test) is alive: the begin time is kept ahead
+    (tmp_path / "state").write_text("RUNNING")  # the new start
+    assert helper.wait(timeout=20) == 0
+    # The requeue before the mark: marking the node DOWN first ends the step the helper came from.
+    assert calls.read_text().splitlines()[:3] == [
+        "requeue 41", "update NodeName=n1 State=DOWN Reason=ft: batch host lost", "update JobId=41 StartTime=now+3"]
+
+
+def test_the_helper_ends_with_its_starter(tmp_path, monkeypatch):
+    calls = fake_slurm_tools(tmp_path, monkeypatch, "PENDING")
+    starter = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                                "from toolkit.watch.requeue import lift_hold_soon\n"
+                                "lift_hold_soon('41', after=-5)\n"
+                                "time.sleep(float(sys.argv[1]))", "1.5"], stderr=subprocess.PIPE, text=True)
+    assert starter.wait(timeout=30) == 0
+    wait_for_line(calls, "update JobId=41 StartTime=now+2")  # never less than the margin
+    lines = len(calls.read_text().splitlines())
+    time.sleep(2)  # gone with its starter: no more updates
+    assert len(calls.read_text().splitlines()) in (lines, lines + 1)
+    assert "may start again 2 s after" in starter.stderr.read()
+
+
+def wait_for_line(path: Path, line: str) -> None:
+    for _ in range(200):
+        if path.exists() and line in path.read_text().splitlines():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{line!r} never came: {path.read_text() if path.exists() else 'no calls'}")

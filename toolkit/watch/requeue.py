@@ -1,0 +1,128 @@
+"""A requeue at once: the hold Slurm puts on a requeued job, lifted.
+
+Slurm holds a requeued job for its credential lifetime before it may start again (AuthInfo
+cred_expire: 120 s by default, 10 s on the lab), on top of the wait for a new allocation. Measured
+on the lab, that hold was half of ft's recovery from a lost node without a spare (13.5 s of 26 s).
+It guards that the new start's job credential is newer than the old start's revocation (timestamps
+of one second) and that the old start's processes are gone. Slurm sets it as the requeued job
+finishes completing (every process of it gone), and only where the job's begin time has passed
+then; a begin time still ahead is kept. A requeued job is pending while it completes, so its
+owner may set that begin time (`scontrol update StartTime`).
+
+So a helper started just before the requeue, which ignores the TERM Slurm sends every process of
+the job: once the job is pending again (requeued by Slurm for a node marked DOWN, by the job
+script, or by the helper itself with --requeue), it keeps the job's begin time a little ahead
+(--after, 2 s) until the process that started it is gone, then exits: the last process of the job
+on its node. The job completes, its begin time still ahead, and starts again at that time: no hold,
+and the old start's processes gone. Where something of the job outlives that margin (a node slow to
+kill its part), or Slurm's KILL ends the helper first, the job waits out the hold as before: nothing
+is lost but the seconds. Seen on the lab: the new start 2.2 s after the helper's last update.
+
+    python -m toolkit.watch.requeue JOB [--requeue] [--down NODE --reason TEXT] [--after S] [--starter PID]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from toolkit.runs.timeline import record
+from toolkit.slurm.client import CliSlurmClient, SlurmClient
+
+WAIT_S = 180.0  # for the requeue: a drained node's ranks checkpoint first (supervise.CHECKPOINT_GRACE_S)
+POLL_S = 0.25
+AFTER_S = 2  # the begin time kept ahead: more than the rest of the job takes to end once its starter has
+
+
+def log(message: str) -> None:
+    """To the log of whoever started this (the job's batch log, a node's log), as long as it lasts:
+    it may be closed under the helper as the job ends. The outcome goes to the run's events too."""
+    with contextlib.suppress(OSError, ValueError):
+        print(f"ft-requeue: {time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
+
+
+def lift_hold_soon(job_id: str, after: int = AFTER_S, requeue: bool = False,
+                   down: tuple[str, str] | None = None) -> subprocess.Popen | None:
+    """Start the helper, detached from the caller's signals: its own session (srun's interrupts go
+    to the caller's process group) and TERM ignored from the first instruction (a disposition that
+    exec keeps, unlike a handler; set by sh, as Python could only set it after starting).
+    requeue: the helper requeues the job itself; down: (node, reason) it marks DOWN after that."""
+    argv = [sys.executable, "-m", "toolkit.watch.requeue", job_id, "--after", str(after), "--starter", str(os.getpid())]
+    if requeue:
+        argv.append("--requeue")
+    if down:
+        argv += ["--down", down[0], "--reason", down[1]]
+    try:
+        return subprocess.Popen(["/bin/sh", "-c", 'trap "" TERM INT HUP; exec "$@"', "sh", *argv],
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    except OSError as exc:
+        log(f"could not start the helper that lifts Slurm's requeue hold ({exc}): the job waits it out")
+        return None
+
+
+def lift_hold(slurm: SlurmClient, job_id: str, after: int, starter_alive: Callable[[], bool],
+              wait_s: float = WAIT_S, on_lifted: Callable[[], object] = lambda: None) -> bool:
+    """Once the job is pending again, keep its begin time `after` seconds ahead until its starter
+    is gone (then this is the job's last process here: its end lets the requeue complete). False
+    when the job ended instead (not requeued), or never became pending within wait_s."""
+    deadline, lifted = time.monotonic() + wait_s, False
+    while time.monotonic() < deadline:
+        info = slurm.job(job_id)
+        if info is None or info.finished:
+            if not lifted:
+                log(f"job {job_id} ended without a requeue: nothing to lift")
+            return lifted
+        if info.state == "PENDING":
+            if slurm.start_after(job_id, after) and not lifted:
+                log(f"job {job_id} requeued: it may start again {after} s after its last process here ends "
+                    "(not after Slurm's credential hold)")
+                on_lifted()
+                lifted = True
+            if lifted and not starter_alive():
+                return True
+        elif lifted:  # started again already (this helper was not one of the job's processes)
+            return True
+        time.sleep(POLL_S)
+    log(f"job {job_id} was not requeued within {wait_s:.0f} s: left as it is")
+    return lifted
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m toolkit.watch.requeue", description=__doc__.splitlines()[0])
+    parser.add_argument("job_id")
+    parser.add_argument("--after", type=int, default=AFTER_S,
+                        help="seconds from the job's end here to its earliest new start")
+    parser.add_argument("--starter", type=int, help="the process that started this one (default: its parent; "
+                                                    "named, as it may be gone before this one looks)")
+    parser.add_argument("--requeue", action="store_true", help="requeue the job first (refused harmlessly when "
+                                                               "Slurm is requeueing it already)")
+    parser.add_argument("--down", metavar="NODE", help="mark this node DOWN once the job is requeued (a lost node "
+                                                        "the job still holds)")
+    parser.add_argument("--reason", default="ft: lost", help="the reason given with --down")
+    args = parser.parse_args(argv)
+    slurm, starter = CliSlurmClient(), args.starter or os.getppid()
+    if args.requeue:
+        slurm.requeue(args.job_id)
+    if args.down:  # after the requeue: marking it DOWN first would end the step this came from, at once
+        marked = slurm.mark_node_down(args.down, args.reason)
+        log(f"node {args.down} {'marked DOWN' if marked else 'not marked DOWN (operator rights?)'}: {args.reason}")
+    after = max(AFTER_S, args.after)
+    run_dir = os.environ.get("FT_RUN_DIR")
+
+    def on_lifted() -> None:
+        if run_dir:
+            with contextlib.suppress(OSError):
+                record(Path(run_dir), "requeue_hold_lifted", after=after)
+
+    lifted = lift_hold(slurm, args.job_id, after, lambda: os.getppid() == starter, on_lifted=on_lifted)
+    return 0 if lifted else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
