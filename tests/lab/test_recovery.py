@@ -11,6 +11,7 @@ free-tier run preempted by a premium job checkpoints within KillWait and resumes
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import yaml
 from tests.support.slurm import cancel, sbatch, wait_for, write_script
 from tests.support.training import TINY, assert_same_weights, ft, lab_runs, submit, wait_done
 from toolkit.lab import chaos, lifecycle
+from toolkit.lab.manifest import state_dir
 
 pytest.importorskip("deepspeed", reason="the training stack (ft[train]) is not installed")
 
@@ -111,6 +113,29 @@ def test_a_lost_node_is_replaced_by_a_spare_and_a_bad_gpu_with_no_spare_left_req
     stopped = rank0.split("stopping at step ", 1)[1].split(" ", 1)[0]  # the drained node's ranks checkpointed
     assert f"resumed from checkpoint step-{int(stopped):08d}" in rank0  # and no step was lost
     assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after losing {first}, then {second}")
+
+
+def test_a_gpu_that_needs_a_restart_moves_the_run_off_and_its_node_comes_back_by_itself(tiny_baseline, runs,
+                                                                                        heal_lab):
+    """XID 94 (a contained ECC error: the GPU's context is lost, the GPU sound): the node's health
+    check drains it for a restart, the run checkpoints and moves onto the spare, and once the run
+    is off it the node's GPUs are reset and the node resumed, with no admin."""
+    run = submit(recipe(runs, "xid", resources={"spare_nodes": 1}, watchdog={"heartbeat_timeout": 5},
+                        env={"FT_FAULT_SLOW_STEP_S": "0.1"}), runs_dir=runs)
+    checkpoint_after(run, 0)  # the first one
+    node = chaos.gpu_xid(Path(run["run_dir"]), 1).node
+    recorded = state_dir() / "dev" / node / "recorded"  # what the chaos wrote for the node's health check
+    try:
+        finished(run, runs)
+        lost = [e for e in events(run) if e["event"] == "node_lost"]
+        assert [e["node"] for e in lost] == [node] and not lost[0]["marked_down"]
+        assert "ft-healthcheck: restart: 20-ft-health: restart: gpu_xid: XID 94" in lost[0]["reason"], lost
+        wait_for(f"{node} back in service", lambda: reasons(node)[node] in ("", "none"), timeout=60, interval=1)
+    finally:
+        shutil.rmtree(recorded, ignore_errors=True)
+    starts = [e["nodes"] for e in events(run) if e["event"] == "start"]
+    assert node in starts[0] and node not in starts[-1]
+    assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after XID 94 on {node}")
 
 
 def test_a_hung_rank_then_a_killed_one_are_restarted_on_the_same_nodes(tiny_baseline, runs):

@@ -254,6 +254,60 @@ def test_a_node_lost_before_the_step_starts_is_marked_down_and_the_run_requeued(
         cancel(filler, *([job_id] if job_id else []))
 
 
+def test_the_prolog_gate_keeps_a_run_off_a_node_that_fails_a_check(lab, runs_env, shared_tmp, heal_lab):
+    """ft-healthcheck is also the lab's Prolog (PrologFlags=Alloc): a node that fails a check as a
+    job is allocated to it is drained, naming the job, and Slurm requeues the job at once onto other
+    nodes (nohold_on_prolog_fail): nothing of the run ever starts there. The failing check is one
+    this test installs beside the lab's real hooks, failing only as the Prolog of the victim: the
+    periodic health check (every 5 s) would otherwise race the gate for the same finding."""
+    from tests.support.slurm import cancel, hostnames, sbatch, write_script
+
+    names = [node.name for node in lab.nodes]
+    victim = names[-1]
+    hook = Path("/etc/ft/healthcheck.d/99-test-gate")
+    hook.write_text("#!/bin/bash\n"
+                    f'if [ "${{SLURM_SCRIPT_CONTEXT:-}}" = prolog_slurmd ] && \\\n'
+                    f'        [ "$FT_HEALTHCHECK_NODE" = {victim} ]; then\n'
+                    "    echo 'GPU 3: a check failed as the job was allocated'; exit 1\n"
+                    "fi\n")
+    hook.chmod(0o755)
+    filler = sbatch(write_script(shared_tmp / "filler.sh", "srun sleep 600\n"), f"--nodes={len(names) - 2}",
+                    f"--nodelist={','.join(names[:-2])}", f"--output={shared_tmp}/filler-%j")
+    job_id = None
+    try:
+        wait_for("the filler job to hold all but two nodes",
+                 lambda: job_fields(filler).get("JobState") == "RUNNING", timeout=60)
+        recipe = yaml.safe_load(TINY.read_text())
+        recipe["training"]["steps"] = 30
+        recipe["data"]["train"] = str(REPO / "recipes" / "data" / "tiny-sft.jsonl")
+        (shared_tmp / "short.yaml").write_text(yaml.safe_dump(recipe))
+        run_id = f"gated-{shared_tmp.name}"
+        rendered = ft("render", str(shared_tmp / "short.yaml"), "--run-id", run_id,
+                      "-o", str(shared_tmp / "job.sbatch"))
+        assert rendered.returncode == 0, rendered.stderr
+        job_id = sbatch(shared_tmp / "job.sbatch")  # the two free nodes: the victim among them
+        expected_reason = f"ft-healthcheck: 99-test-gate: GPU 3: a check failed as the job was allocated " \
+                          f"(before job {job_id})"
+        wait_for("the gate to drain the victim", lambda: expected_reason in commands.run(
+            ["sinfo", "--noheader", "--Node", "--nodes", victim, "--format=%E"]).stdout, timeout=60)
+        hook.unlink()
+        cancel(filler)
+
+        final = wait_for("the requeued run to finish", lambda: (lambda f: f if f.get("JobState") in {
+            "COMPLETED", "FAILED", "CANCELLED"} else None)(job_fields(job_id)), timeout=400, interval=2)
+        run_dir = runs_env / run_id
+        batch_log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+        assert final["JobState"] == "COMPLETED", batch_log[-3000:]
+        assert int(final["Restarts"]) >= 1 and victim not in hostnames(final["NodeList"])
+        attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
+        assert len(attempts) == 1 and victim not in attempts[0]["nodes"]  # the gated start never began
+        assert batch_log.count("ft: job ") == 1  # nor did its job script
+    finally:
+        hook.unlink(missing_ok=True)
+        cancel(filler, *([job_id] if job_id else []))
+        commands.run(["scontrol", "update", f"nodename={victim}", "state=resume"], check=False)
+
+
 def test_a_poisoned_model_cache_entry_is_rebuilt_and_the_run_completes(lab, runs_env, shared_tmp):
     """What once broke every run on a machine: the tiny model's folder marked complete, its
     config and weights missing. The run rebuilds it (saying so) instead of failing to load it."""

@@ -83,3 +83,101 @@ def test_the_health_check_hook_drains_with_the_finding_as_the_reason():
                        FT_HC_CHECKPOINT_PATHS="/tmp")
     assert healthy.returncode == 0 and healthy.stdout == ""
     assert run_hook().returncode == 0  # no Python configured: skipped
+
+
+HEALTHCHECK = Path(__file__).parents[2] / "ansible" / "roles" / "slurm" / "files" / "ft-healthcheck"
+
+
+def run_healthcheck(tmp_path: Path, hook_status: int, node_info: str = "NodeName=node3 State=IDLE Reason=(null)",
+                    **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """ft-healthcheck with one hook and a scontrol that records what it was asked (no Slurm here:
+    tests/lab/test_healthcheck.py runs it as the lab's real HealthCheckProgram and Prolog)."""
+    hooks, bin_dir = tmp_path / "hooks", tmp_path / "bin"
+    hooks.mkdir(exist_ok=True)
+    bin_dir.mkdir(exist_ok=True)
+    (hooks / "10-gpu").write_text(f"#!/bin/bash\necho 'found 3 of 4 GPU devices'\nexit {hook_status}\n")
+    (bin_dir / "scontrol").write_text('#!/bin/bash\necho "$*" >> "$CALLS"\n'
+                                      '[ "$1 $2" = "show node" ] && echo "$NODE_INFO"\nexit 0\n')
+    (bin_dir / "logger").write_text("#!/bin/bash\n")
+    for tool in (hooks / "10-gpu", bin_dir / "scontrol", bin_dir / "logger"):
+        tool.chmod(0o755)
+    calls = tmp_path / "calls"
+    calls.unlink(missing_ok=True)
+    result = subprocess.run([str(HEALTHCHECK)], capture_output=True, text=True, timeout=60,
+                            env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls),
+                                 "FT_HEALTHCHECK_DIR": str(hooks), "FT_HEALTHCHECK_ENV": "/nonexistent",
+                                 "NODE_INFO": node_info, "FT_HC_STATE_DIR": str(tmp_path / "state"), **env})
+    return result, calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_the_prolog_gate_drains_the_node_naming_the_job_and_fails_the_prolog(tmp_path):
+    gate = {"SLURM_SCRIPT_CONTEXT": "prolog_slurmd", "SLURM_JOB_ID": "42", "SLURMD_NODENAME": "node3"}
+    failed, calls = run_healthcheck(tmp_path, 1, **gate)
+    assert failed.returncode == 1  # Slurm requeues the job onto other nodes
+    assert calls == ["update nodename=node3 state=drain reason=ft-healthcheck: 10-gpu: found 3 of 4 GPU devices "
+                     "(before job 42)"]
+    passed, calls = run_healthcheck(tmp_path, 0, **gate)
+    assert passed.returncode == 0 and calls == []  # nothing asked of Slurm before every job
+
+
+def test_the_periodic_check_resumes_only_its_own_drain(tmp_path):
+    passed, calls = run_healthcheck(tmp_path, 0, FT_HEALTHCHECK_NODE="node3")
+    assert passed.returncode == 0 and calls == ["show node node3 -o"]
+
+
+def test_a_restart_finding_drains_for_a_restart_and_the_idle_node_is_reset_and_resumed(tmp_path):
+    # The jobs still on it: drained for a restart (ft's watchdog moves its run off the node).
+    busy = "NodeName=node3 State=MIXED Reason=(null)"
+    drained, calls = run_healthcheck(tmp_path, 2, node_info=busy, FT_HEALTHCHECK_NODE="node3")
+    assert drained.returncode == 1
+    assert calls[-1] == ("update nodename=node3 state=drain reason=ft-healthcheck: restart: 10-gpu: "
+                         "found 3 of 4 GPU devices")
+    # No job left on it: its GPUs are reset (the site's command), the XIDs before are no longer
+    # counted (the mark the hooks read), and it is back in service.
+    idle = "NodeName=node3 State=IDLE+DRAIN Reason=ft-healthcheck: restart: 10-gpu: found 3 of 4 GPU devices"
+    resumed, calls = run_healthcheck(tmp_path, 0, node_info=idle, FT_HEALTHCHECK_NODE="node3",
+                                     FT_HC_GPU_RESET=f"touch {tmp_path}/reset-done")
+    assert resumed.returncode == 0 and (tmp_path / "reset-done").exists()
+    assert calls == ["show node node3 -o", "update nodename=node3 state=resume"]
+    boot, mark = (tmp_path / "state" / "node3.xid-after").read_text().split()
+    assert boot == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert abs(float(mark) - float(Path("/proc/uptime").read_text().split()[0])) < 30
+
+
+def test_a_failed_gpu_reset_leaves_the_node_drained_for_an_admin(tmp_path):
+    idle = "NodeName=node3 State=IDLE+DRAIN Reason=ft-healthcheck: restart: 20-ft-health: XID 94"
+    failed, calls = run_healthcheck(tmp_path, 0, node_info=idle, FT_HEALTHCHECK_NODE="node3", FT_HC_GPU_RESET="false")
+    assert failed.returncode == 1 and "state=resume" not in " ".join(calls)
+    assert calls[-1] == ("update nodename=node3 state=drain reason=ft-healthcheck: GPU reset failed (false): "
+                         "needs an admin")
+
+
+def test_a_drain_for_a_restart_is_kept_while_jobs_are_on_the_node(tmp_path):
+    draining = "NodeName=node3 State=MIXED+DRAIN Reason=ft-healthcheck: restart: 20-ft-health: XID 94"
+    passed, calls = run_healthcheck(tmp_path, 0, node_info=draining, FT_HEALTHCHECK_NODE="node3",
+                                    FT_HC_GPU_RESET=f"touch {tmp_path}/reset-done")
+    assert passed.returncode == 0 and calls == ["show node node3 -o"] and not (tmp_path / "reset-done").exists()
+
+
+def test_xids_from_before_the_last_reset_no_longer_count(tmp_path):
+    from toolkit.health import gpu
+
+    log = (RECORDED / "ecc" / "dmesg.txt").read_text()  # XID 94 and 63 at 5501.1 and 5501.2 s
+    assert {f.detail.split(" on ")[0] for f in gpu.xid_findings(log, after=5501.15)} == {"XID 63"}
+    assert gpu.xid_findings(log, after=6000) == []
+    # The hook reads the mark ft-healthcheck left at the reset, and asks for the restart otherwise.
+    hook_env = {"FT_HC_PYTHON": sys.executable, "FT_HC_GPUS_PER_NODE": "2", "FT_HEALTHCHECK_NODE": "node3",
+                "FT_HC_RECORDED": str(tmp_path / "{node}"), "FT_HC_STATE_DIR": str(tmp_path / "state")}
+    (tmp_path / "node3").mkdir()
+    for name in ("nvidia-smi-L.txt", "nvidia-smi-query.csv", "nvidia-smi-nvlink.txt", "meminfo"):
+        (tmp_path / "node3" / name).write_text((RECORDED / "healthy" / name).read_text())
+    (tmp_path / "node3" / "dmesg.txt").write_text(log.splitlines()[0] + "\n")  # XID 94 alone: a restart
+    restart = run_hook(**hook_env)
+    assert restart.returncode == 2 and restart.stdout.startswith("restart: gpu_xid: XID 94")
+    assert restart.stderr == ""  # ft-healthcheck takes both as the drain reason: no mark yet is no error
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "node3.xid-after").write_text("an-earlier-boot 6000.5\n")
+    assert run_hook(**hook_env).returncode == 2  # a mark from another boot: the log is a new one
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    (tmp_path / "state" / "node3.xid-after").write_text(f"{boot} 6000.5\n")
+    assert run_hook(**hook_env).returncode == 0

@@ -44,6 +44,9 @@ def test_every_site_gets_the_shared_essentials(rendered, site):
     assert slurm["JobRequeue"] == ["1"]
     assert slurm["PreemptMode"] == ["REQUEUE"]
     assert slurm["HealthCheckProgram"] == ["/usr/local/sbin/ft-healthcheck"]
+    # The same checks gate every job at allocation; a failed gate requeues the job, not held.
+    assert slurm["Prolog"] == ["/usr/local/sbin/ft-healthcheck"] and slurm["PrologFlags"] == ["Alloc"]
+    assert "nohold_on_prolog_fail" in slurm["SchedulerParameters"][0].split(",")
     assert slurm["AccountingStorageType"] == ["accounting_storage/slurmdbd"]
     assert "gres/gpu" in slurm["AccountingStorageTRES"][0]
     dbd = conf(rendered[site], "slurmdbd.conf")
@@ -100,4 +103,5 @@ def test_lab_lists_fake_gpu_devices_per_node_and_fast_failure_detection(rendered
     slurm = conf(rendered["lab"])
     assert slurm["SlurmdTimeout"] == ["10"]
     assert slurm["AuthInfo"] == ["cred_expire=10"]
+    assert slurm["SchedulerParameters"] == ["sched_interval=2,bf_interval=2,nohold_on_prolog_fail"]
     assert any("NodeAddr=10.213.7.11" in line for line in slurm["NodeName"])

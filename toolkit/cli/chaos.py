@@ -48,3 +48,17 @@ def gpu_bad(run_id: str = RUN, rank: int = RANK) -> None:
     found, device = fail_gpu(run_folder(run_id), rank)
     console.print(f"{plain(found.node)} (running rank {rank}) lost GPU {plain(device.name)}: its health check "
                   "drains it within seconds; `ft lab up` puts the GPU back")
+
+
+@app.command("gpu-xid")
+def gpu_xid(run_id: str = RUN, rank: int = RANK,
+            code: int = typer.Option(94, "--code", help="The XID: 94 asks for a restart, 79 for a drain.")) -> None:
+    """An XID in the kernel log of the node a rank runs on: its health check acts on it."""
+    from toolkit.health.actions import XID
+    from toolkit.lab.chaos import gpu_xid as record_xid
+    from toolkit.lab.chaos import run_folder
+
+    found = record_xid(run_folder(run_id), rank, code)
+    meaning, action = XID.get(code, ("not in ft's table", "warn"))
+    console.print(f"{plain(found.node)} (running rank {rank}) logged XID {code} ({meaning}): its health check "
+                  f"acts on it within seconds ({action})")

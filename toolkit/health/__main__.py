@@ -1,4 +1,4 @@
-"""python -m toolkit.health [--gpus N] [--path DIR ...] [--recorded DIR]
+"""python -m toolkit.health [--gpus N] [--path DIR ...] [--recorded DIR] [--xid-after SECONDS]
 
 Prints one line per finding ("drain: gpu_xid: XID 79 on 0000:3b:00.0: GPU has fallen off the bus")
 and exits 0 (nothing worse than a warning), 1 (drain the node) or 2 (restart its jobs). GPU checks
@@ -41,7 +41,7 @@ def sources(recorded: Path | None) -> Callable[[str, list[str]], str | None]:
     return read
 
 
-def run_checks(expected_gpus: int, paths: list[str], recorded: Path | None) -> list[Finding]:
+def run_checks(expected_gpus: int, paths: list[str], recorded: Path | None, xid_after: float = 0.0) -> list[Finding]:
     read = sources(recorded)
     findings: list[Finding] = []
     listing = read("nvidia-smi-L.txt", ["nvidia-smi", "-L"])
@@ -50,7 +50,7 @@ def run_checks(expected_gpus: int, paths: list[str], recorded: Path | None) -> l
         findings += gpu.query_findings(read("nvidia-smi-query.csv", ["nvidia-smi", f"--query-gpu={gpu.QUERY}",
                                                                       "--format=csv,noheader"]) or "")
         findings += gpu.nvlink_findings(read("nvidia-smi-nvlink.txt", ["nvidia-smi", "nvlink", "-e"]) or "")
-        findings += gpu.xid_findings(read("dmesg.txt", ["dmesg"]) or "")
+        findings += gpu.xid_findings(read("dmesg.txt", ["dmesg"]) or "", after=xid_after)
     for path in paths:
         findings += host.filesystem_findings(path)
     meminfo = read("meminfo", [])
@@ -64,8 +64,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--gpus", type=int, default=0, help="GPUs this node should have")
     parser.add_argument("--path", action="append", default=[], help="a checkpoint filesystem to check")
     parser.add_argument("--recorded", type=Path, help="read the tools' outputs from this folder")
+    parser.add_argument("--xid-after", type=float, default=0.0,
+                        help="count only XIDs logged after this many seconds since boot (the last GPU reset)")
     args = parser.parse_args(argv)
-    findings = run_checks(args.gpus, args.path, args.recorded)
+    findings = run_checks(args.gpus, args.path, args.recorded, args.xid_after)
     for finding in findings:
         print(finding.line())
     return EXIT[worst(findings)]

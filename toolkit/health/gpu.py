@@ -10,6 +10,7 @@ from toolkit.health.actions import UNKNOWN_XID_ACTION, XID, Finding
 QUERY = ("index,pci.bus_id,ecc.errors.uncorrected.volatile.total,retired_pages.pending,"
          "remapped_rows.pending,remapped_rows.failure")
 XID_LINE = re.compile(r"NVRM: Xid \(PCI:([0-9a-fA-F:.]+)\): (\d+),(.*)")
+KERNEL_STAMP = re.compile(r"\[\s*(\d+(?:\.\d+)?)\]")  # dmesg's "[ 5501.10]": seconds since boot
 
 
 def count_findings(listing: str, expected: int) -> list[Finding]:
@@ -40,10 +41,18 @@ def query_findings(csv: str) -> list[Finding]:
     return findings
 
 
-def xid_findings(kernel_log: str) -> list[Finding]:
-    """XID lines of the kernel log (dmesg / journalctl -k), each once per GPU and code."""
+def xid_findings(kernel_log: str, after: float = 0.0) -> list[Finding]:
+    """XID lines of the kernel log (dmesg / journalctl -k), each once per GPU and code; only those
+    stamped later than `after` (seconds since boot, dmesg's stamp): the kernel keeps an XID until
+    the next boot, and one from before the node's last GPU reset is dealt with."""
     findings, seen = [], set()
-    for match in XID_LINE.finditer(kernel_log):
+    for line in kernel_log.splitlines():
+        match = XID_LINE.search(line)
+        if not match:
+            continue
+        stamp = KERNEL_STAMP.match(line)
+        if stamp and float(stamp[1]) <= after:
+            continue
         bus, code = match[1], int(match[2])
         if (bus, code) in seen:
             continue

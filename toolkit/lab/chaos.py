@@ -82,3 +82,28 @@ def fail_gpu(run_dir: Path, rank: int) -> tuple[RankProcess, Path]:
         raise FtError(f"{found.node} has no GPU device left to fail", hint="`ft lab up` puts them back")
     devices[-1].unlink()
     return found, devices[-1]
+
+
+def gpu_xid(run_dir: Path, rank: int, code: int = 94) -> RankProcess:
+    """An XID in the kernel log of the node a rank runs on, as the node's health check reads it: the
+    lab has no GPU, so its checks read the GPU tools' outputs from files (FT_HC_RECORDED), written
+    here in the tools' formats for a node of healthy GPUs plus this one line. What follows is the
+    action table's (toolkit/health/actions.py): XID 94 (a contained ECC error: the context is lost,
+    the GPU sound) drains the node for a restart, resets it once the run has moved off and resumes
+    it; XID 79 (off the bus) drains it for an admin."""
+    found = find_rank(run_dir, rank)
+    manifest = LabManifest.load()
+    gpus = manifest.gpus_per_node if manifest else 4
+    recorded = state_dir() / "dev" / found.node / "recorded"
+    recorded.mkdir(parents=True, exist_ok=True)
+    buses = [f"00000000:{0x18 + 0x10 * index:02X}:00.0" for index in range(gpus)]
+    (recorded / "nvidia-smi-L.txt").write_text("".join(
+        f"GPU {index}: NVIDIA H100 80GB HBM3 (UUID: GPU-lab-{found.node}-{index})\n" for index in range(gpus)))
+    (recorded / "nvidia-smi-query.csv").write_text("".join(
+        f"{index}, {bus}, 0, No, No, No\n" for index, bus in enumerate(buses)))
+    (recorded / "nvidia-smi-nvlink.txt").write_text("")
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    with open(recorded / "dmesg.txt", "a") as log:
+        log.write(f"[{uptime:12.6f}] NVRM: Xid (PCI:{buses[-1][4:14]}): {code}, pid={found.pid}, name=python, "
+                  "Contained: CE User Channel (0x1). RST: No, D-RST: No\n")
+    return found
