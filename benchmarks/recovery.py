@@ -13,9 +13,11 @@ the crash minus the step training resumed from). The lab is healed after every c
 Prints medians and the ratios to slurm-native (targets: <= 0.4x without a spare, <= 0.25x with one).
 
 Then goodput (--goodput-steps > 0): the same recipe trained to the end once without faults, then in
-each mode with a node crash every --crash-every seconds (the lab healed after each): goodput is the
-uninterrupted run's time over the interrupted one's, from the first training step to the end
-(target >= 0.85 at a crash every 90 s; slurm-native measured 0.57 on the lab before ft).
+each mode with a node crash every --crash-every seconds (the lab healed after each): goodput as ft
+counts it in `ft status` (steps trained for the first time over the wall time since the first
+start; toolkit/runs/timeline.py), where the time went, and, beside it, the uninterrupted run's time
+over the interrupted one's (target >= 0.85 at a crash every 90 s; slurm-native measured 0.57 on the
+lab before ft).
 
 Then a hung rank (--hangs times): rank 1 stopped with SIGSTOP, the seconds to the first new step
 (watchdog.hang_floor --hang-floor; target <= 30 s).
@@ -43,6 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from toolkit.lab import chaos, lifecycle  # noqa: E402
+from toolkit.runs.timeline import timeline  # noqa: E402
 
 RECIPE = REPO / "recipes" / "tiny-lora-sft.yaml"
 MODES = {"slurm-native": {"watchdog": {"enabled": False}},
@@ -56,11 +59,17 @@ def ft(env: dict, *args: str) -> str:
 
 
 def goodput(env: dict, work: Path, args) -> dict:
+    """Each run's goodput as ft itself counts it (toolkit/runs/timeline.py, what `ft status` shows):
+    steps trained for the first time over the wall time since the first start. The uninterrupted
+    run's own is the ceiling (its start and its end count too). Beside it, the uninterrupted run's
+    time over the interrupted one's: a ratio of two runs, which the machine's noise moves (one
+    run's steps 15% slower than another's was seen), so not the figure to judge by."""
     found = {}
     clean = goodput_run(env, recipe_for(work, "ft-no-spare", args.heartbeat_timeout, args.goodput_steps,
                                         global_batch=args.goodput_global_batch), None)
     print(f"\ngoodput, a crash every {args.crash_every:.0f} s ({args.goodput_steps} steps; uninterrupted: "
-          f"{clean['seconds']:.0f} s from the first step to the end):", flush=True)
+          f"goodput {clean['timeline']['goodput']:.2f}, {clean['seconds']:.0f} s from the first step to the end):",
+          flush=True)
     for mode in args.modes.split(","):
         outcome = goodput_run(env, recipe_for(work, mode, args.heartbeat_timeout, args.goodput_steps,
                                               global_batch=args.goodput_global_batch),
@@ -69,10 +78,13 @@ def goodput(env: dict, work: Path, args) -> dict:
             found[mode] = {**outcome, "goodput": 0.0}
             print(f"  {mode:14s} 0 (the run ended FAILED after {outcome['crashes']} crashes)", flush=True)
             continue
-        found[mode] = {**outcome, "goodput": clean["seconds"] / outcome["seconds"]}
-        print(f"  {mode:14s} {found[mode]['goodput']:.2f} ({outcome['crashes']} crashes, "
-              f"{outcome['seconds']:.0f} s)", flush=True)
-    return {"uninterrupted_seconds": clean["seconds"], **found}
+        spent = outcome["timeline"]
+        found[mode] = {**outcome, "goodput": spent["goodput"], "relative": clean["seconds"] / outcome["seconds"]}
+        print(f"  {mode:14s} {spent['goodput']:.2f} ({outcome['crashes']} crashes; wall {spent['wall_s']:.0f} s: "
+              f"training {spent['productive_s']:.0f}, redone {spent['redone_s']:.0f}, starting "
+              f"{spent['starting_s']:.0f}, recovering {spent['recovering_s']:.0f}, other {spent['other_s']:.0f}; "
+              f"time relative to the uninterrupted run {found[mode]['relative']:.2f})", flush=True)
+    return {"uninterrupted_seconds": clean["seconds"], "uninterrupted": clean["timeline"], **found}
 
 
 def recipe_for(work: Path, mode: str, heartbeat_timeout: float, steps: int = 100_000, hang_floor: float = 0,
@@ -192,7 +204,7 @@ def goodput_run(env: dict, recipe: Path, crash_every: float | None) -> dict:
     wait("the run's end", lambda: (run_dir / "summary.json").exists(), 120)
     if healing is not None:
         healing.wait()
-    return {"seconds": first_step_to_end(run_dir), "crashes": crashes}
+    return {"seconds": first_step_to_end(run_dir), "crashes": crashes, "timeline": timeline(run_dir)}
 
 
 def main() -> None:

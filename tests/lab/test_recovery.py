@@ -213,3 +213,52 @@ def test_a_preempted_free_run_checkpoints_and_resumes_where_it_stopped(lab, tiny
     attempts = [json.loads(line) for line in (Path(run["run_dir"]) / "attempts.jsonl").read_text().splitlines()]
     assert [a["restart"] for a in attempts] == [0, 1]
     assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after preemption at step {stopped}")
+
+
+def test_a_run_near_its_time_limit_checkpoints_requeues_and_resumes(tiny_baseline, runs):
+    """Slurm's USR2, pre_timeout_seconds (300) before the time limit: with a 6-minute limit it comes
+    about a minute into each start (slurmctld looks every ~30 s), mid-training at these slower
+    steps. The ranks checkpoint, the job script requeues the job, lifting Slurm's hold, and it
+    resumes there (a start that gets the signal again goes round once more)."""
+    run = submit(recipe(runs, "time-limit", resources={"time": "6"}, env={"FT_FAULT_SLOW_STEP_S": "0.3"}),
+                 runs_dir=runs)
+    finished(run, runs)
+    rank0 = (Path(run["run_dir"]) / "logs" / "rank-0.log").read_text()
+    stops = [int(part.split(" ", 1)[0]) for part in rank0.split("stopping at step ")[1:]]  # on USR2, checkpointed
+    assert stops, rank0[-2000:]
+    for step in stops:
+        assert f"resumed from checkpoint step-{step:08d}" in rank0  # no step lost
+    attempts = [json.loads(line) for line in (Path(run["run_dir"]) / "attempts.jsonl").read_text().splitlines()]
+    assert [a["restart"] for a in attempts] == list(range(len(stops) + 1))
+    assert {a["job_id"] for a in attempts} == {run["job_id"]}
+    batch_log = (Path(run["run_dir"]) / "logs" / f"slurm-{run['job_id']}.out").read_text()
+    # Each stop was the time limit's (a signal that comes as the run ends requeues nothing).
+    assert batch_log.count("time limit near: checkpointing, then requeueing") >= len(stops)
+    assert [e["job"] for e in events(run) if e["event"] == "requeue_hold_lifted"] == [run["job_id"]] * len(stops)
+    assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after the time limit at {stops}")
+
+
+def test_a_full_checkpoint_disk_costs_saves_not_the_run(tiny_baseline, runs, shared_tmp):
+    """The filesystem the checkpoints go to fills up (`ft chaos disk-full`, on a tmpfs made for it:
+    ENOSPC from the kernel) for a while in mid-training: those saves are lost, with a warning,
+    training goes on, the saves after it land, and the run ends as an uninterrupted one would."""
+    staging = shared_tmp / "checkpoint-fs"
+    staging.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m,mode=0700", "tmpfs", str(staging)], check=True)
+    try:
+        run = submit(recipe(runs, "disk-full", checkpoint={"staging": str(staging)},
+                            env={"FT_FAULT_SLOW_STEP_S": "0.1"}), runs_dir=runs)
+        latest = staging / "latest"
+        wait_for("the first checkpoint", lambda: latest.exists(), timeout=300, interval=0.3)
+        rank0_log = Path(run["run_dir"]) / "logs" / "rank-0.log"
+        with chaos.checkpoint_disk_full(Path(run["run_dir"])):
+            before = latest.read_text().strip()
+            wait_for("a save to fail", lambda: "failed: OSError" in rank0_log.read_text()
+                     or "No space left" in rank0_log.read_text(), timeout=120, interval=0.5)
+            assert latest.read_text().strip() == before  # the failed save never became the latest
+        finished(run, runs)
+        assert latest.read_text().strip() == "step-00000120"  # the saves after it landed
+        assert not (staging / chaos.BALLOON).exists()
+        assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), "after a full checkpoint disk")
+    finally:
+        subprocess.run(["umount", str(staging)], check=False)

@@ -52,7 +52,8 @@ def hold_lifted(calls: Path) -> str | None:
 
 def run_script(tmp_path: Path, started: str, unreached: str, error: str = COMMUNICATION,
                earlier_failures: int = 0, run_dir_mode: int = 0o700,
-               run_dir_owner: int | None = None) -> tuple[subprocess.CompletedProcess, list[str], Path]:
+               run_dir_owner: int | None = None, srun: str = FAKE_SRUN,
+               during=None) -> tuple[subprocess.CompletedProcess, list[str], Path]:
     run_dir = tmp_path / "run"
     resolved = resolve(REPO / "recipes" / "tiny-lora-sft.yaml", "lab")
     # The script's decision is under test, not the watchdog's restarts in place (with their backoff
@@ -62,7 +63,7 @@ def run_script(tmp_path: Path, started: str, unreached: str, error: str = COMMUN
     (tmp_path / "job.sh").write_text(script)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, body in {"srun": FAKE_SRUN, "scontrol": FAKE_SCONTROL, "sleep": "#!/bin/bash\nexit 0\n",
+    for name, body in {"srun": srun, "scontrol": FAKE_SCONTROL, "sleep": "#!/bin/bash\nexit 0\n",
                        "squeue": FAKE_SQUEUE, "sbatch": '#!/bin/bash\necho "slurm 22.05.8"\n'}.items():
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
@@ -76,7 +77,12 @@ def run_script(tmp_path: Path, started: str, unreached: str, error: str = COMMUN
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-3]",
            "SLURM_JOB_NUM_NODES": "3", "ALL_NODES": "node1 node2 node3", "STARTED": started,
            "UNREACHED": unreached, "SRUN_ERROR": error, "CALLS": str(calls)}
-    result = subprocess.run(["bash", str(tmp_path / "job.sh")], capture_output=True, text=True, env=env, timeout=60)
+    process = subprocess.Popen(["bash", str(tmp_path / "job.sh")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env)
+    if during:  # what Slurm does to the script meanwhile (a signal, say)
+        during(process, run_dir)
+    out, err = process.communicate(timeout=60)
+    result = subprocess.CompletedProcess(process.args, process.returncode, out, err)
     return result, calls.read_text().splitlines() if calls.exists() else [], run_dir
 
 
@@ -84,7 +90,7 @@ def test_an_unreachable_node_is_marked_down_with_the_run_named(tmp_path):
     result, calls, run_dir = run_script(tmp_path, started="node1 node3", unreached="node2")
     assert calls[0] == "update NodeName=node2 State=DOWN Reason=ft: lost before job 7 (run r1) started on it"
     assert (run_dir / "launch-failures").read_text() == "7 node2\n"
-    assert hold_lifted(tmp_path / "calls") == "update JobId=7 StartTime=now+2"  # requeued without Slurm's hold
+    assert hold_lifted(tmp_path / "calls") == "update JobId=7 StartTime=now+1"  # requeued without Slurm's hold
     assert "node node2 was lost before the step started on it: marking it down" in result.stdout
     # Slurm requeues the job once the node is down; here (no Slurm) the wait ends and the job fails.
     assert result.returncode != 0 and "did not requeue job 7" in result.stdout
@@ -125,3 +131,23 @@ def test_a_run_directory_not_this_users_alone_stops_the_job_before_anything_runs
     assert result.returncode == 2
     assert "is not yours alone" in result.stderr
     assert "rendezvous" not in result.stdout and not (run_dir / "recipe.json").exists()
+
+
+def test_the_time_limit_signal_after_the_run_finished_requeues_nothing(tmp_path):
+    """USR2 (the time limit near) as the run ends: the run is done, and a requeue would only start
+    a job that has nothing to do."""
+    import signal
+
+    finishing = '#!/bin/bash\ntouch "$FT_RUN_DIR/done"\nexec /bin/sleep 30\n'  # the run's end, then slow to exit
+
+    def time_limit_near(process: subprocess.Popen, run_dir: Path) -> None:
+        for _ in range(300):
+            if (run_dir / "done").exists():
+                break
+            time.sleep(0.1)
+        time.sleep(0.5)
+        process.send_signal(signal.SIGUSR2)
+
+    result, calls, _ = run_script(tmp_path, started="", unreached="", srun=finishing, during=time_limit_near)
+    assert "has finished: not requeueing" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 0 and not any(call.startswith("requeue") for call in calls)

@@ -111,11 +111,11 @@ def test_the_helper_ends_with_its_starter(tmp_path, monkeypatch):
                                 "lift_hold_soon('41', after=-5)\n"
                                 "time.sleep(float(sys.argv[1]))", "1.5"], stderr=subprocess.PIPE, text=True)
     assert starter.wait(timeout=30) == 0
-    wait_for_line(calls, "update JobId=41 StartTime=now+2")  # never less than the margin
+    wait_for_line(calls, "update JobId=41 StartTime=now+1")  # never less than the margin
     lines = len(calls.read_text().splitlines())
     time.sleep(2)  # gone with its starter: no more updates
     assert len(calls.read_text().splitlines()) in (lines, lines + 1)
-    assert "may start again 2 s after" in starter.stderr.read()
+    assert "may start again 1 s after" in starter.stderr.read()
 
 
 def wait_for_line(path: Path, line: str) -> None:

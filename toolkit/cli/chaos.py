@@ -62,3 +62,18 @@ def gpu_xid(run_id: str = RUN, rank: int = RANK,
     meaning, action = XID.get(code, ("not in ft's table", "warn"))
     console.print(f"{plain(found.node)} (running rank {rank}) logged XID {code} ({meaning}): its health check "
                   f"acts on it within seconds ({action})")
+
+
+@app.command("disk-full")
+def disk_full(run_id: str = RUN,
+              seconds: float = typer.Option(30.0, "--seconds", min=1, help="How long the disk stays full.")) -> None:
+    """Fill the filesystem a run checkpoints to, for a while: its saves fail, its training goes on.
+    Only a small filesystem made for it (a tmpfs named in the recipe's checkpoint.staging)."""
+    import time
+
+    from toolkit.lab.chaos import checkpoint_disk_full, run_folder
+
+    run_dir = run_folder(run_id)
+    with checkpoint_disk_full(run_dir) as folder, console.status(f"{plain(str(folder))} is full for {seconds:.0f} s"):
+        time.sleep(seconds)
+    console.print(f"{plain(str(folder))} has room again")

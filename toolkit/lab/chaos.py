@@ -3,9 +3,11 @@ recovery and for the tests. A rank is found by its run and rank among the lab no
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,3 +109,42 @@ def gpu_xid(run_dir: Path, rank: int, code: int = 94) -> RankProcess:
         log.write(f"[{uptime:12.6f}] NVRM: Xid (PCI:{buses[-1][4:14]}): {code}, pid={found.pid}, name=python, "
                   "Contained: CE User Channel (0x1). RST: No, D-RST: No\n")
     return found
+
+
+FILL_LIMIT_BYTES = 4 << 30  # the largest filesystem ft chaos fills: one made for it, never the lab's own disk
+BALLOON = ".ft-chaos-disk-full"
+
+
+def checkpoint_folder(run_dir: Path) -> Path:
+    """Where the run's checkpoints are staged: the recipe's checkpoint.staging, else the run's own."""
+    layout = RunLayout(run_dir)
+    return Path(layout.read_spec().recipe.checkpoint.staging or layout.checkpoints)
+
+
+@contextlib.contextmanager
+def checkpoint_disk_full(run_dir: Path) -> Iterator[Path]:
+    """The filesystem the run's checkpoints are written to, full (ENOSPC from the kernel) while the
+    context lasts; freed when it ends. Only a small filesystem made for it (a tmpfs of a few MiB,
+    say, named in checkpoint.staging): filling the lab's own disk would fill this machine's."""
+    require_root("chaos")
+    folder = checkpoint_folder(run_dir)
+    info = os.statvfs(folder)
+    size = info.f_blocks * info.f_frsize
+    if size > FILL_LIMIT_BYTES or os.stat(folder).st_dev == os.stat("/").st_dev:
+        raise FtError(f"the run's checkpoints are on a filesystem of {size >> 20} MiB ({folder}): ft chaos fills "
+                      "only one made for it",
+                      hint="mount a small one (mount -t tmpfs -o size=64m tmpfs DIR) and name it in the "
+                           "recipe's checkpoint.staging")
+    balloon = folder / BALLOON
+    try:
+        with open(balloon, "wb") as handle:
+            with contextlib.suppress(OSError):  # a filesystem without fallocate: the writes below fill it
+                os.posix_fallocate(handle.fileno(), 0, info.f_bavail * info.f_frsize)
+            chunk = b"\0" * (64 << 10)
+            with contextlib.suppress(OSError):  # ENOSPC: full
+                while True:
+                    handle.write(chunk)
+                    handle.flush()
+        yield folder
+    finally:
+        balloon.unlink(missing_ok=True)

@@ -12,11 +12,12 @@ owner may set that begin time (`scontrol update StartTime`).
 So a helper started just before the requeue, which ignores the TERM Slurm sends every process of
 the job: once the job is pending again (requeued by Slurm for a node marked DOWN, by the job
 script, or by the helper itself with --requeue), it keeps the job's begin time a little ahead
-(--after, 2 s) until the process that started it is gone, then exits: the last process of the job
+(--after, 1 s) until the process that started it is gone, then exits: the last process of the job
 on its node. The job completes, its begin time still ahead, and starts again at that time: no hold,
 and the old start's processes gone. Where something of the job outlives that margin (a node slow to
 kill its part), or Slurm's KILL ends the helper first, the job waits out the hold as before: nothing
-is lost but the seconds. Seen on the lab: the new start 2.2 s after the helper's last update.
+is lost but the seconds. Seen on the lab: the new start 2.2 s after the helper's last update
+(--after 2).
 
     python -m toolkit.watch.requeue JOB [--requeue] [--down NODE --reason TEXT] [--after S] [--starter PID]
 """
@@ -37,7 +38,10 @@ from toolkit.slurm.client import CliSlurmClient, SlurmClient
 
 WAIT_S = 180.0  # for the requeue: a drained node's ranks checkpoint first (supervise.CHECKPOINT_GRACE_S)
 POLL_S = 0.25
-AFTER_S = 2  # the begin time kept ahead: more than the rest of the job takes to end once its starter has
+# The begin time kept ahead of each update: a second, the credential clock's resolution. The job's
+# new credential then dates after its old one's revocation (made at the requeue, before any update);
+# its old processes Slurm waits for itself (a requeued job starts again only once it completed).
+AFTER_S = 1
 
 
 def log(message: str) -> None:
