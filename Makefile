@@ -42,5 +42,5 @@ bench: lab
 down:
 	$(FT) lab down
 
-purge:
+purge: setup
 	$(FT) lab down --purge

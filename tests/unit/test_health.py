@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from toolkit.health import host
 from toolkit.health.__main__ import main, run_checks
 from toolkit.health.actions import worst
@@ -181,3 +183,22 @@ def test_xids_from_before_the_last_reset_no_longer_count(tmp_path):
     boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     (tmp_path / "state" / "node3.xid-after").write_text(f"{boot} 6000.5\n")
     assert run_hook(**hook_env).returncode == 0
+
+
+@pytest.mark.skipif(not Path("/usr/bin/python3").exists(), reason="no system Python here")
+def test_the_hook_runs_the_installed_copy_with_the_nodes_own_python(tmp_path):
+    """What the Ansible role installs (toolkit/health, the standard library only) and runs with the
+    node's Python: no ft install, no tie to a checkout; a Python that is gone skips, not drains."""
+    import shutil
+
+    for name in ("__init__.py", "health/__init__.py", "health/__main__.py", "health/actions.py", "health/gpu.py",
+                 "health/host.py"):
+        (tmp_path / "lib" / "toolkit" / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(__file__).parents[2] / "toolkit" / name, tmp_path / "lib" / "toolkit" / name)
+    node = {"FT_HC_LIB": str(tmp_path / "lib"), "FT_HC_GPUS_PER_NODE": "2", "FT_HC_RECORDED": str(RECORDED / "xid79")}
+    drained = subprocess.run([str(HOOK)], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                             env={"PATH": os.environ["PATH"], "FT_HC_PYTHON": "/usr/bin/python3", **node})
+    assert drained.returncode == 1 and drained.stdout.startswith("drain: "), drained.stderr
+    gone = subprocess.run([str(HOOK)], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env={"PATH": os.environ["PATH"], "FT_HC_PYTHON": str(tmp_path / "gone" / "python3"), **node})
+    assert gone.returncode == 0 and gone.stdout == ""
