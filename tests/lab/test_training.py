@@ -258,18 +258,22 @@ def test_the_prolog_gate_keeps_a_run_off_a_node_that_fails_a_check(lab, runs_env
     """ft-healthcheck is also the lab's Prolog (PrologFlags=Alloc): a node that fails a check as a
     job is allocated to it is drained, naming the job, and Slurm requeues the job at once onto other
     nodes (nohold_on_prolog_fail): nothing of the run ever starts there. The failing check is one
-    this test installs beside the lab's real hooks, failing only as the Prolog of the victim: the
+    this test installs beside the lab's real hooks, failing first as the Prolog of the victim: the
     periodic health check (every 5 s) would otherwise race the gate for the same finding."""
     from tests.support.slurm import cancel, hostnames, sbatch, write_script
 
     names = [node.name for node in lab.nodes]
     victim = names[-1]
     hook = Path("/etc/ft/healthcheck.d/99-test-gate")
+    # Fails on the victim first as its Prolog, and from then on in every check there (a fault that
+    # stays): the periodic check, passing, would otherwise resume the node the gate drained.
+    tripped = shared_tmp / "gate-tripped"
     hook.write_text("#!/bin/bash\n"
-                    f'if [ "${{SLURM_SCRIPT_CONTEXT:-}}" = prolog_slurmd ] && \\\n'
-                    f'        [ "$FT_HEALTHCHECK_NODE" = {victim} ]; then\n'
-                    "    echo 'GPU 3: a check failed as the job was allocated'; exit 1\n"
-                    "fi\n")
+                    f'if [ "$FT_HEALTHCHECK_NODE" = {victim} ]; then\n'
+                    f'    [ "${{SLURM_SCRIPT_CONTEXT:-}}" = prolog_slurmd ] && touch {tripped}\n'
+                    f'    [ -e {tripped} ] && {{ echo "GPU 3: a check failed as the job was allocated"; exit 1; }}\n'
+                    "fi\n"
+                    "exit 0\n")
     hook.chmod(0o755)
     filler = sbatch(write_script(shared_tmp / "filler.sh", "srun sleep 600\n"), f"--nodes={len(names) - 2}",
                     f"--nodelist={','.join(names[:-2])}", f"--output={shared_tmp}/filler-%j")
@@ -286,11 +290,12 @@ def test_the_prolog_gate_keeps_a_run_off_a_node_that_fails_a_check(lab, runs_env
                       "-o", str(shared_tmp / "job.sbatch"))
         assert rendered.returncode == 0, rendered.stderr
         job_id = sbatch(shared_tmp / "job.sbatch")  # the two free nodes: the victim among them
-        expected_reason = f"ft-healthcheck: 99-test-gate: GPU 3: a check failed as the job was allocated " \
-                          f"(before job {job_id})"
-        wait_for("the gate to drain the victim", lambda: expected_reason in commands.run(
+        wait_for("the gate to trip", tripped.exists, timeout=60)
+        # The gate's drain names the job ("(before job N)"); the periodic check may have drained it
+        # again since, with the same finding.
+        expected_reason = "ft-healthcheck: 99-test-gate: GPU 3: a check failed as the job was allocated"
+        wait_for("the victim drained", lambda: expected_reason in commands.run(
             ["sinfo", "--noheader", "--Node", "--nodes", victim, "--format=%E"]).stdout, timeout=60)
-        hook.unlink()
         cancel(filler)
 
         final = wait_for("the requeued run to finish", lambda: (lambda f: f if f.get("JobState") in {

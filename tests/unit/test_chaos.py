@@ -4,6 +4,7 @@ test in tests/lab/test_recovery.py fills a tmpfs for real)."""
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 
@@ -22,3 +23,38 @@ def test_the_lab_hosts_own_disk_is_never_filled(tmp_path):
         pass
     assert "checkpoint.staging" in refused.value.hint
     assert not (tmp_path / chaos.BALLOON).exists()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounts a tmpfs")
+    mount = tmp_path / "staging"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def run_on(tmp_path, staging) -> None:
+    spec = run_spec()
+    spec.recipe.checkpoint.staging = str(staging)
+    write_run_spec(tmp_path, spec)
+
+
+def test_a_small_tmpfs_is_filled_while_it_lasts_and_given_back(tmp_path, small_tmpfs):
+    run_on(tmp_path, small_tmpfs)
+    with chaos.checkpoint_disk_full(tmp_path), pytest.raises(OSError, match="No space left"):
+        (small_tmpfs / "a-save").write_bytes(b"x" * 8192)
+    assert not (small_tmpfs / chaos.BALLOON).exists()
+    assert os.statvfs(small_tmpfs).f_bavail > 0
+
+
+def test_a_link_planted_as_the_balloon_is_never_followed(tmp_path, small_tmpfs):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (small_tmpfs / chaos.BALLOON).symlink_to(victim)
+    run_on(tmp_path, small_tmpfs)
+    with pytest.raises(FtError, match="is there already"), chaos.checkpoint_disk_full(tmp_path):
+        pass
+    assert victim.read_text() == "precious"

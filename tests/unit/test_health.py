@@ -98,13 +98,17 @@ def run_healthcheck(tmp_path: Path, hook_status: int, node_info: str = "NodeName
     hooks.mkdir(exist_ok=True)
     bin_dir.mkdir(exist_ok=True)
     (hooks / "10-gpu").write_text(f"#!/bin/bash\necho 'found 3 of 4 GPU devices'\nexit {hook_status}\n")
+    # show node: $NODE_INFO, and $NODE_INFO_AFTER (when given) from the second time on.
     (bin_dir / "scontrol").write_text('#!/bin/bash\necho "$*" >> "$CALLS"\n'
-                                      '[ "$1 $2" = "show node" ] && echo "$NODE_INFO"\nexit 0\n')
+                                      'if [ "$1 $2" = "show node" ]; then\n'
+                                      '  if [ -e "$CALLS.shown" ]; then echo "${NODE_INFO_AFTER:-$NODE_INFO}"; '
+                                      'else touch "$CALLS.shown"; echo "$NODE_INFO"; fi\nfi\nexit 0\n')
     (bin_dir / "logger").write_text("#!/bin/bash\n")
     for tool in (hooks / "10-gpu", bin_dir / "scontrol", bin_dir / "logger"):
         tool.chmod(0o755)
     calls = tmp_path / "calls"
     calls.unlink(missing_ok=True)
+    (tmp_path / "calls.shown").unlink(missing_ok=True)
     result = subprocess.run([str(HEALTHCHECK)], capture_output=True, text=True, timeout=60,
                             env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls),
                                  "FT_HEALTHCHECK_DIR": str(hooks), "FT_HEALTHCHECK_ENV": "/nonexistent",
@@ -124,7 +128,7 @@ def test_the_prolog_gate_drains_the_node_naming_the_job_and_fails_the_prolog(tmp
 
 def test_the_periodic_check_resumes_only_its_own_drain(tmp_path):
     passed, calls = run_healthcheck(tmp_path, 0, FT_HEALTHCHECK_NODE="node3")
-    assert passed.returncode == 0 and calls == ["show node node3 -o"]
+    assert passed.returncode == 0 and calls == ["show node node3 -o"] * 2  # nothing drained: nothing resumed
 
 
 def test_a_restart_finding_drains_for_a_restart_and_the_idle_node_is_reset_and_resumed(tmp_path):
@@ -140,7 +144,7 @@ def test_a_restart_finding_drains_for_a_restart_and_the_idle_node_is_reset_and_r
     resumed, calls = run_healthcheck(tmp_path, 0, node_info=idle, FT_HEALTHCHECK_NODE="node3",
                                      FT_HC_GPU_RESET=f"touch {tmp_path}/reset-done")
     assert resumed.returncode == 0 and (tmp_path / "reset-done").exists()
-    assert calls == ["show node node3 -o", "update nodename=node3 state=resume"]
+    assert calls == ["show node node3 -o", "show node node3 -o", "update nodename=node3 state=resume"]
     boot, mark = (tmp_path / "state" / "node3.xid-after").read_text().split()
     assert boot == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     assert abs(float(mark) - float(Path("/proc/uptime").read_text().split()[0])) < 30
@@ -150,7 +154,8 @@ def test_a_failed_gpu_reset_leaves_the_node_drained_for_an_admin(tmp_path):
     idle = "NodeName=node3 State=IDLE+DRAIN Reason=ft-healthcheck: restart: 20-ft-health: XID 94"
     failed, calls = run_healthcheck(tmp_path, 0, node_info=idle, FT_HEALTHCHECK_NODE="node3", FT_HC_GPU_RESET="false")
     assert failed.returncode == 1 and "state=resume" not in " ".join(calls)
-    assert calls[-1] == ("update nodename=node3 state=drain reason=ft-healthcheck: GPU reset failed (false): "
+    # A reason of its own, which ft-healthcheck never resumes, however green the hooks.
+    assert calls[-1] == ("update nodename=node3 state=drain reason=ft-healthcheck-hold: GPU reset failed (false): "
                          "needs an admin")
 
 
@@ -158,7 +163,7 @@ def test_a_drain_for_a_restart_is_kept_while_jobs_are_on_the_node(tmp_path):
     draining = "NodeName=node3 State=MIXED+DRAIN Reason=ft-healthcheck: restart: 20-ft-health: XID 94"
     passed, calls = run_healthcheck(tmp_path, 0, node_info=draining, FT_HEALTHCHECK_NODE="node3",
                                     FT_HC_GPU_RESET=f"touch {tmp_path}/reset-done")
-    assert passed.returncode == 0 and calls == ["show node node3 -o"] and not (tmp_path / "reset-done").exists()
+    assert passed.returncode == 0 and calls == ["show node node3 -o"] * 2 and not (tmp_path / "reset-done").exists()
 
 
 def test_xids_from_before_the_last_reset_no_longer_count(tmp_path):
@@ -166,7 +171,7 @@ def test_xids_from_before_the_last_reset_no_longer_count(tmp_path):
 
     log = (RECORDED / "ecc" / "dmesg.txt").read_text()  # XID 94 and 63 at 5501.1 and 5501.2 s
     assert {f.detail.split(" on ")[0] for f in gpu.xid_findings(log, after=5501.15)} == {"XID 63"}
-    assert gpu.xid_findings(log, after=6000) == []
+    assert [f.detail.split(" on ")[0] for f in gpu.xid_findings(log, after=6000)] == ["XID 63"]  # not a restart's
     # The hook reads the mark ft-healthcheck left at the reset, and asks for the restart otherwise.
     hook_env = {"FT_HC_PYTHON": sys.executable, "FT_HC_GPUS_PER_NODE": "2", "FT_HEALTHCHECK_NODE": "node3",
                 "FT_HC_RECORDED": str(tmp_path / "{node}"), "FT_HC_STATE_DIR": str(tmp_path / "state")}
@@ -202,3 +207,50 @@ def test_the_hook_runs_the_installed_copy_with_the_nodes_own_python(tmp_path):
     gone = subprocess.run([str(HOOK)], capture_output=True, text=True, timeout=60, cwd=tmp_path,
                           env={"PATH": os.environ["PATH"], "FT_HC_PYTHON": str(tmp_path / "gone" / "python3"), **node})
     assert gone.returncode == 0 and gone.stdout == ""
+
+
+def test_a_drain_changed_by_an_admin_while_the_hooks_ran_is_left_alone(tmp_path):
+    ours = "NodeName=node3 State=IDLE+DRAIN Reason=ft-healthcheck: 10-gpu: found 3 of 4 GPU devices"
+    theirs = "NodeName=node3 State=IDLE+DRAIN Reason=RMA 4711: keep out [admin@2026-11-24T05:00:00]"
+    passed, calls = run_healthcheck(tmp_path, 0, node_info=ours, NODE_INFO_AFTER=theirs, FT_HEALTHCHECK_NODE="node3")
+    assert passed.returncode == 0 and "update nodename=node3 state=resume" not in calls
+
+
+def test_a_restart_finding_the_reset_did_not_clear_goes_to_an_admin(tmp_path):
+    idle = "NodeName=node3 State=IDLE+DRAIN Reason=ft-healthcheck: restart: 10-gpu: found 3 of 4 GPU devices"
+    again, calls = run_healthcheck(tmp_path, 2, node_info=idle, FT_HEALTHCHECK_NODE="node3", FT_HC_GPU_RESET="true")
+    assert again.returncode == 1
+    assert calls[-1].startswith("update nodename=node3 state=drain reason=ft-healthcheck-hold: 10-gpu: "
+                                "still after a GPU reset")
+
+
+def test_a_restart_reason_that_mentions_a_state_does_not_fool_the_reset(tmp_path):
+    busy = "NodeName=node3 State=MIXED+DRAIN Reason=ft-healthcheck: restart: State=IDLE+DRAIN said a log"
+    kept, calls = run_healthcheck(tmp_path, 0, node_info=busy, FT_HEALTHCHECK_NODE="node3",
+                                  FT_HC_GPU_RESET=f"touch {tmp_path}/reset-done")
+    assert kept.returncode == 0 and not (tmp_path / "reset-done").exists()
+    assert "update nodename=node3 state=resume" not in calls
+
+
+def test_a_hook_that_ignores_the_time_limit_is_killed(tmp_path):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "05-stuck").write_text("#!/bin/bash\ntrap '' TERM\nsleep 60\n")
+    (hooks / "05-stuck").chmod(0o755)
+    began = time.monotonic()
+    stuck, calls = run_healthcheck(tmp_path, 0, FT_HEALTHCHECK_NODE="node3", FT_HEALTHCHECK_HOOK_TIMEOUT="1")
+    assert stuck.returncode == 1 and time.monotonic() - began < 20
+    assert calls[-1].startswith("update nodename=node3 state=drain reason=ft-healthcheck: 05-stuck: "
+                                "failed or timed out")
+
+
+def test_xids_worse_than_a_restart_count_whenever_they_came():
+    from toolkit.health import gpu
+
+    log = ("[  100.000000] NVRM: Xid (PCI:0000:2a:00): 94, pid=1, name=python, Contained: CE User Channel\n"
+           "[  390.000000] NVRM: Xid (PCI:0000:2a:00): 48, pid=1, name=python, DBE (double-bit ECC)\n")
+    assert [f.detail.split(" on ")[0] for f in gpu.xid_findings(log, after=400)] == ["XID 48"]
+    assert gpu.xid_findings("[ 1.0] NVRM: Xid (PCI:0000:2a:00): " + "9" * 5000 + ", x\n") == []  # not a code
+    for junk in ("nan", "inf", "-1"):
+        with pytest.raises(SystemExit):
+            main(["--xid-after", junk])

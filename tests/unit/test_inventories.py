@@ -4,6 +4,7 @@ it says what that site needs (rendered locally; no host of a real cluster is con
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,10 @@ def test_every_site_gets_the_shared_essentials(rendered, site):
     assert slurm["HealthCheckProgram"] == ["/usr/local/sbin/ft-healthcheck"]
     # The same checks gate every job at allocation; a failed gate requeues the job, not held.
     assert slurm["Prolog"] == ["/usr/local/sbin/ft-healthcheck"] and slurm["PrologFlags"] == ["Alloc"]
+    assert slurm["PrologEpilogTimeout"] == ["120"]
+    env = subprocess.run(["bash", "-c", f"set -a; . {rendered[site] / 'healthcheck.env'}; env"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert "FT_HC_PYTHON=/usr/bin/python3" in env and "FT_HC_LIB=/usr/local/lib/ft-health" in env
     assert "nohold_on_prolog_fail" in slurm["SchedulerParameters"][0].split(",")
     assert slurm["AccountingStorageType"] == ["accounting_storage/slurmdbd"]
     assert "gres/gpu" in slurm["AccountingStorageTRES"][0]

@@ -29,15 +29,10 @@ FAKE_SCONTROL = """#!/bin/bash
 case "$1 $2" in
     "show hostnames") echo "$ALL_NODES" | tr ' ' '\\n' ;;
     "show config") echo "SlurmdTimeout           = 10 sec" ;;
+    "show job") echo "JobId=7 JobName=job.sh JobState=PENDING Reason=BeginTime Restarts=1" ;;  # requeued
     *) echo "$*" >> "$CALLS" ;;
 esac
 """
-
-# squeue: job 7 is pending (requeued), for the helper that lifts Slurm's requeue hold.
-FAKE_SQUEUE = """#!/bin/bash
-echo '{"jobs": [{"job_id": 7, "job_state": "PENDING", "nodes": ""}]}'
-"""
-
 
 def hold_lifted(calls: Path) -> str | None:
     """The helper's update of job 7's begin time, once it came (it outlives the script)."""
@@ -63,8 +58,7 @@ def run_script(tmp_path: Path, started: str, unreached: str, error: str = COMMUN
     (tmp_path / "job.sh").write_text(script)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, body in {"srun": srun, "scontrol": FAKE_SCONTROL, "sleep": "#!/bin/bash\nexit 0\n",
-                       "squeue": FAKE_SQUEUE, "sbatch": '#!/bin/bash\necho "slurm 22.05.8"\n'}.items():
+    for name, body in {"srun": srun, "scontrol": FAKE_SCONTROL, "sleep": "#!/bin/bash\nexit 0\n"}.items():
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
     run_dir.mkdir()

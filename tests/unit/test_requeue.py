@@ -17,11 +17,10 @@ from toolkit.slurm.client import JobInfo
 from toolkit.watch import requeue
 
 FAKE_TOOLS = {
-    "sbatch": 'echo "slurm 22.05.8"',
-    # The job's state is whatever the test wrote into $FAKE_STATE.
-    "squeue": 'state=$(cat "$FAKE_STATE"); '
-              'printf \'{"jobs": [{"job_id": 41, "job_state": "%s", "nodes": "n1"}]}\' "$state"',
-    "scontrol": 'echo "$*" >> "$FAKE_CALLS"',
+    # The job's state is whatever the test wrote into $FAKE_STATE ("STATE RESTARTS").
+    "scontrol": 'if [ "$1 $2" = "show job" ]; then read -r state restarts < "$FAKE_STATE"; '
+                'echo "JobId=41 JobName=x JobState=$state Reason=None Restarts=${restarts:-0} BatchFlag=1"; '
+                'else echo "$*" >> "$FAKE_CALLS"; fi',
 }
 
 
@@ -43,9 +42,12 @@ class ScriptedSlurm:
     def __init__(self, states: list[str | None], accept: bool = True):
         self.states, self.accept, self.started_after = states, accept, []
 
-    def job(self, job_id: str) -> JobInfo | None:
+    def job_brief(self, job_id: str) -> JobInfo | None:
         state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
-        return None if state is None else JobInfo(job_id, state, "squeue")
+        if state is None:
+            return None
+        name, _, restarts = state.partition(" ")
+        return JobInfo(job_id, name, "scontrol", restarts=int(restarts or 0))
 
     def start_after(self, job_id: str, seconds: int) -> bool:
         self.started_after.append((job_id, seconds))
@@ -58,6 +60,36 @@ def test_the_begin_time_is_kept_ahead_until_the_starter_is_gone(monkeypatch):
     starter = iter([True, True, False])
     assert requeue.lift_hold(slurm, "41", after=2, starter_alive=lambda: next(starter))
     assert slurm.started_after == [("41", 2)] * 3  # the last one once the helper was the job's last process
+
+
+def test_a_requeued_job_still_completing_counts_as_requeued_once_its_restarts_went_up(monkeypatch):
+    """Where the helper is one of the job's processes (proctrack/cgroup), the job stays COMPLETING
+    (pending underneath) until the helper itself is gone: it must act then, but not on a job that
+    is only ending."""
+    monkeypatch.setattr(requeue, "POLL_S", 0.01)
+    slurm = ScriptedSlurm(["RUNNING 0", "COMPLETING 1"])
+    assert requeue.lift_hold(slurm, "41", after=1, starter_alive=lambda: False, restarts=0)
+    assert slurm.started_after == [("41", 1)]
+    ending = ScriptedSlurm(["COMPLETING 0", "COMPLETED 0"])
+    assert not requeue.lift_hold(ending, "41", after=1, starter_alive=lambda: False, restarts=0)
+    assert ending.started_after == []
+
+
+def test_slurm_too_slow_to_answer_is_asked_again(monkeypatch):
+    from toolkit.slurm.commands import SlurmUnavailable
+
+    monkeypatch.setattr(requeue, "POLL_S", 0.01)
+    slurm = ScriptedSlurm(["PENDING"])
+    answers = iter([SlurmUnavailable("scontrol show job 41 did not answer within 20 s")])
+
+    def slow_then_fine(job_id):
+        for problem in answers:
+            raise problem
+        return ScriptedSlurm.job_brief(slurm, job_id)
+
+    slurm.job_brief = slow_then_fine
+    assert requeue.lift_hold(slurm, "41", after=1, starter_alive=lambda: False)
+    assert requeue.retried(lambda: (_ for _ in ()).throw(SlurmUnavailable("slow")), "requeueing", tries=2) is False
 
 
 def test_a_job_started_again_ends_the_helper(monkeypatch):
@@ -86,7 +118,7 @@ def test_a_refused_update_is_tried_again_until_the_wait_ends(monkeypatch):
 def test_the_helper_outlives_the_jobs_terminate_signal_and_lifts_the_hold(tmp_path, monkeypatch):
     """What Slurm does to a job it requeues (TERM to every process of it), done to the helper
     before the job is pending again: it must still be there to lift the hold."""
-    calls = fake_slurm_tools(tmp_path, monkeypatch, "RUNNING")
+    calls = fake_slurm_tools(tmp_path, monkeypatch, "RUNNING 0")
     helper = requeue.lift_hold_soon("41", after=3, requeue=True, down=("n1", "ft: batch host lost"))
     assert helper is not None
     time.sleep(0.3)
@@ -94,10 +126,10 @@ def test_the_helper_outlives_the_jobs_terminate_signal_and_lifts_the_hold(tmp_pa
     os.kill(helper.pid, signal.SIGTERM)
     time.sleep(1.5)  # long enough for Python to start and poll: the TERM, ignored, is behind it
     assert helper.poll() is None
-    (tmp_path / "state").write_text("PENDING")
+    (tmp_path / "state").write_text("PENDING 1")
     wait_for_line(calls, "update JobId=41 StartTime=now+3")
     assert helper.poll() is None  # its starter (this test) is alive: the begin time is kept ahead
-    (tmp_path / "state").write_text("RUNNING")  # the new start
+    (tmp_path / "state").write_text("RUNNING 1")  # the new start
     assert helper.wait(timeout=20) == 0
     # The requeue before the mark: marking the node DOWN first ends the step the helper came from.
     assert calls.read_text().splitlines()[:3] == [
@@ -105,7 +137,7 @@ def test_the_helper_outlives_the_jobs_terminate_signal_and_lifts_the_hold(tmp_pa
 
 
 def test_the_helper_ends_with_its_starter(tmp_path, monkeypatch):
-    calls = fake_slurm_tools(tmp_path, monkeypatch, "PENDING")
+    calls = fake_slurm_tools(tmp_path, monkeypatch, "PENDING 1")
     starter = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
                                 "from toolkit.watch.requeue import lift_hold_soon\n"
                                 "lift_hold_soon('41', after=-5)\n"

@@ -69,10 +69,16 @@ def disk_full(run_id: str = RUN,
               seconds: float = typer.Option(30.0, "--seconds", min=1, help="How long the disk stays full.")) -> None:
     """Fill the filesystem a run checkpoints to, for a while: its saves fail, its training goes on.
     Only a small filesystem made for it (a tmpfs named in the recipe's checkpoint.staging)."""
+    import signal
     import time
 
     from toolkit.lab.chaos import checkpoint_disk_full, run_folder
 
+    def interrupted(signum, _frame):  # TERM or HUP as Ctrl-C: the space is given back on the way out
+        raise KeyboardInterrupt
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, interrupted)
     run_dir = run_folder(run_id)
     with checkpoint_disk_full(run_dir) as folder, console.status(f"{plain(str(folder))} is full for {seconds:.0f} s"):
         time.sleep(seconds)

@@ -67,6 +67,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--xid-after", type=float, default=0.0,
                         help="count only XIDs logged after this many seconds since boot (the last GPU reset)")
     args = parser.parse_args(argv)
+    if not 0 <= args.xid_after < float("inf"):  # nan fails both
+        parser.error(f"--xid-after {args.xid_after}: seconds since boot, a finite number >= 0")
     findings = run_checks(args.gpus, args.path, args.recorded, args.xid_after)
     for finding in findings:
         print(finding.line())

@@ -9,7 +9,7 @@ from toolkit.health.actions import UNKNOWN_XID_ACTION, XID, Finding
 
 QUERY = ("index,pci.bus_id,ecc.errors.uncorrected.volatile.total,retired_pages.pending,"
          "remapped_rows.pending,remapped_rows.failure")
-XID_LINE = re.compile(r"NVRM: Xid \(PCI:([0-9a-fA-F:.]+)\): (\d+),(.*)")
+XID_LINE = re.compile(r"NVRM: Xid \(PCI:([0-9a-fA-F:.]+)\): (\d{1,6}),(.*)")
 KERNEL_STAMP = re.compile(r"\[\s*(\d+(?:\.\d+)?)\]")  # dmesg's "[ 5501.10]": seconds since boot
 
 
@@ -42,22 +42,23 @@ def query_findings(csv: str) -> list[Finding]:
 
 
 def xid_findings(kernel_log: str, after: float = 0.0) -> list[Finding]:
-    """XID lines of the kernel log (dmesg / journalctl -k), each once per GPU and code; only those
-    stamped later than `after` (seconds since boot, dmesg's stamp): the kernel keeps an XID until
-    the next boot, and one from before the node's last GPU reset is dealt with."""
+    """XID lines of the kernel log (dmesg / journalctl -k), each once per GPU and code. A "restart"
+    XID stamped no later than `after` (seconds since boot, dmesg's stamp) is left out: the kernel
+    keeps it until the next boot, and the node's last GPU reset, at `after`, dealt with it. Any
+    worse XID counts whenever it came: a reset clears a lost context, not a broken GPU."""
     findings, seen = [], set()
     for line in kernel_log.splitlines():
         match = XID_LINE.search(line)
         if not match:
             continue
-        stamp = KERNEL_STAMP.match(line)
-        if stamp and float(stamp[1]) <= after:
-            continue
         bus, code = match[1], int(match[2])
+        meaning, action = XID.get(code, ("not in ft's table", UNKNOWN_XID_ACTION))
+        stamp = KERNEL_STAMP.match(line)
+        if action == "restart" and stamp and float(stamp[1]) <= after:
+            continue
         if (bus, code) in seen:
             continue
         seen.add((bus, code))
-        meaning, action = XID.get(code, ("not in ft's table", UNKNOWN_XID_ACTION))
         findings.append(Finding("gpu_xid", action, f"XID {code} on {bus}: {meaning}"))
     return findings
 

@@ -121,30 +121,55 @@ def checkpoint_folder(run_dir: Path) -> Path:
     return Path(layout.read_spec().recipe.checkpoint.staging or layout.checkpoints)
 
 
+def mount_type(path: Path) -> str:
+    """The filesystem type of the mount holding `path` (the longest mount point above it)."""
+    best, kind = "", ""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        before, _, after = line.partition(" - ")
+        point = before.split()[4].replace("\\040", " ")
+        if (str(path) == point or str(path).startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+            best, kind = point, after.split()[0]
+    return kind
+
+
 @contextlib.contextmanager
 def checkpoint_disk_full(run_dir: Path) -> Iterator[Path]:
     """The filesystem the run's checkpoints are written to, full (ENOSPC from the kernel) while the
-    context lasts; freed when it ends. Only a small filesystem made for it (a tmpfs of a few MiB,
-    say, named in checkpoint.staging): filling the lab's own disk would fill this machine's."""
+    context lasts; freed when it ends. Only a small tmpfs (made for it and named in the recipe's
+    checkpoint.staging): filling the lab's own disk would fill this machine's. The folder is opened
+    once, without following links, and the balloon made inside it the same way: a link planted in
+    the run's folder cannot point the filling anywhere else."""
     require_root("chaos")
-    folder = checkpoint_folder(run_dir)
-    info = os.statvfs(folder)
-    size = info.f_blocks * info.f_frsize
-    if size > FILL_LIMIT_BYTES or os.stat(folder).st_dev == os.stat("/").st_dev:
-        raise FtError(f"the run's checkpoints are on a filesystem of {size >> 20} MiB ({folder}): ft chaos fills "
-                      "only one made for it",
-                      hint="mount a small one (mount -t tmpfs -o size=64m tmpfs DIR) and name it in the "
-                           "recipe's checkpoint.staging")
-    balloon = folder / BALLOON
+    folder = Path(os.path.realpath(checkpoint_folder(run_dir)))
+    refuse = FtError(f"the run's checkpoints are not on a small tmpfs made for it ({folder}): ft chaos fills "
+                     "only one made for it",
+                     hint="mount a small one (mount -t tmpfs -o size=64m tmpfs DIR) and name it in the "
+                          "recipe's checkpoint.staging")
     try:
-        with open(balloon, "wb") as handle:
-            with contextlib.suppress(OSError):  # a filesystem without fallocate: the writes below fill it
-                os.posix_fallocate(handle.fileno(), 0, info.f_bavail * info.f_frsize)
-            chunk = b"\0" * (64 << 10)
-            with contextlib.suppress(OSError):  # ENOSPC: full
-                while True:
-                    handle.write(chunk)
-                    handle.flush()
+        directory = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        raise refuse from None
+    balloon = None
+    try:
+        info = os.fstatvfs(directory)
+        if info.f_blocks * info.f_frsize > FILL_LIMIT_BYTES or os.fstat(directory).st_dev == os.stat("/").st_dev \
+                or mount_type(folder) != "tmpfs":
+            raise refuse
+        try:
+            balloon = os.open(BALLOON, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=directory)
+        except FileExistsError:
+            raise FtError(f"{folder / BALLOON} is there already (another `ft chaos disk-full`, or something put "
+                          "in its place): not filling", hint="remove it once no ft chaos runs") from None
+        with contextlib.suppress(OSError):  # without fallocate, the writes below fill it
+            os.posix_fallocate(balloon, 0, info.f_bavail * info.f_frsize)
+        chunk = b"\0" * (64 << 10)
+        with contextlib.suppress(OSError):  # ENOSPC: full
+            while True:
+                os.write(balloon, chunk)
         yield folder
     finally:
-        balloon.unlink(missing_ok=True)
+        if balloon is not None:
+            os.close(balloon)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(BALLOON, dir_fd=directory)
+        os.close(directory)

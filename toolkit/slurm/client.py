@@ -62,6 +62,8 @@ class SlurmClient(Protocol):
 
     def start_after(self, job_id: str, seconds: int) -> bool: ...
 
+    def job_brief(self, job_id: str) -> JobInfo | None: ...
+
     def drained(self, nodes: list[str]) -> dict[str, str]: ...
 
 
@@ -139,6 +141,17 @@ class CliSlurmClient:
         result = commands.run(["scontrol", "update", f"JobId={job_id}", f"StartTime=now+{max(0, int(seconds))}"],
                               timeout=self.timeout, check=False)
         return result.returncode == 0
+
+    def job_brief(self, job_id: str) -> JobInfo | None:
+        """One job's state and restart count from the controller (`scontrol show job`: one job, where
+        22.05's `squeue --json` dumps the whole queue whatever it is asked); None once it is forgotten."""
+        result = commands.run(["scontrol", "show", "job", "-o", job_id], timeout=self.timeout, check=False)
+        fields = dict(re.findall(r"(?:^|\s)(JobId|JobState|Restarts)=(\S+)", result.stdout))
+        if result.returncode != 0 or fields.get("JobId") != job_id or "JobState" not in fields:
+            return None
+        restarts = fields.get("Restarts", "0")
+        return JobInfo(job_id, _state(fields["JobState"]), "scontrol",
+                       restarts=int(restarts) if restarts.isdigit() else 0)
 
     def drained(self, nodes: list[str]) -> dict[str, str]:
         """The nodes among these that are drained or draining (a health check found them bad, or an

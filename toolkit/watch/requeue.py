@@ -33,11 +33,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from toolkit.errors import FtError
 from toolkit.runs.timeline import record
 from toolkit.slurm.client import CliSlurmClient, SlurmClient
 
 WAIT_S = 180.0  # for the requeue: a drained node's ranks checkpoint first (supervise.CHECKPOINT_GRACE_S)
-POLL_S = 0.25
+POLL_S = 0.5  # one `scontrol show job` each: light on the controller, which a failure keeps busy
 # The begin time kept ahead of each update: a second, the credential clock's resolution. The job's
 # new credential then dates after its old one's revocation (made at the requeue, before any update);
 # its old processes Slurm waits for itself (a requeued job starts again only once it completed).
@@ -71,19 +72,33 @@ def lift_hold_soon(job_id: str, after: int = AFTER_S, requeue: bool = False,
 
 
 def lift_hold(slurm: SlurmClient, job_id: str, after: int, starter_alive: Callable[[], bool],
-              wait_s: float = WAIT_S, on_lifted: Callable[[], object] = lambda: None) -> bool:
-    """Once the job is pending again, keep its begin time `after` seconds ahead until its starter
-    is gone (then this is the job's last process here: its end lets the requeue complete). False
-    when the job ended instead (not requeued), or never became pending within wait_s."""
+              wait_s: float = WAIT_S, on_lifted: Callable[[], object] = lambda: None, restarts: int = 0) -> bool:
+    """Once the job is requeued, keep its begin time `after` seconds ahead until its starter is gone
+    (then this is the job's last process here: its end lets the requeue complete). Requeued: pending,
+    or completing with its restart count up (a requeued job is pending underneath while it completes,
+    and Slurm names it COMPLETING: where this helper is tracked as one of the job's processes,
+    proctrack/cgroup, it never sees more than that). False when the job ended instead (not
+    requeued), or was not requeued within wait_s. Slurm being slow is tried again, not fatal.
+    restarts: the job's restart count before the requeue (SLURM_RESTART_COUNT where it started)."""
     deadline, lifted = time.monotonic() + wait_s, False
     while time.monotonic() < deadline:
-        info = slurm.job(job_id)
-        if info is None or info.finished:
+        try:
+            info = slurm.job_brief(job_id)
+        except FtError as exc:
+            log(f"asking Slurm about job {job_id}: {exc.message}; asking again")
+            time.sleep(POLL_S)
+            continue
+        if info is None or (info.finished and info.restarts <= restarts):
             if not lifted:
                 log(f"job {job_id} ended without a requeue: nothing to lift")
             return lifted
-        if info.state == "PENDING":
-            if slurm.start_after(job_id, after) and not lifted:
+        requeued = info.state == "PENDING" or (info.state in ("COMPLETING", "REQUEUED") and info.restarts > restarts)
+        if requeued:
+            try:
+                updated = slurm.start_after(job_id, after)
+            except FtError:
+                updated = False
+            if updated and not lifted:
                 log(f"job {job_id} requeued: it may start again {after} s after its last process here ends "
                     "(not after Slurm's credential hold)")
                 on_lifted()
@@ -95,6 +110,16 @@ def lift_hold(slurm: SlurmClient, job_id: str, after: int, starter_alive: Callab
         time.sleep(POLL_S)
     log(f"job {job_id} was not requeued within {wait_s:.0f} s: left as it is")
     return lifted
+
+
+def retried(call: Callable[[], bool], what: str, tries: int = 3) -> bool:
+    """A Slurm command that timed out is sent again: the helper is the only one left to send it."""
+    for attempt in range(1, tries + 1):
+        try:
+            return call()
+        except FtError as exc:
+            log(f"{what}: {exc.message}" + ("; trying again" if attempt < tries else "; giving up"))
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     slurm, starter = CliSlurmClient(), args.starter or os.getppid()
     if args.requeue:
-        slurm.requeue(args.job_id)
+        retried(lambda: slurm.requeue(args.job_id), f"requeueing job {args.job_id}")
     if args.down:  # after the requeue: marking it DOWN first would end the step this came from, at once
-        marked = slurm.mark_node_down(args.down, args.reason)
+        marked = retried(lambda: slurm.mark_node_down(args.down, args.reason), f"marking {args.down} DOWN")
         log(f"node {args.down} {'marked DOWN' if marked else 'not marked DOWN (operator rights?)'}: {args.reason}")
     after = max(AFTER_S, args.after)
     run_dir = os.environ.get("FT_RUN_DIR")
@@ -124,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(OSError):
                 record(Path(run_dir), "requeue_hold_lifted", after=after)
 
-    lifted = lift_hold(slurm, args.job_id, after, lambda: os.getppid() == starter, on_lifted=on_lifted)
+    count = os.environ.get("SLURM_RESTART_COUNT", "0")  # this start's: the job's, inherited
+    lifted = lift_hold(slurm, args.job_id, after, lambda: os.getppid() == starter, on_lifted=on_lifted,
+                       restarts=int(count) if count.isdigit() else 0)
     return 0 if lifted else 1
 
 
