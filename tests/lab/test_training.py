@@ -200,30 +200,46 @@ def test_sft_on_chat_messages_learns_the_assistant_turns(lab, runs_env, shared_t
     assert report[0]["format"] == "chat" and report[0]["ok"]
 
 
+def filler_job(shared_tmp: Path, nodes: list[str]) -> str:
+    """A job holding these nodes (cancel it once done): the next job gets the others."""
+    from tests.support.slurm import sbatch, write_script
+
+    return sbatch(write_script(shared_tmp / "filler.sh", "srun sleep 600\n"), f"--nodes={len(nodes)}",
+                  f"--nodelist={','.join(nodes)}", f"--output={shared_tmp}/filler-%j")
+
+
+def short_job_script(shared_tmp: Path, run_id: str) -> Path:
+    """The job script of a short tiny run (faulty_recipe's, with no fault), rendered for sbatch."""
+    rendered = ft("render", str(faulty_recipe(shared_tmp)), "--run-id", run_id, "-o", str(shared_tmp / "job.sbatch"))
+    assert rendered.returncode == 0, rendered.stderr
+    return shared_tmp / "job.sbatch"
+
+
+def job_end(job_id: str) -> dict:
+    return wait_for("the requeued run to finish", lambda: (lambda f: f if f.get("JobState") in {
+        "COMPLETED", "FAILED", "CANCELLED"} else None)(job_fields(job_id)), timeout=400, interval=2)
+
+
+def node_reason(node: str) -> str:
+    return commands.run(["sinfo", "--noheader", "--Node", "--nodes", node, "--format=%E"]).stdout
+
+
 def test_a_node_lost_before_the_step_starts_is_marked_down_and_the_run_requeued(lab, runs_env, shared_tmp, heal_lab):
     """Slurm allocates a node whose slurmd just died (it still looks idle): the step cannot start
     there. A platform fault, not the run's: the job marks the node down, Slurm requeues it at once
     (long before it would notice the node itself), and the run completes on other nodes."""
-    from tests.support.slurm import cancel, hostnames, sbatch, write_script
+    from tests.support.slurm import cancel, hostnames, sbatch
     from toolkit.lab import lifecycle
 
     names = [node.name for node in lab.nodes]
-    filler = sbatch(write_script(shared_tmp / "filler.sh", "srun sleep 600\n"), f"--nodes={len(names) - 2}",
-                    f"--nodelist={','.join(names[2:])}", f"--output={shared_tmp}/filler-%j")
+    filler = filler_job(shared_tmp, names[2:])
     job_id = None
     try:
         wait_for("the filler job to hold all but two nodes",
                  lambda: job_fields(filler).get("JobState") == "RUNNING", timeout=60)
-        recipe = yaml.safe_load(TINY.read_text())
-        recipe["training"]["steps"] = 30
-        recipe["data"]["train"] = str(REPO / "recipes" / "data" / "tiny-sft.jsonl")
-        (shared_tmp / "short.yaml").write_text(yaml.safe_dump(recipe))
         run_id = f"lost-at-launch-{shared_tmp.name}"
-        rendered = ft("render", str(shared_tmp / "short.yaml"), "--run-id", run_id,
-                      "-o", str(shared_tmp / "job.sbatch"))
-        assert rendered.returncode == 0, rendered.stderr
         # Held until its second node is dead, then released: Slurm gives it the two free nodes.
-        job_id = sbatch(shared_tmp / "job.sbatch", "--hold")
+        job_id = sbatch(short_job_script(shared_tmp, run_id), "--hold")
         victim = names[1]
         assert lifecycle.crash(victim), f"nothing ran in {victim}'s namespace"
         commands.run(["scontrol", "release", job_id])
@@ -233,12 +249,11 @@ def test_a_node_lost_before_the_step_starts_is_marked_down_and_the_run_requeued(
                             and (run_dir / "launch-failures").read_text(), timeout=90)
         assert failures.split() == [job_id, victim]
         expected_reason = f"ft: lost before job {job_id} (run {run_id}) started on it"
-        wait_for("the lost node to be marked down with its reason", lambda: expected_reason in commands.run(
-            ["sinfo", "--noheader", "--Node", "--nodes", victim, "--format=%E"]).stdout, timeout=30)
+        wait_for("the lost node to be marked down with its reason", lambda: expected_reason in node_reason(victim),
+                 timeout=30)
         cancel(filler)
 
-        final = wait_for("the requeued run to finish", lambda: (lambda f: f if f.get("JobState") in {
-            "COMPLETED", "FAILED", "CANCELLED"} else None)(job_fields(job_id)), timeout=400, interval=2)
+        final = job_end(job_id)
         batch_log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
         assert final["JobState"] == "COMPLETED", batch_log[-3000:]
         assert int(final["Restarts"]) == 1
@@ -260,7 +275,7 @@ def test_the_prolog_gate_keeps_a_run_off_a_node_that_fails_a_check(lab, runs_env
     nodes (nohold_on_prolog_fail): nothing of the run ever starts there. The failing check is one
     this test installs beside the lab's real hooks, failing first as the Prolog of the victim: the
     periodic health check (every 5 s) would otherwise race the gate for the same finding."""
-    from tests.support.slurm import cancel, hostnames, sbatch, write_script
+    from tests.support.slurm import cancel, hostnames, sbatch
 
     names = [node.name for node in lab.nodes]
     victim = names[-1]
@@ -275,31 +290,21 @@ def test_the_prolog_gate_keeps_a_run_off_a_node_that_fails_a_check(lab, runs_env
                     "fi\n"
                     "exit 0\n")
     hook.chmod(0o755)
-    filler = sbatch(write_script(shared_tmp / "filler.sh", "srun sleep 600\n"), f"--nodes={len(names) - 2}",
-                    f"--nodelist={','.join(names[:-2])}", f"--output={shared_tmp}/filler-%j")
+    filler = filler_job(shared_tmp, names[:-2])
     job_id = None
     try:
         wait_for("the filler job to hold all but two nodes",
                  lambda: job_fields(filler).get("JobState") == "RUNNING", timeout=60)
-        recipe = yaml.safe_load(TINY.read_text())
-        recipe["training"]["steps"] = 30
-        recipe["data"]["train"] = str(REPO / "recipes" / "data" / "tiny-sft.jsonl")
-        (shared_tmp / "short.yaml").write_text(yaml.safe_dump(recipe))
         run_id = f"gated-{shared_tmp.name}"
-        rendered = ft("render", str(shared_tmp / "short.yaml"), "--run-id", run_id,
-                      "-o", str(shared_tmp / "job.sbatch"))
-        assert rendered.returncode == 0, rendered.stderr
-        job_id = sbatch(shared_tmp / "job.sbatch")  # the two free nodes: the victim among them
+        job_id = sbatch(short_job_script(shared_tmp, run_id))  # the two free nodes: the victim among them
         wait_for("the gate to trip", tripped.exists, timeout=60)
         # The gate's drain names the job ("(before job N)"); the periodic check may have drained it
         # again since, with the same finding.
         expected_reason = "ft-healthcheck: 99-test-gate: GPU 3: a check failed as the job was allocated"
-        wait_for("the victim drained", lambda: expected_reason in commands.run(
-            ["sinfo", "--noheader", "--Node", "--nodes", victim, "--format=%E"]).stdout, timeout=60)
+        wait_for("the victim drained", lambda: expected_reason in node_reason(victim), timeout=60)
         cancel(filler)
 
-        final = wait_for("the requeued run to finish", lambda: (lambda f: f if f.get("JobState") in {
-            "COMPLETED", "FAILED", "CANCELLED"} else None)(job_fields(job_id)), timeout=400, interval=2)
+        final = job_end(job_id)
         run_dir = runs_env / run_id
         batch_log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
         assert final["JobState"] == "COMPLETED", batch_log[-3000:]
