@@ -6,6 +6,7 @@ unit tests must not touch the lab's jobs. The lab's no-spare test runs the real 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -156,3 +157,48 @@ def wait_for_line(path: Path, line: str) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"{line!r} never came: {path.read_text() if path.exists() else 'no calls'}")
+
+
+def test_one_surviving_node_reports_a_lost_batch_host(tmp_path, monkeypatch):
+    """Every survivor hears the batch host go quiet; the first to leave its mark requeues the job and
+    marks the host DOWN (through the helper), the others leave it to that one. The loss goes into
+    the run's events, where the goodput's accounts find it."""
+    from toolkit.launch import node
+
+    helpers = []
+    monkeypatch.setattr(requeue, "lift_hold_soon", lambda job, **options: helpers.append((job, options)) or object())
+    monkeypatch.setattr(node, "slurmd_answers", lambda address: False)
+    (tmp_path / "marks").mkdir()
+    for name, value in {"FT_WATCH_NODE": "n1", "SLURM_JOB_ID": "41", "FT_RUN_ID": "run-1",
+                        "FT_RUN_DIR": str(tmp_path), "FT_LAUNCH_MARKS": str(tmp_path / "marks")}.items():
+        monkeypatch.setenv(name, value)
+
+    node.batch_host_lost("n1", 5.0)  # the batch host itself: its supervisor is its own business
+    assert helpers == []
+    node.batch_host_lost("n2", 5.0)
+    node.batch_host_lost("n3", 5.0)
+
+    ((job, options),) = helpers
+    assert job == "41" and options["requeue"] and options["down"][0] == "n1"
+    assert "run run-1" in options["down"][1]
+    (event,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert event["event"] == "node_lost" and event["node"] == "n1" and event["reported_by"] == "n2"
+
+
+def test_a_batch_host_whose_slurmd_answers_is_left_to_slurm_but_its_requeue_not_held(tmp_path, monkeypatch):
+    """A node that rebooted under the job (its slurmd back already): Slurm ends the job and requeues
+    it; ft neither requeues nor marks anything, but lifts the hold on that requeue."""
+    from toolkit.launch import node
+
+    helpers = []
+    monkeypatch.setattr(requeue, "lift_hold_soon", lambda job, **options: helpers.append((job, options)) or object())
+    monkeypatch.setattr(node, "slurmd_answers", lambda address: True)
+    monkeypatch.delenv("FT_LAUNCH_MARKS", raising=False)
+    for name, value in {"FT_WATCH_NODE": "n1", "SLURM_JOB_ID": "41", "FT_RUN_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(name, value)
+
+    node.batch_host_lost("n2", 5.0)
+
+    assert helpers == [("41", {})]
+    (event,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert event["event"] == "node_lost" and event["slurmd_answers"] is True

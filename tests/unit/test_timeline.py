@@ -26,8 +26,8 @@ def test_goodput_counts_first_time_steps_only_and_names_where_the_rest_went(tmp_
     assert spent["starting_s"] == 10 + 8  # each start until its first step
     assert spent["productive_s"] == 9 + 2  # steps 2-10, then 11-12
     assert spent["redone_s"] == 4  # steps 7-10 again (6 was the new start's first step)
-    assert spent["recovering_s"] == 2
-    assert spent["other_s"] == 42 - 11 - 4 - 18 - 2
+    assert spent["recovering_s"] == 8  # from step 10, the last before the fault: its detection counts
+    assert spent["other_s"] == 42 - 11 - 4 - 18 - 8
     assert spent["goodput"] == round(11 / 42, 3)
     assert [f["event"] for f in spent["faults"]] == ["restart"]
 

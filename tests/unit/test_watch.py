@@ -162,14 +162,19 @@ FAKE_SRUN = textwrap.dedent("""
     import json, os, signal, sys, threading, time
     from toolkit.watch.heartbeat import Sender
     nodes = next(a for a in sys.argv if a.startswith("--nodelist=")).split("=", 1)[1].split(",")
-    if sys.argv[-1] == "toolkit.train.warm":  # the templates' step: ends at once, as a failed one would
+    plans = json.loads(open(os.environ["FAKE_PLAN"]).read())
+    if sys.argv[-1] == "toolkit.train.warm":  # a node's template step: runs until stopped, or fails at once
         with open(os.path.join(os.path.dirname(os.environ["FAKE_LOG"]), "warm.log"), "a") as log:
             log.write(json.dumps(nodes) + "\\n")
-        sys.exit(1)
+        if nodes[0] in plans.get("warm_fails", []):
+            sys.exit(1)
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+        time.sleep(600)
     start = int(os.environ["FT_WATCH_START"])
-    plan = json.loads(open(os.environ["FAKE_PLAN"]).read()).get(str(start), {})
+    plan = plans.get(str(start), {})
     with open(os.environ["FAKE_LOG"], "a") as log:
-        log.write(json.dumps({"start": start, "nodes": nodes, "argv": sys.argv[1:]}) + "\\n")
+        log.write(json.dumps({"start": start, "nodes": nodes, "argv": sys.argv[1:], "warm": os.environ["FT_WARM"]})
+                  + "\\n")
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))
     for node in nodes:  # each launcher's mark as it starts (toolkit/launch/node.py)
         if node != plan.get("unstarted"):
@@ -257,10 +262,19 @@ def test_a_lost_node_is_replaced_by_the_spare_inside_the_job(tmp_path, monkeypat
     assert [(node, "run run-1" in reason and "job 77" in reason) for node, reason in slurm.downed] == [("n2", True)]
     assert [e["event"] for e in events] == ["start", "node_lost", "restart", "start", "end"]
     assert took < 15  # noticed after the 2 s heartbeat timeout, not after srun's 60 s wait
-    # The warm templates' step over the whole allocation; gone (here: failed), started again with the
-    # next start on the nodes left.
+    # A template step per node of the allocation: the lost node's gone with it, the survivor's and the
+    # spare's still there for the start on the spare (a step over all three died with the lost node).
     warm_steps = [json.loads(line) for line in (tmp_path / "warm.log").read_text().splitlines()]
-    assert warm_steps == [["n1", "n2", "n3"], ["n1", "n3"]]
+    assert sorted(warm_steps) == [["n1"], ["n2"], ["n3"]]
+    assert [s["warm"] for s in starts] == ["1", "1"]
+
+
+def test_a_template_that_failed_is_started_again_with_the_next_start(tmp_path, monkeypatch):
+    code, starts, _, _, _ = supervised(tmp_path, monkeypatch, ["n1", "n2", "n3"], 2,
+                                       {"1": {"lose": "n2", "seconds": 1}, "warm_fails": ["n3"]})
+    assert code == 0 and [s["nodes"] for s in starts] == [["n1", "n2"], ["n1", "n3"]]
+    warm_steps = [json.loads(line) for line in (tmp_path / "warm.log").read_text().splitlines()]
+    assert sorted(warm_steps[:3]) == [["n1"], ["n2"], ["n3"]] and warm_steps[3:] == [["n3"]]  # n1's still ran
 
 
 def test_a_lost_node_without_a_spare_is_handed_back_for_a_requeue(tmp_path, monkeypatch):

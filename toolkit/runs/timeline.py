@@ -4,8 +4,9 @@ fault and decision) and rank 0's metrics (metrics.jsonl: one stamped line per st
     productive  steps done for the first time
     redone      steps trained again after a fault (the work lost since the last checkpoint)
     starting    each start until its first step: model load, data, DeepSpeed init, checkpoint load
-    recovering  a fault until the next start: detection, stopping the step, the backoff
-    other       the rest: checkpoint saves, the export, time between requeued jobs
+    recovering  from the last step before a fault to the next start: detection, stopping the
+                step, the requeue, the backoff
+    other       the rest: checkpoint saves, the export
 
 Goodput is productive time over the wall time since the first start.
 """
@@ -83,9 +84,12 @@ def timeline(run_dir: Path, now: float | None = None) -> dict | None:
             redone += entry["time"] - previous["time"]
         best, previous = max(best, entry["step"]), entry
     recovering, fault = 0.0, None
-    for event in events:  # from a fault to the next start
+    stamps = [m["time"] for m in metrics]
+    for event in events:  # from a fault (its last step before: detection counts) to the next start
         if event["event"] in ("node_lost", "restart") and fault is None:
-            fault = event["time"]
+            began = starts[max(bisect.bisect_right(starts, event["time"]) - 1, 0)]
+            last = bisect.bisect_right(stamps, event["time"]) - 1
+            fault = max(stamps[last], began) if last >= 0 else event["time"]
         elif event["event"] == "start" and fault is not None:
             recovering, fault = recovering + event["time"] - fault, None
     if fault is not None:

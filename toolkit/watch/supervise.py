@@ -76,18 +76,19 @@ def master_port(job_id: int, start: int) -> int:
     return 20000 + (job_id % 2000) * 10 + (2 * start) % 10
 
 
-def warm_command(command: list[str], nodes: list[str], output: str) -> list[str] | None:
-    """The step that keeps a warm template of the training runtime on every node of the
-    allocation (toolkit/train/warm.py), from the training step's own srun command: the same
-    options (a container, GPUs, the site's extras), every node, one task each, sharing the nodes
-    with the training steps (--overlap), and kept when a node fails (--no-kill). None when the
+def warm_command(command: list[str], node: str, output: str) -> list[str] | None:
+    """The step that keeps a warm template of the training runtime on one node of the allocation
+    (toolkit/train/warm.py), from the training step's own srun command: the same options (a
+    container, GPUs, the site's extras), one task, sharing the node with the training steps
+    (--overlap). One step per node: srun aborts a step over several nodes when one of them fails
+    (its I/O to that node breaks), --no-kill or not, and the templates on the survivors and the
+    spare died with it, seen on the lab: the start on the spare was then a cold one. None when the
     command does not end in `PYTHON -m toolkit.launch`."""
     if len(command) < 4 or command[-2:] != ["-m", "toolkit.launch"]:
         return None
     step_shape = ("--nodes=", "--ntasks=", "--ntasks-per-node=", "--kill-on-bad-exit", "--output=", "--nodelist=")
     options = [option for option in command[1:-3] if not option.startswith(step_shape)]
-    return [command[0], f"--nodelist={','.join(nodes)}", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
-            "--ntasks-per-node=1", "--overlap", "--no-kill", "--kill-on-bad-exit=0", f"--output={output}",
+    return [command[0], f"--nodelist={node}", "--nodes=1", "--ntasks=1", "--overlap", f"--output={output}",
             *options, command[-3], "-m", "toolkit.train.warm"]
 
 
@@ -133,7 +134,7 @@ class Supervisor:
         sources = set(peers.values()) | {self.address} if len(peers) == len(self.allocation) else None
         self.receiver = Receiver(job_secret(), sources=sources).listen()
         self.process: subprocess.Popen | None = None
-        self.warm: subprocess.Popen | None = None
+        self.warm: dict[str, subprocess.Popen] = {}  # node: its template's step
         self.lifting = False  # the helper that lifts Slurm's requeue hold is started (once)
         self.stopping = threading.Event()  # the time limit is near, or the job is ending: no restart
         self.auto_resume = any(arg.startswith("--auto-resume") for arg in command)  # HyperPod restarts itself
@@ -148,7 +149,7 @@ class Supervisor:
 
     # -- one start of the training ---------------------------------------------------------------
     def start(self, nodes: list[str]) -> subprocess.Popen:
-        if self.warm is not None and not self.warm_alive():
+        if self.warm and not self.warm_alive(nodes):  # a template gone (its node's step failed)
             self.start_warm()
         start = self.receiver.next_start()
         exits.clear_exit_status(self.run_dir)
@@ -158,7 +159,7 @@ class Supervisor:
         env = dict(os.environ, MASTER_ADDR=nodes[0], MASTER_PORT=str(master_port(int(self.job_id), start)),
                    FT_WATCH_ADDR=self.address, FT_WATCH_PORT=str(self.receiver.port), FT_WATCH_START=str(start),
                    FT_WATCH_NODE=self.node, FT_WATCH_TIMEOUT=str(self.watchdog.heartbeat_timeout),
-                   FT_WARM="1" if self.warm_alive() else "0")
+                   FT_WARM="1" if self.warm_alive(nodes) else "0")
         # --overlap: a step that spanned a lost node lingers until Slurm declares the node DOWN, and
         # holds its share of the survivors meanwhile (measured on Slurm 22.05).
         argv = [self.command[0], f"--nodelist={','.join(nodes)}", "--overlap", *self.command[1:]]
@@ -260,6 +261,7 @@ class Supervisor:
     def exclude(self, lost: Lost) -> None:
         fresh = [node for node in lost.nodes if node not in self.excluded]
         self.excluded += fresh
+        self.stop_warm(fresh)  # a drained node's template would hold its memory for nothing
         if fresh and len(self.allocation) - len(self.excluded) < self.needed:
             self.requeue_soon()  # before a node is marked DOWN: Slurm may requeue the job at that
         for node in fresh:
@@ -290,33 +292,45 @@ class Supervisor:
 
     # -- the warm templates -------------------------------------------------------------------------
     def start_warm(self) -> None:
-        """One template per node of the allocation, spares included, for the whole of this job
-        (toolkit/train/warm.py): a restart, here or on a spare, forks its ranks from it. Slurm
-        sometimes ends the templates' step with a lost node (seen once on the lab, despite
-        --no-kill): then it starts again on the nodes left, with the next start (which waits for
-        the imports, as a cold one would; the starts after it find the templates warm)."""
-        nodes = [n for n in self.allocation if n not in self.excluded]
+        """A template on every node of the allocation left that has none running, spares included
+        (toolkit/train/warm.py), each in its own step: a restart, here or on a spare, forks its ranks
+        from it. The start after a template was started again waits for its imports, as a cold start
+        would."""
+        if self.auto_resume:  # HyperPod restarts the step itself, with new processes
+            return
         logs = RunLayout(self.run_dir).logs
-        argv = warm_command(self.command, nodes, str(logs / "warm-%N.log"))
-        if argv is None or self.auto_resume:  # HyperPod restarts the step itself, with new processes
-            return
-        logs.mkdir(exist_ok=True)
-        with open(logs / "warm-srun.err", "a") as errors:
-            self.warm = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=errors)
-        log(f"warm templates of the training runtime starting on {', '.join(nodes)}")
+        nodes = [n for n in self.allocation if n not in self.excluded and not self.warm_alive([n])]
+        started = []
+        for node in nodes:
+            argv = warm_command(self.command, node, str(logs / "warm-%N.log"))
+            if argv is None:
+                return
+            logs.mkdir(exist_ok=True)
+            with open(logs / "warm-srun.err", "a") as errors:
+                self.warm[node] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=errors)
+            started.append(node)
+        if started:
+            log(f"warm templates of the training runtime starting on {', '.join(started)}")
 
-    def warm_alive(self) -> bool:
-        return self.warm is not None and self.warm.poll() is None
+    def warm_alive(self, nodes: list[str]) -> bool:
+        return bool(nodes) and all(n in self.warm and self.warm[n].poll() is None for n in nodes)
 
-    def stop_warm(self) -> None:
-        if not self.warm_alive():
+    def stop_warm(self, nodes: list[str] | None = None) -> None:
+        """TERM to the templates' steps of the nodes named, or to all of them and then waited for (at
+        most STOP_GRACE_S altogether, then killed) as the supervisor ends."""
+        stopping = [self.warm[n] for n in (nodes if nodes is not None else self.warm) if n in self.warm]
+        for process in stopping:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        if nodes is not None:
             return
-        self.warm.send_signal(signal.SIGTERM)
-        try:
-            self.warm.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            self.warm.kill()
-            self.warm.wait()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for process in stopping:
+            try:
+                process.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
     def run(self) -> int:
         self.start_warm()
