@@ -14,8 +14,9 @@ the crash minus the step training resumed from). The lab is healed after every c
 Prints medians and the ratios to slurm-native (targets: <= 0.4x without a spare, <= 0.25x with one).
 
 Then goodput (--goodput-steps > 0): the same recipe trained to the end once without faults, then in
-each of --goodput-modes with a node crash every --crash-every seconds, alternately rank 0's node (the
-batch host) and rank 1's (each crashed node back once the run trains again): goodput as ft
+each of --goodput-modes with a node crash every --crash-every seconds, alternately rank 0's node and
+rank 1's: the training nodes (rank 0's is the batch host without a spare; with spares the batch host
+waits as the last spare), each crashed node back once the run trains again: goodput as ft
 counts it in `ft status` (steps trained for the first time over the wall time since the first
 start; toolkit/runs/timeline.py), where the time went, and, beside it, the uninterrupted run's time
 over the interrupted one's (target >= 0.85 at a crash every 90 s; slurm-native measured 0.57 on the
@@ -56,6 +57,7 @@ MODES = {"slurm-native": {"watchdog": {"enabled": False}},
          "ft-one-spare": {"watchdog": {}, "resources": {"spare_nodes": 1}},
          "ft-two-spares": {"watchdog": {}, "resources": {"spare_nodes": 2}}}
 KILL_MODES = "slurm-native,ft-no-spare,ft-one-spare"
+REBOOT_S = 60.0  # the longest a crashed node stays down in the goodput runs
 GOODPUT_MODES = "ft-no-spare,ft-one-spare,ft-two-spares,slurm-native"
 
 
@@ -132,7 +134,7 @@ def wait(what: str, probe, timeout: float, interval: float = 0.2):
     raise TimeoutError(f"{what} did not happen within {timeout:.0f} s")
 
 
-def one_kill(env: dict, recipe: Path, victim_rank: int) -> dict:
+def one_kill(env: dict, recipe: Path, batch_host: bool) -> dict:
     run = json.loads(ft(env, "submit", "--json", "--skip-validation", str(recipe)))
     run_dir = Path(run["run_dir"])
     try:
@@ -140,12 +142,15 @@ def one_kill(env: dict, recipe: Path, victim_rank: int) -> dict:
         time.sleep(2)  # a few steps past it: some work to lose
         before = metrics(run_dir)
         killed_at = time.time()
-        chaos.crash_rank_node(Path(run["run_dir"]), victim_rank)
+        if batch_host:  # rank 0's node without a spare; with one, the spare itself (supervise.py)
+            chaos.crash_batch_host(run_dir)
+        else:
+            chaos.crash_rank_node(run_dir, 1)  # a training node that is not the batch host
         first = wait("the first step after the crash",
                      lambda: next((m for m in metrics(run_dir) if m["time"] > killed_at + 0.5), None), 600)
         resumed = [m for m in metrics(run_dir) if m["time"] > killed_at + 0.5]
         return {"seconds": first["time"] - killed_at, "steps_lost": before[-1]["step"] - (resumed[0]["step"] - 1),
-                "victim": "batch host" if victim_rank == 0 else "other node"}
+                "victim": "batch host" if batch_host else "other node"}
     finally:
         subprocess.run([sys.executable, "-m", "toolkit", "cancel", run["run_id"]], env=env, capture_output=True,
                        cwd=REPO)
@@ -196,10 +201,12 @@ def goodput_run(env: dict, recipe: Path, crash_every: float | None) -> dict:
         time.sleep(1)
         if not job_alive(run["job_id"]) and not (run_dir / "done").exists():
             return {"seconds": None, "crashes": crashes}  # ended unfinished: a user would resubmit by hand
-        if crashed_at is not None and any(m["time"] > crashed_at + 0.5 for m in metrics(run_dir)):
+        if crashed_at is not None and (time.time() - crashed_at > REBOOT_S
+                                       or any(m["time"] > crashed_at + 0.5 for m in metrics(run_dir))):
             # A crashed node comes back (`ft lab up` starts its slurmd again) once the run trains
-            # again: a real node takes minutes to reboot, longer than a recovery. Brought back at
-            # once, its slurmd answers before the loss is judged, and Slurm, not ft, handles it.
+            # again, or after REBOOT_S (a requeued job may want every node of the lab): a real node
+            # takes minutes to reboot. Brought back at once, its slurmd answers before the loss is
+            # judged, and Slurm, not ft, handles it.
             healing, crashed_at = subprocess.Popen([sys.executable, "-m", "toolkit", "lab", "up"], env=env,
                                                    cwd=REPO, stdout=subprocess.DEVNULL,
                                                    stderr=subprocess.DEVNULL), None
@@ -244,7 +251,7 @@ def main() -> None:
         recipe = recipe_for(work, mode, args.heartbeat_timeout)
         results[mode] = []
         for kill in range(args.kills):
-            outcome = one_kill(env, recipe, victim_rank=(kill + 1) % 2)  # the other node first, then the batch host
+            outcome = one_kill(env, recipe, batch_host=kill % 2 == 1)  # the other node first, then the batch host
             results[mode].append(outcome)
             print(f"{mode}: kill {kill + 1}: {outcome['seconds']:.1f} s to the first new step, "
                   f"{outcome['steps_lost']} steps lost ({outcome['victim']})", flush=True)

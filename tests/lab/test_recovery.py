@@ -86,6 +86,10 @@ def test_a_lost_node_is_replaced_by_a_spare_and_a_bad_gpu_with_no_spare_left_req
     wait_for("the restart on the spare", lambda: len([e for e in events(run) if e["event"] == "start"]) == 2,
              timeout=120, interval=0.3)
     checkpoint_after(run, latest_step(run))  # trained on the spare
+    # Its ranks forked from the templates: the survivor's and the spare's outlived the lost node
+    # (each node's template is a step of its own).
+    places = [json.loads(path.read_text()) for path in sorted((Path(run["run_dir"]) / "ranks").glob("*.json"))]
+    assert [(p["start"], p["warm"]) for p in places] == [("2", True), ("2", True)], places
     second = chaos.fail_gpu(Path(run["run_dir"]), 1)[0].node  # the spare's GPU: its health check drains it
     slurm_out = Path(run["run_dir"]) / "logs" / f"slurm-{run['job_id']}.out"
     wait_for("the requeue", lambda: slurm_out.exists() and any(
@@ -185,7 +189,7 @@ def test_a_lost_batch_host_is_reported_by_the_survivors_and_the_job_requeued(tin
     run = submit(recipe(runs, "batch-host", watchdog={"heartbeat_timeout": 5}, resources={"spare_nodes": 1}),
                  runs_dir=runs)
     checkpoint_after(run, 0)  # the first one
-    crashed = chaos.crash_rank_node(Path(run["run_dir"]), 0).node  # rank 0 runs on the batch host
+    crashed = chaos.crash_batch_host(Path(run["run_dir"]))  # the last spare: it trains on no rank yet
 
     finished(run, runs)
     attempts = [json.loads(line) for line in (Path(run["run_dir"]) / "attempts.jsonl").read_text().splitlines()]

@@ -87,6 +87,18 @@ def test_the_health_check_hook_drains_with_the_finding_as_the_reason():
     assert run_hook().returncode == 0  # no Python configured: skipped
 
 
+def test_the_checks_failing_to_run_drain_no_node(tmp_path):
+    """A Python error in the checks (here: a toolkit.health that raises) exits 1 like a drain, but
+    with no finding: logged, and the node left in service, else every node would drain at once."""
+    broken = tmp_path / "lib" / "toolkit" / "health"
+    broken.mkdir(parents=True)
+    (broken.parent / "__init__.py").write_text("")
+    (broken / "__init__.py").write_text("")
+    (broken / "__main__.py").write_text("raise RuntimeError('a bug in the checks')\n")
+    crashed = run_hook(FT_HC_PYTHON=sys.executable, FT_HC_LIB=str(tmp_path / "lib"))
+    assert crashed.returncode == 0 and crashed.stdout == ""
+
+
 HEALTHCHECK = Path(__file__).parents[2] / "ansible" / "roles" / "slurm" / "files" / "ft-healthcheck"
 
 

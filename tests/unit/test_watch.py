@@ -165,7 +165,7 @@ FAKE_SRUN = textwrap.dedent("""
     plans = json.loads(open(os.environ["FAKE_PLAN"]).read())
     if sys.argv[-1] == "toolkit.train.warm":  # a node's template step: runs until stopped, or fails at once
         with open(os.path.join(os.path.dirname(os.environ["FAKE_LOG"]), "warm.log"), "a") as log:
-            log.write(json.dumps(nodes) + "\\n")
+            log.write(json.dumps({"nodes": nodes, "time": time.time()}) + "\\n")
         if nodes[0] in plans.get("warm_fails", []):
             sys.exit(1)
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
@@ -173,15 +173,16 @@ FAKE_SRUN = textwrap.dedent("""
     start = int(os.environ["FT_WATCH_START"])
     plan = plans.get(str(start), {})
     with open(os.environ["FAKE_LOG"], "a") as log:
-        log.write(json.dumps({"start": start, "nodes": nodes, "argv": sys.argv[1:], "warm": os.environ["FT_WARM"]})
-                  + "\\n")
+        log.write(json.dumps({"start": start, "nodes": nodes, "argv": sys.argv[1:], "warm": os.environ["FT_WARM"],
+                              "time": time.time()}) + "\\n")
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))
     for node in nodes:  # each launcher's mark as it starts (toolkit/launch/node.py)
         if node != plan.get("unstarted"):
             open(os.path.join(os.environ["FT_LAUNCH_MARKS"], node), "w").close()
     nodes = [n for n in nodes if n != plan.get("unstarted")]
+    trains = (lambda: {"ranks": {"0": ["train", 3]}}) if plan.get("trains") else dict  # a rank's step reported
     senders = {n: Sender(os.environ["FT_WATCH_ADDR"], int(os.environ["FT_WATCH_PORT"]),
-                         os.environ["FT_JOB_SECRET"].encode(), n, start, dict) for n in nodes}
+                         os.environ["FT_JOB_SECRET"].encode(), n, start, trains) for n in nodes}
     for node, sender in senders.items():
         sender.send()
     deadline = time.monotonic() + plan.get("seconds", 2)
@@ -224,7 +225,7 @@ class FakeSlurm:
 
 
 def supervised(tmp_path, monkeypatch, allocation: list[str], nodes: int, plan: dict, srun_options=(), drains=None,
-               during=None, **watchdog):
+               during=None, batch_host="localhost", **watchdog):
     from toolkit.watch.supervise import Supervisor
 
     write_run_spec(tmp_path, run_spec(nodes, {"heartbeat_timeout": 2, "startup_timeout": 30, "max_restarts": 3,
@@ -235,7 +236,7 @@ def supervised(tmp_path, monkeypatch, allocation: list[str], nodes: int, plan: d
     srun.chmod(0o755)
     (tmp_path / "marks").mkdir(exist_ok=True)
     for name, value in {"FT_JOB_SECRET": SECRET.decode(), "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "x",
-                        "SLURMD_NODENAME": "localhost", "FT_RUN_ID": "run-1", "FAKE_PLAN": str(tmp_path / "plan.json"),
+                        "SLURMD_NODENAME": batch_host, "FT_RUN_ID": "run-1", "FAKE_PLAN": str(tmp_path / "plan.json"),
                         "FAKE_LOG": str(tmp_path / "srun.log"), "FT_LAUNCH_MARKS": str(tmp_path / "marks"),
                         "PYTHONPATH": str(Path(__file__).resolve().parents[2])}.items():
         monkeypatch.setenv(name, value)
@@ -254,7 +255,7 @@ def supervised(tmp_path, monkeypatch, allocation: list[str], nodes: int, plan: d
 
 def test_a_lost_node_is_replaced_by_the_spare_inside_the_job(tmp_path, monkeypatch):
     code, starts, events, slurm, took = supervised(tmp_path, monkeypatch, ["n1", "n2", "n3"], 2,
-                                                   {"1": {"lose": "n2", "seconds": 1}})
+                                                   {"1": {"lose": "n2", "seconds": 1, "trains": True}})
     assert code == 0
     assert [s["nodes"] for s in starts] == [["n1", "n2"], ["n1", "n3"]]
     assert all("--overlap" in s["argv"] for s in starts)
@@ -264,17 +265,35 @@ def test_a_lost_node_is_replaced_by_the_spare_inside_the_job(tmp_path, monkeypat
     assert took < 15  # noticed after the 2 s heartbeat timeout, not after srun's 60 s wait
     # A template step per node of the allocation: the lost node's gone with it, the survivor's and the
     # spare's still there for the start on the spare (a step over all three died with the lost node).
+    # The spare's was started once training had begun, before the loss.
     warm_steps = [json.loads(line) for line in (tmp_path / "warm.log").read_text().splitlines()]
-    assert sorted(warm_steps) == [["n1"], ["n2"], ["n3"]]
+    assert sorted(step["nodes"] for step in warm_steps) == [["n1"], ["n2"], ["n3"]]
+    assert [step["nodes"] for step in warm_steps if step["time"] < starts[1]["time"]][-1] == ["n3"]
     assert [s["warm"] for s in starts] == ["1", "1"]
+
+
+def test_the_batch_host_waits_as_the_last_spare(tmp_path, monkeypatch):
+    """Its loss is a requeue whatever the spares (the job script dies with it): training nodes fail
+    first, and are replaced inside the job. Each start's nodes in the allocation's order (srun's
+    task order: task 0's node is the rendezvous)."""
+    from toolkit.watch import supervise
+
+    monkeypatch.setattr(supervise, "reachable_address", lambda node, peers: "127.0.0.1")  # n1 has no address here
+    code, starts, events, _, _ = supervised(tmp_path, monkeypatch, ["n1", "n2", "n3"], 2,
+                                            {"1": {"lose": "n3", "seconds": 1}}, batch_host="n1")
+    assert code == 0
+    assert [s["nodes"] for s in starts] == [["n2", "n3"], ["n1", "n2"]]
+    assert [e["spares"] for e in events if e["event"] == "start"] == [["n1"], []]
 
 
 def test_a_template_that_failed_is_started_again_with_the_next_start(tmp_path, monkeypatch):
     code, starts, _, _, _ = supervised(tmp_path, monkeypatch, ["n1", "n2", "n3"], 2,
-                                       {"1": {"lose": "n2", "seconds": 1}, "warm_fails": ["n3"]})
+                                       {"1": {"lose": "n2", "seconds": 1}, "warm_fails": ["n1"]})
     assert code == 0 and [s["nodes"] for s in starts] == [["n1", "n2"], ["n1", "n3"]]
-    warm_steps = [json.loads(line) for line in (tmp_path / "warm.log").read_text().splitlines()]
-    assert sorted(warm_steps[:3]) == [["n1"], ["n2"], ["n3"]] and warm_steps[3:] == [["n3"]]  # n1's still ran
+    warm_steps = [json.loads(line)["nodes"] for line in (tmp_path / "warm.log").read_text().splitlines()]
+    # The first start's nodes; at the restart n1's again (it had failed) and the spare's (no step was
+    # reported before the loss, so it was not started yet).
+    assert sorted(warm_steps[:2]) == [["n1"], ["n2"]] and sorted(warm_steps[2:]) == [["n1"], ["n3"]]
 
 
 def test_a_lost_node_without_a_spare_is_handed_back_for_a_requeue(tmp_path, monkeypatch):

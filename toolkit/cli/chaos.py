@@ -32,10 +32,15 @@ def kill(run_id: str = RUN, rank: int = RANK) -> None:
 
 
 @app.command()
-def crash(run_id: str = RUN, rank: int = RANK) -> None:
+def crash(run_id: str = RUN, rank: int = RANK,
+          batch_host: bool = typer.Option(False, "--batch-host", help="The node of the job script instead "
+                                          "(a requeue, whatever the spares).")) -> None:
     """Crash the node a rank runs on, as a power loss would (`ft lab up` brings it back)."""
-    from toolkit.lab.chaos import crash_rank_node, run_folder
+    from toolkit.lab.chaos import crash_batch_host, crash_rank_node, run_folder
 
+    if batch_host:
+        console.print(f"{plain(crash_batch_host(run_folder(run_id)))} (the job's batch host) crashed")
+        return
     found = crash_rank_node(run_folder(run_id), rank)
     console.print(f"{plain(found.node)} (running rank {rank}) crashed")
 

@@ -108,7 +108,7 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
         return
     job = current.job
     console.print(f"run [bold]{plain(run_id)}[/]: {_coloured(current.state)}"
-                  + (f" (job {plain(job.job_id)}, Slurm's {job.source}; nodes {plain(job.nodes or '-')})" if job
+                  + (f" (job {plain(job.job_id)} on {plain(job.nodes or '-')}; state from {job.source})" if job
                      else " (rendered: no job has been submitted with it yet)" if not current.run.jobs else ""))
     if job and job.reason and job.reason != "None":
         console.print(f"  reason: {plain(job.reason)}")
@@ -125,7 +125,9 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
         console.print(f"  checkpoints: {plain(where)}", soft_wrap=True)
     if current.timeline:
         spent = current.timeline
-        console.print(f"  goodput {spent['goodput']:.0%} of {spent['wall_s']:.0f} s since the first start: "
+        # A short run without faults is mostly its start: said, so that a low figure does not alarm.
+        calm = "" if spent["faults"] else " (no faults: the rest is the start and the saves)"
+        console.print(f"  goodput {spent['goodput']:.0%} of {spent['wall_s']:.0f} s since the first start{calm}: "
                       f"training {spent['productive_s']:.0f} s, redone after faults {spent['redone_s']:.0f} s, "
                       f"starting {spent['starting_s']:.0f} s, recovering {spent['recovering_s']:.0f} s, "
                       f"other {spent['other_s']:.0f} s", soft_wrap=True)

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from toolkit.lab.manifest import LabManifest, state_dir
 from toolkit.lab.processes import netns_pids
 from toolkit.runs.layout import RunLayout
 from toolkit.runs.store import RunStore
+from toolkit.runs.timeline import read_lines
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,21 @@ def crash_rank_node(run_dir: Path, rank: int) -> RankProcess:
     found = find_rank(run_dir, rank)
     crash(found.node)
     return found
+
+
+def crash_batch_host(run_dir: Path) -> str:
+    """Crash the node the run's job script runs on (its batch host; not a training node while the
+    job holds a spare: toolkit/watch/supervise.py keeps it as the last one). The node's name."""
+    require_root("chaos")
+    starts = [e for e in read_lines(RunLayout(run_dir).events, {"event": str, "job": str}) if e["event"] == "start"]
+    job = starts[-1]["job"] if starts else ""
+    result = subprocess.run(["squeue", "--noheader", "--jobs", job, "--format", "%B"], capture_output=True,
+                            text=True, timeout=30) if job.isdigit() else None
+    host = result.stdout.strip() if result and result.returncode == 0 else ""
+    if not host or host.startswith("(") or host == "n/a":
+        raise FtError(f"run {run_dir.name} has no job running", hint="is the run training? (`ft status`)")
+    crash(host)
+    return host
 
 
 def fail_gpu(run_dir: Path, rank: int) -> tuple[RankProcess, Path]:

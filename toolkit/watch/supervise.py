@@ -135,6 +135,7 @@ class Supervisor:
         self.receiver = Receiver(job_secret(), sources=sources).listen()
         self.process: subprocess.Popen | None = None
         self.warm: dict[str, subprocess.Popen] = {}  # node: its template's step
+        self.spares_warm = False  # the spares' templates are started (once training has begun)
         self.lifting = False  # the helper that lifts Slurm's requeue hold is started (once)
         self.stopping = threading.Event()  # the time limit is near, or the job is ending: no restart
         self.auto_resume = any(arg.startswith("--auto-resume") for arg in command)  # HyperPod restarts itself
@@ -179,6 +180,9 @@ class Supervisor:
                 return self.ended(code, nodes)
             if self.stopping.is_set():
                 continue
+            if self.warm and not self.spares_warm and self.training_began():
+                self.spares_warm = True
+                self.start_warm()
             seen = self.receiver.seen()
             silent = self.silent(seen, nodes, now, timeout)
             silent += [n for n in nodes if n not in seen and now - began > startup]
@@ -255,8 +259,22 @@ class Supervisor:
             process.wait()
 
     # -- decisions --------------------------------------------------------------------------------
+    def usable(self) -> list[str]:
+        """The allocation's nodes left, in the order they are taken: the batch host last. Its loss
+        costs a requeue whatever the spares (the job script dies with it), so it waits as the last
+        spare while there are others: a node that trains is the likelier to fail (GPU faults come
+        under load), and a lost node that trained is replaced inside the job."""
+        left = [n for n in self.allocation if n not in self.excluded]
+        return [n for n in left if n != self.node] + [n for n in left if n == self.node]
+
+    def placement(self) -> list[str]:
+        """The nodes the next start trains on, in the allocation's order: srun numbers a step's
+        tasks in that order, whatever --nodelist says, and task 0's node is the rendezvous."""
+        chosen = set(self.usable()[:self.needed])
+        return [n for n in self.allocation if n in chosen]
+
     def spares(self) -> list[str]:
-        return [n for n in self.allocation if n not in self.excluded][self.needed:]
+        return self.usable()[self.needed:]
 
     def exclude(self, lost: Lost) -> None:
         fresh = [node for node in lost.nodes if node not in self.excluded]
@@ -291,15 +309,15 @@ class Supervisor:
         return code
 
     # -- the warm templates -------------------------------------------------------------------------
-    def start_warm(self) -> None:
-        """A template on every node of the allocation left that has none running, spares included
-        (toolkit/train/warm.py), each in its own step: a restart, here or on a spare, forks its ranks
-        from it. The start after a template was started again waits for its imports, as a cold start
-        would."""
+    def start_warm(self, nodes: list[str] | None = None) -> None:
+        """A template on each node named (default: every node of the allocation left, spares
+        included) that has none running (toolkit/train/warm.py), each in its own step: a restart,
+        here or on a spare, forks its ranks from it. The start after a template was started again
+        waits for its imports, as a cold start would."""
         if self.auto_resume:  # HyperPod restarts the step itself, with new processes
             return
         logs = RunLayout(self.run_dir).logs
-        nodes = [n for n in self.allocation if n not in self.excluded and not self.warm_alive([n])]
+        nodes = [n for n in (nodes or self.allocation) if n not in self.excluded and not self.warm_alive([n])]
         started = []
         for node in nodes:
             argv = warm_command(self.command, node, str(logs / "warm-%N.log"))
@@ -332,8 +350,20 @@ class Supervisor:
                 process.kill()
                 process.wait()
 
+    def training_began(self) -> bool:
+        """Whether a rank reported a step done (the launchers' heartbeats carry their ranks' steps)."""
+        for seen in self.receiver.seen().values():
+            ranks = seen.message.get("ranks")
+            if isinstance(ranks, dict) and any(isinstance(place, list) and len(place) == 2 and type(place[1]) is int
+                                               and place[1] > 0 for place in ranks.values()):
+                return True
+        return False
+
     def run(self) -> int:
-        self.start_warm()
+        # The spares' templates once training has begun: they are wanted at a restart only, and
+        # nodes importing the runtime at once from a shared filesystem (Lustre's metadata servers)
+        # slow the first start of every node.
+        self.start_warm(self.placement())
         try:
             return self.attempts()
         finally:
@@ -346,7 +376,7 @@ class Supervisor:
                 return self.end(0, why="the run had finished")
             if self.stopping.is_set():
                 return self.end(exits.STOPPED, why="stopped before a new start")
-            nodes = [n for n in self.allocation if n not in self.excluded][:self.needed]
+            nodes = self.placement()
             if len(nodes) < self.needed:
                 return self.hand_back_lost()
             self.process = self.start(nodes)
