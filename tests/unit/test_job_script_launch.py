@@ -48,7 +48,7 @@ def hold_lifted(calls: Path) -> str | None:
 def run_script(tmp_path: Path, started: str, unreached: str, error: str = COMMUNICATION,
                earlier_failures: int = 0, run_dir_mode: int = 0o700,
                run_dir_owner: int | None = None, srun: str = FAKE_SRUN,
-               during=None) -> tuple[subprocess.CompletedProcess, list[str], Path]:
+               during=None, existing_run_dir: bool = False) -> tuple[subprocess.CompletedProcess, list[str], Path]:
     run_dir = tmp_path / "run"
     resolved = resolve(REPO / "recipes" / "tiny-lora-sft.yaml", "lab")
     # The script's decision is under test, not the watchdog's restarts in place (with their backoff
@@ -61,12 +61,13 @@ def run_script(tmp_path: Path, started: str, unreached: str, error: str = COMMUN
     for name, body in {"srun": srun, "scontrol": FAKE_SCONTROL, "sleep": "#!/bin/bash\nexit 0\n"}.items():
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
-    run_dir.mkdir()
+    run_dir.mkdir(exist_ok=existing_run_dir)
     run_dir.chmod(run_dir_mode)
     if run_dir_owner is not None:
         os.chown(run_dir, run_dir_owner, run_dir_owner)
-    if earlier_failures:
-        (run_dir / "launch-failures").write_text("".join(f"{n} node9\n" for n in range(earlier_failures)))
+    if earlier_failures:  # lost with the same latest checkpoint as now, step 40
+        (run_dir / "checkpoints.json").write_text('{"shared": {"step": 40, "at": 1}}')
+        (run_dir / "launch-failures").write_text("".join(f"{n} 40 node9\n" for n in range(earlier_failures)))
     calls = tmp_path / "calls"
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-3]",
            "SLURM_JOB_NUM_NODES": "3", "ALL_NODES": "node1 node2 node3", "STARTED": started,
@@ -83,7 +84,7 @@ def run_script(tmp_path: Path, started: str, unreached: str, error: str = COMMUN
 def test_an_unreachable_node_is_marked_down_with_the_run_named(tmp_path):
     result, calls, run_dir = run_script(tmp_path, started="node1 node3", unreached="node2")
     assert calls[0] == "update NodeName=node2 State=DOWN Reason=ft: lost before job 7 (run r1) started on it"
-    assert (run_dir / "launch-failures").read_text() == "7 node2\n"
+    assert (run_dir / "launch-failures").read_text() == "7 none node2\n"  # no checkpoint yet
     assert hold_lifted(tmp_path / "calls") == "update JobId=7 StartTime=now+1"  # requeued without Slurm's hold
     assert "node node2 was lost before the step started on it: marking it down" in result.stdout
     # Slurm requeues the job once the node is down; here (no Slurm) the wait ends and the job fails.
@@ -115,6 +116,19 @@ def test_a_node_lost_again_is_requeued_after_a_backoff(tmp_path):
 def test_requeues_stop_after_the_runs_budget(tmp_path):
     result, calls, _ = run_script(tmp_path, started="node1 node3", unreached="node2", earlier_failures=3)
     assert calls == [] and "not requeueing again" in result.stdout and result.returncode == 1
+
+
+def test_losses_with_a_new_checkpoint_between_count_afresh(tmp_path):
+    """A long run on a flaky cluster loses nodes now and then: the budget is for losses in a row
+    without progress, not for the run's whole life."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    # Five losses, each after a new checkpoint.
+    (run_dir / "launch-failures").write_text("".join(f"{n} {10 * n} node9\n" for n in range(5)))
+    (run_dir / "checkpoints.json").write_text('{"shared": {"step": 60, "at": 1}}')
+    run_script(tmp_path, started="node1 node3", unreached="node2", existing_run_dir=True)
+    assert hold_lifted(tmp_path / "calls") == "update JobId=7 StartTime=now+1"  # the first in a row: no backoff
+    assert (run_dir / "launch-failures").read_text().splitlines()[-1] == "7 60 node2"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes a folder owned by another user")

@@ -68,7 +68,8 @@ RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
 
 # What the job script needs, by the names its template uses.
 TEMPLATE_NAMES = {"spec": SPEC, "exit_status": EXIT_STATUS, "done": DONE, "logs": LOGS,
-                  "launch_marks": LAUNCH_MARKS, "launch_failures": LAUNCH_FAILURES}
+                  "launch_marks": LAUNCH_MARKS, "launch_failures": LAUNCH_FAILURES,
+                  "checkpoint_status": CHECKPOINT_STATUS}
 
 
 MAX_SPEC_BYTES = 16 << 20  # a recipe's env may carry values up to 128 KiB each
