@@ -21,6 +21,7 @@ FAKE_TOOLS = {
     # The job's state is whatever the test wrote into $FAKE_STATE ("STATE RESTARTS").
     "scontrol": 'if [ "$1 $2" = "show job" ]; then read -r state restarts < "$FAKE_STATE"; '
                 'echo "JobId=41 JobName=x JobState=$state Reason=None Restarts=${restarts:-0} BatchFlag=1"; '
+                'elif [ "$1" = listpids ]; then echo "PID JOBID STEPID LOCALID GLOBALID"; '  # nothing else here
                 'else echo "$*" >> "$FAKE_CALLS"; fi',
 }
 
@@ -107,6 +108,16 @@ def test_a_job_that_ends_instead_is_left_alone(monkeypatch):
         slurm = ScriptedSlurm(states)
         assert not requeue.lift_hold(slurm, "41", after=2, starter_alive=lambda: False)
         assert slurm.started_after == []
+
+
+def test_the_begin_time_is_kept_ahead_while_other_processes_of_the_job_are_here(monkeypatch):
+    """Its starter gone, the job's other processes on this node (ranks, a template) still ending: the
+    job completes only after them, and its begin time must still be ahead then."""
+    monkeypatch.setattr(requeue, "POLL_S", 0.01)
+    slurm = ScriptedSlurm(["PENDING"])
+    others = iter([True, True, True, False])
+    assert requeue.lift_hold(slurm, "41", after=1, starter_alive=lambda: False, others_alive=lambda: next(others))
+    assert len(slurm.started_after) == 4  # once more after each look that found others
 
 
 def test_a_refused_update_is_tried_again_until_the_wait_ends(monkeypatch):

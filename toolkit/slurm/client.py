@@ -64,6 +64,8 @@ class SlurmClient(Protocol):
 
     def job_brief(self, job_id: str) -> JobInfo | None: ...
 
+    def job_pids_here(self, job_id: str) -> list[int] | None: ...
+
     def drained(self, nodes: list[str]) -> dict[str, str]: ...
 
 
@@ -141,6 +143,15 @@ class CliSlurmClient:
         result = commands.run(["scontrol", "update", f"JobId={job_id}", f"StartTime=now+{max(0, int(seconds))}"],
                               timeout=self.timeout, check=False)
         return result.returncode == 0
+
+    def job_pids_here(self, job_id: str) -> list[int] | None:
+        """The processes of a job on this node (`scontrol listpids`: this node's slurmd, whatever
+        tracks them, cgroups or process groups); None where it cannot tell."""
+        result = commands.run(["scontrol", "listpids", job_id], timeout=self.timeout, check=False)
+        if result.returncode != 0:
+            return None
+        return [int(fields[0]) for fields in map(str.split, result.stdout.splitlines()[1:])
+                if fields and fields[0].isdigit()]
 
     def job_brief(self, job_id: str) -> JobInfo | None:
         """One job's state and restart count from the controller (`scontrol show job`: one job, where
