@@ -117,11 +117,15 @@ def recipe_for(work: Path, mode: str, heartbeat_timeout: float, steps: int = 100
     return path
 
 
-def metrics(run_dir: Path) -> list[dict]:
+def lines(path: Path) -> list[dict]:
     try:
-        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):  # not there yet, or a line being written
         return []
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return lines(run_dir / "metrics.jsonl")
 
 
 def wait(what: str, probe, timeout: float, interval: float = 0.2):
@@ -146,9 +150,13 @@ def one_kill(env: dict, recipe: Path, batch_host: bool) -> dict:
             chaos.crash_batch_host(run_dir)
         else:
             chaos.crash_rank_node(run_dir, 1)  # a training node that is not the batch host
+        # The first step of the next start (the launchers' attempts.jsonl, watchdog or not): with a
+        # spare the batch host trains on no rank, and the others' steps go on until the requeue.
+        restarted = wait("the start after the crash", lambda: next(
+            (a for a in lines(run_dir / "attempts.jsonl") if a["started"] > killed_at), None), 600)
         first = wait("the first step after the crash",
-                     lambda: next((m for m in metrics(run_dir) if m["time"] > killed_at + 0.5), None), 600)
-        resumed = [m for m in metrics(run_dir) if m["time"] > killed_at + 0.5]
+                     lambda: next((m for m in metrics(run_dir) if m["time"] > restarted["started"]), None), 600)
+        resumed = [m for m in metrics(run_dir) if m["time"] > restarted["started"]]
         return {"seconds": first["time"] - killed_at, "steps_lost": before[-1]["step"] - (resumed[0]["step"] - 1),
                 "victim": "batch host" if batch_host else "other node"}
     finally:

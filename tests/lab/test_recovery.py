@@ -186,8 +186,10 @@ def test_a_lost_node_without_a_spare_requeues_the_job_without_slurms_hold(tiny_b
 def test_a_lost_batch_host_is_reported_by_the_survivors_and_the_job_requeued(tiny_baseline, runs, heal_lab):
     # With a spare (--no-kill), where Slurm itself would keep the job running without its batch
     # script: the survivors requeue it.
-    run = submit(recipe(runs, "batch-host", watchdog={"heartbeat_timeout": 5}, resources={"spare_nodes": 1}),
-                 runs_dir=runs)
+    # Slower steps: the ranks on the other nodes train on without the batch host (it is the spare),
+    # and must still be training when the survivors' requeue ends them.
+    run = submit(recipe(runs, "batch-host", watchdog={"heartbeat_timeout": 5}, resources={"spare_nodes": 1},
+                        env={"FT_FAULT_SLOW_STEP_S": "0.1"}), runs_dir=runs)
     checkpoint_after(run, 0)  # the first one
     crashed = chaos.crash_batch_host(Path(run["run_dir"]))  # the last spare: it trains on no rank yet
 

@@ -194,3 +194,22 @@ def test_submit_warns_when_the_mirror_will_find_no_credentials(tmp_path, monkeyp
     assert "s3://ft-checkpoints/runs/run-1/checkpoints" in warning and 'eval "$(ft lab env)"' in warning
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "lab-key")
     assert mirror_warnings(resolved, "run-1") == []
+
+
+def test_a_new_start_keeps_the_steps_an_earlier_one_recorded(tmp_path):
+    """A requeued job's first writes of the status must not say "no checkpoint" of a run that has
+    some: `ft status` shows it, and the job script counts node losses in a row by that step."""
+    path = tmp_path / "checkpoints.json"
+    earlier = StatusBoard(path, "s3://bucket/run")
+    earlier.published(40)
+    earlier.mirrored(30)
+    later = StatusBoard(path, "s3://bucket/run")
+    later.failed("the store is down")  # a write before this start's first save
+    state = json.loads(path.read_text())
+    assert state["shared"]["step"] == 40 and state["remote"]["step"] == 30
+    elsewhere = StatusBoard(path, "s3://another/place")  # a mirror moved: its step is not this one's
+    elsewhere.failed("down")
+    assert json.loads(path.read_text())["remote"]["step"] is None
+    path.write_text('{"shared": {"step": "40; rm -rf /"}}')  # torn or forged: carried over as nothing
+    StatusBoard(path, None).published(50)
+    assert json.loads(path.read_text())["shared"]["step"] == 50

@@ -4,6 +4,7 @@ no GPU here) and over this machine's real filesystem and memory."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -85,6 +86,24 @@ def test_the_health_check_hook_drains_with_the_finding_as_the_reason():
                        FT_HC_CHECKPOINT_PATHS="/tmp")
     assert healthy.returncode == 0 and healthy.stdout == ""
     assert run_hook().returncode == 0  # no Python configured: skipped
+
+
+def test_a_kernel_log_with_bytes_of_any_encoding_still_drains_for_its_xid(tmp_path):
+    recorded = tmp_path / "recorded"
+    shutil.copytree(RECORDED / "xid79", recorded)
+    with open(recorded / "dmesg.txt", "ab") as log:
+        log.write(b"[ 9.5] usb 1-1: Product: \xff\xfe caf\xe9\n")  # not UTF-8
+    assert ("drain", "gpu_xid") in {(f.action, f.check) for f in run_checks(2, [], recorded)}
+    drained = run_hook(FT_HC_PYTHON=sys.executable, FT_HC_GPUS_PER_NODE="2", FT_HC_RECORDED=str(recorded))
+    assert drained.returncode == 1 and drained.stdout.startswith("drain: ")
+
+
+def test_a_check_that_fails_is_a_warning_and_the_others_still_run(monkeypatch):
+    from toolkit.health import __main__ as checks
+
+    monkeypatch.setattr(checks.gpu, "nvlink_findings", lambda text: 1 / 0)
+    findings = checks.run_checks(2, [], RECORDED / "xid79")
+    assert {(f.action, f.check) for f in findings} >= {("warn", "gpu_nvlink_check_failed"), ("drain", "gpu_xid")}
 
 
 def test_the_checks_failing_to_run_drain_no_node(tmp_path):

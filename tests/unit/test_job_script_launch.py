@@ -146,7 +146,8 @@ def test_the_time_limit_signal_after_the_run_finished_requeues_nothing(tmp_path)
     a job that has nothing to do."""
     import signal
 
-    finishing = '#!/bin/bash\ntouch "$FT_RUN_DIR/done"\nexec /bin/sleep 30\n'  # the run's end, then slow to exit
+    finishing = ('#!/bin/bash\ncase "$*" in *toolkit.train.warm) exec /bin/sleep 30 ;; esac\n'  # a template
+                 'touch "$FT_RUN_DIR/done"\nexec /bin/sleep 30\n')  # training: the run ends, slow to exit
 
     def time_limit_near(process: subprocess.Popen, run_dir: Path) -> None:
         for _ in range(300):

@@ -166,7 +166,8 @@ def test_the_template_step_keeps_the_training_steps_options_on_one_node():
                "--mpi=pmix", "/opt/ft/bin/python", "-m", "toolkit.launch"]
     argv = warm_command(command, "n3", "/runs/x/logs/warm-%N.log")
     assert argv == ["srun", "--nodelist=n3", "--nodes=1", "--ntasks=1", "--overlap",
-                    "--output=/runs/x/logs/warm-%N.log", "--container-image=nvcr.io#nvidia/pytorch:24.07-py3",
+                    "--output=/runs/x/logs/warm-%N.log", "--open-mode=append",  # a failed template's log kept
+                    "--container-image=nvcr.io#nvidia/pytorch:24.07-py3",
                     "--mpi=pmix", "/opt/ft/bin/python", "-m", "toolkit.train.warm"]
     assert warm_command(["srun", "python", "train.py"], "n1", "x") is None  # not ft's launcher: no template
 

@@ -21,6 +21,21 @@ class StatusBoard:
                             "remote": {"url": remote_url, "step": None, "at": None, "pending": None,
                                        "error": None, "failing_since": None, "retrying": False,
                                        "abandoned": None} if remote_url else None}
+        self.carry_over()
+
+    def carry_over(self) -> None:
+        """The steps an earlier start of the run recorded: its first writes here must not say "no
+        checkpoint" of a run that has them (the job script counts node losses by that step)."""
+        try:
+            earlier = json.loads(self.path.read_text()) if self.path is not None else None
+        except (OSError, ValueError, RecursionError):
+            return
+        for tier in ("shared", "remote"):
+            found, mine = (earlier or {}).get(tier) if isinstance(earlier, dict) else None, self.state.get(tier)
+            if isinstance(found, dict) and mine is not None and type(found.get("step")) is int and \
+                    (tier == "shared" or found.get("url") == mine["url"]):
+                mine["step"] = found["step"]
+                mine["at"] = found.get("at") if isinstance(found.get("at"), (int, float)) else None
 
     def _update(self, tier: str, **values) -> None:
         from toolkit.shared_dirs import write_atomically

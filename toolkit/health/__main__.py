@@ -27,18 +27,33 @@ def tool_output(argv: list[str]) -> str | None:
     if shutil.which(argv[0]) is None:
         return None
     try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S).stdout
+        # A kernel log holds whatever drivers printed (a device's name in any encoding): never a
+        # reason for the checks to fail.
+        return subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=TOOL_TIMEOUT_S).stdout
     except subprocess.TimeoutExpired:
         return f"{argv[0]} did not answer within {TOOL_TIMEOUT_S} s"
 
 
 def sources(recorded: Path | None) -> Callable[[str, list[str]], str | None]:
     def read(name: str, argv: list[str]) -> str | None:
-        if recorded is None:
-            return tool_output(argv) if argv else Path("/proc/meminfo").read_text()
-        path = recorded / name
-        return path.read_text() if path.exists() else None
+        """The tool's output (None where it is not there, or cannot be run or read)."""
+        try:
+            if recorded is None:
+                return tool_output(argv) if argv else Path("/proc/meminfo").read_text(errors="replace")
+            path = recorded / name
+            return path.read_text(errors="replace") if path.exists() else None
+        except OSError:
+            return None
     return read
+
+
+def guarded(name: str, check: Callable[[], list[Finding]]) -> list[Finding]:
+    """One check's findings; a check that fails (a tool's output ft never saw) is a warning, and
+    the other checks still run: a bug in one must not blind the others."""
+    try:
+        return check()
+    except Exception as exc:  # noqa: BLE001 - reported as a finding, never fatal
+        return [Finding(f"{name}_check_failed", "warn", f"the {name} check failed: {type(exc).__name__}: {exc}")]
 
 
 def run_checks(expected_gpus: int, paths: list[str], recorded: Path | None, xid_after: float = 0.0) -> list[Finding]:
@@ -46,16 +61,17 @@ def run_checks(expected_gpus: int, paths: list[str], recorded: Path | None, xid_
     findings: list[Finding] = []
     listing = read("nvidia-smi-L.txt", ["nvidia-smi", "-L"])
     if listing is not None:
-        findings += gpu.count_findings(listing, expected_gpus)
-        findings += gpu.query_findings(read("nvidia-smi-query.csv", ["nvidia-smi", f"--query-gpu={gpu.QUERY}",
-                                                                      "--format=csv,noheader"]) or "")
-        findings += gpu.nvlink_findings(read("nvidia-smi-nvlink.txt", ["nvidia-smi", "nvlink", "-e"]) or "")
-        findings += gpu.xid_findings(read("dmesg.txt", ["dmesg"]) or "", after=xid_after)
+        findings += guarded("gpu_count", lambda: gpu.count_findings(listing, expected_gpus))
+        findings += guarded("gpu_query", lambda: gpu.query_findings(read(
+            "nvidia-smi-query.csv", ["nvidia-smi", f"--query-gpu={gpu.QUERY}", "--format=csv,noheader"]) or ""))
+        findings += guarded("gpu_nvlink", lambda: gpu.nvlink_findings(
+            read("nvidia-smi-nvlink.txt", ["nvidia-smi", "nvlink", "-e"]) or ""))
+        findings += guarded("gpu_xid", lambda: gpu.xid_findings(read("dmesg.txt", ["dmesg"]) or "", after=xid_after))
     for path in paths:
-        findings += host.filesystem_findings(path)
+        findings += guarded("filesystem", lambda path=path: host.filesystem_findings(path))
     meminfo = read("meminfo", [])
     if meminfo:
-        findings += host.memory_findings(meminfo)
+        findings += guarded("memory", lambda: host.memory_findings(meminfo))
     return findings
 
 

@@ -97,13 +97,14 @@ def slurmd_answers(address: str, timeout: float = 3.0) -> bool:
         return False
 
 
-def first_to_report(marks: str | None) -> bool:
-    """Every surviving node hears the batch host go quiet: the first to leave its mark reports it,
-    the others leave it to that one (without the marks folder, or where it fails, each reports)."""
+def first_to_report(marks: str | None, what: str) -> bool:
+    """Every surviving node hears the batch host go quiet: the first to leave its mark for `what`
+    acts, the others leave it to that one (without the marks folder, or where it fails, each acts).
+    The folder is this start of the job's own: a requeued job starts with a new one."""
     if not marks:
         return True
     try:
-        os.close(os.open(Path(marks) / "batch-host-lost", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.close(os.open(Path(marks) / what, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     except FileExistsError:
         return False
     except OSError:
@@ -115,8 +116,9 @@ def batch_host_lost(node: str, quiet: float) -> None:
     """The supervisor stopped answering: its node (the batch host) is lost, and the job script with
     it. Slurm would notice only after SlurmdTimeout; one surviving node tells it now: the node is
     marked DOWN (with the reason) and the job requeued. Only when the node's slurmd does not answer
-    either: a supervisor gone on a live node (or a node that rebooted already) is Slurm's to judge,
-    and where Slurm requeues the job for it, the job starts again at once all the same."""
+    either: a supervisor gone quiet on a live node (a launcher of an earlier start it no longer
+    answers, a node that rebooted already) is Slurm's to judge, and where Slurm requeues the job for
+    it, the job starts again at once all the same."""
     from toolkit.runs.timeline import record
     from toolkit.slurm.client import CliSlurmClient
     from toolkit.watch.requeue import lift_hold_soon
@@ -124,17 +126,15 @@ def batch_host_lost(node: str, quiet: float) -> None:
     batch_host, job = os.environ.get("FT_WATCH_NODE", ""), os.environ.get("SLURM_JOB_ID", "")
     if not batch_host or batch_host == node or not job:
         return
-    if not first_to_report(os.environ.get("FT_LAUNCH_MARKS")):
-        log(f"the supervisor on {batch_host} did not answer for {quiet:.0f} s: another node reports it")
-        return
-    run_dir = Path(os.environ.get("FT_RUN_DIR", "."))
+    marks = os.environ.get("FT_LAUNCH_MARKS")
     if slurmd_answers(os.environ.get("FT_WATCH_ADDR", batch_host)):
         log(f"the supervisor on {batch_host} did not answer for {quiet:.0f} s, but the node's slurmd does: "
             "left to Slurm (a requeue it makes starts at once)")
-        with contextlib.suppress(OSError):
-            record(run_dir, "node_lost", node=batch_host, reason=f"its supervisor silent for {quiet:.0f} s",
-                   slurmd_answers=True, reported_by=node)
-        lift_hold_soon(job)
+        if first_to_report(marks, "batch-host-silent"):
+            lift_hold_soon(job)  # waits for a requeue that may never come, and exits
+        return
+    if not first_to_report(marks, "batch-host-lost"):
+        log(f"the batch host {batch_host} did not answer for {quiet:.0f} s: another node reports it")
         return
     why = (f"ft: batch host of job {job} (run {os.environ.get('FT_RUN_ID', '?')}) lost: its supervisor did not "
            f"answer for {quiet:.0f} s, nor its slurmd")
@@ -146,7 +146,7 @@ def batch_host_lost(node: str, quiet: float) -> None:
     # sent, and the job ran on without its script). The helper then lifts Slurm's hold on the job.
     log(f"{why}: requeueing job {job} and marking {batch_host} DOWN")
     with contextlib.suppress(OSError):
-        record(run_dir, "node_lost", node=batch_host, reason=why, reported_by=node)
+        record(Path(os.environ.get("FT_RUN_DIR", ".")), "node_lost", node=batch_host, reason=why, reported_by=node)
     if lift_hold_soon(job, requeue=True, down=(batch_host, why)) is None:  # no helper: both from here
         slurm = CliSlurmClient()
         if not slurm.requeue(job) and not slurm.mark_node_down(batch_host, why):

@@ -86,10 +86,11 @@ def warm_command(command: list[str], node: str, output: str) -> list[str] | None
     command does not end in `PYTHON -m toolkit.launch`."""
     if len(command) < 4 or command[-2:] != ["-m", "toolkit.launch"]:
         return None
-    step_shape = ("--nodes=", "--ntasks=", "--ntasks-per-node=", "--kill-on-bad-exit", "--output=", "--nodelist=")
+    step_shape = ("--nodes=", "--ntasks=", "--ntasks-per-node=", "--kill-on-bad-exit", "--output=", "--nodelist=",
+                  "--open-mode=")
     options = [option for option in command[1:-3] if not option.startswith(step_shape)]
     return [command[0], f"--nodelist={node}", "--nodes=1", "--ntasks=1", "--overlap", f"--output={output}",
-            *options, command[-3], "-m", "toolkit.train.warm"]
+            "--open-mode=append", *options, command[-3], "-m", "toolkit.train.warm"]
 
 
 def addresses(nodes: list[str]) -> dict[str, str]:
@@ -151,7 +152,7 @@ class Supervisor:
     # -- one start of the training ---------------------------------------------------------------
     def start(self, nodes: list[str]) -> subprocess.Popen:
         if self.warm and not self.warm_alive(nodes):  # a template gone (its node's step failed)
-            self.start_warm()
+            self.start_warm(nodes)
         start = self.receiver.next_start()
         exits.clear_exit_status(self.run_dir)
         for node in nodes:  # each launcher leaves its mark as it starts (toolkit/launch/node.py)
