@@ -78,8 +78,8 @@ def crash_batch_host(run_dir: Path) -> str:
     """Crash the node the run's job script runs on (its batch host; not a training node while the
     job holds a spare: toolkit/watch/supervise.py keeps it as the last one). The node's name."""
     require_root("chaos")
-    starts = [e for e in read_lines(RunLayout(run_dir).events, {"event": str, "job": str}) if e["event"] == "start"]
-    job = starts[-1]["job"] if starts else ""
+    starts = read_lines(RunLayout(run_dir).attempts, {"job_id": str})  # each start's, watchdog or not
+    job = starts[-1]["job_id"] if starts else ""
     result = subprocess.run(["squeue", "--noheader", "--jobs", job, "--format", "%B"], capture_output=True,
                             text=True, timeout=30) if job.isdigit() else None
     host = result.stdout.strip() if result and result.returncode == 0 else ""
