@@ -110,14 +110,40 @@ def test_a_job_that_ends_instead_is_left_alone(monkeypatch):
         assert slurm.started_after == []
 
 
-def test_the_begin_time_is_kept_ahead_while_other_processes_of_the_job_are_here(monkeypatch):
-    """Its starter gone, the job's other processes on this node (ranks, a template) still ending: the
-    job completes only after them, and its begin time must still be ahead then."""
+def test_the_begin_time_is_kept_ahead_until_the_helper_may_leave(monkeypatch):
+    """Its starter gone, the job still completing (ranks, a template still ending): the job's begin
+    time must still be ahead when it completes."""
     monkeypatch.setattr(requeue, "POLL_S", 0.01)
-    slurm = ScriptedSlurm(["PENDING"])
-    others = iter([True, True, True, False])
-    assert requeue.lift_hold(slurm, "41", after=1, starter_alive=lambda: False, others_alive=lambda: next(others))
-    assert len(slurm.started_after) == 4  # once more after each look that found others
+    slurm = ScriptedSlurm(["COMPLETING 1", "COMPLETING 1", "COMPLETING 1", "PENDING 1"])
+    asked = []
+    assert requeue.lift_hold(slurm, "41", after=1, starter_alive=lambda: False,
+                             may_leave=lambda state: asked.append(state) or state == "PENDING")
+    assert asked == ["COMPLETING", "COMPLETING", "COMPLETING", "PENDING"]
+    assert len(slurm.started_after) == 4  # once more after each look that found the job completing
+
+
+def test_the_helper_leaves_as_the_jobs_last_process_where_slurm_tracks_it(tmp_path, monkeypatch):
+    """proctrack/cgroup: the helper is one of the job's processes, and the job completes only once
+    it ends: it leaves when `scontrol listpids` shows nothing of the job here but itself. Where it
+    is not listed (proctrack/linuxproc), it stays until the job has completed."""
+    calls = fake_slurm_tools(tmp_path, monkeypatch, "COMPLETING 1")
+    others = tmp_path / "others"
+    others.write_text("4242\n")  # another process of the job, still ending
+    (tmp_path / "bin" / "scontrol").write_text(
+        '#!/bin/sh\nif [ "$1" = listpids ]; then echo "PID JOBID STEPID LOCALID GLOBALID"; '
+        'for pid in $(cat "$OTHERS") $LISTED; do echo "$pid 41 0 0 0"; done; exit 0; fi\n'
+        f'{FAKE_TOOLS["scontrol"]}\n')
+    monkeypatch.setenv("OTHERS", str(others))
+    helper = subprocess.Popen([sys.executable, "-c", "import os, subprocess, sys\n"
+                               "os.environ['LISTED'] = str(os.getpid())\n"  # listed: tracked, as under cgroup
+                               "from toolkit.watch import requeue\n"
+                               "sys.exit(requeue.main(['41', '--starter', '1']))"],
+                              stderr=subprocess.PIPE, text=True)
+    wait_for_line(calls, "update JobId=41 StartTime=now+1")
+    time.sleep(1)
+    assert helper.poll() is None  # another process of the job is still here: the begin time kept ahead
+    others.write_text("")
+    assert helper.wait(timeout=20) == 0  # the last one here: it leaves, the job still completing
 
 
 def test_a_refused_update_is_tried_again_until_the_wait_ends(monkeypatch):

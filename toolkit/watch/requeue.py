@@ -12,11 +12,13 @@ owner may set that begin time (`scontrol update StartTime`).
 So a helper started just before the requeue, which ignores the TERM Slurm sends every process of
 the job: once the job is pending again (requeued by Slurm for a node marked DOWN, by the job
 script, or by the helper itself with --requeue), it keeps the job's begin time a little ahead
-(--after, 1 s) until the process that started it, and every other process of the job on its node
-(`scontrol listpids`), is gone, then exits: the last process of the job on its node. The job
-completes, its begin time still ahead, and starts again at that time: no hold, and the old start's
-processes gone. Where something of the job on another node outlives that margin, or Slurm's KILL
-ends the helper first, the job waits out the hold as before: nothing is lost but the seconds.
+(--after, 1 s) until the process that started it is gone and the job has completed: where Slurm
+tracks the helper as one of the job's processes (proctrack/cgroup), it leaves as the last of them
+on its node (`scontrol listpids`); where it does not (proctrack/linuxproc), it watches the job
+complete. The job completes, its begin time still ahead, and starts again at that time: no hold,
+and the old start's processes gone. Where something of the job on another node outlives that
+margin, or Slurm's KILL ends the helper first, the job waits out the hold as before: nothing is
+lost but the seconds.
 
     python -m toolkit.watch.requeue JOB [--requeue] [--down NODE --reason TEXT] [--after S] [--starter PID]
 """
@@ -72,11 +74,10 @@ def lift_hold_soon(job_id: str, after: int = AFTER_S, requeue: bool = False,
 
 def lift_hold(slurm: SlurmClient, job_id: str, after: int, starter_alive: Callable[[], bool],
               wait_s: float = WAIT_S, on_lifted: Callable[[], object] = lambda: None, restarts: int = 0,
-              others_alive: Callable[[], bool] = lambda: False) -> bool:
-    """Once the job is requeued, keep its begin time `after` seconds ahead until its starter and the
-    job's other processes on this node are gone (then this is the job's last process here: its end
-    lets the requeue complete; seen on the lab: ranks and templates took 2.3 s to end after the
-    requeue, and with the begin time passed by then, Slurm held the job). Requeued: pending,
+              may_leave: Callable[[str], bool] = lambda state: True) -> bool:
+    """Once the job is requeued, keep its begin time `after` seconds ahead until its starter is gone
+    and `may_leave` (given the job's state) says the job's completion no longer waits on this
+    helper, or has happened with the begin time ahead. Requeued: pending,
     or completing with its restart count up (a requeued job is pending underneath while it completes,
     and Slurm names it COMPLETING: where this helper is tracked as one of the job's processes,
     proctrack/cgroup, it never sees more than that). False when the job ended instead (not
@@ -105,7 +106,7 @@ def lift_hold(slurm: SlurmClient, job_id: str, after: int, starter_alive: Callab
                     "(not after Slurm's credential hold)")
                 on_lifted()
                 lifted = True
-            if lifted and not starter_alive() and not others_alive():
+            if lifted and not starter_alive() and may_leave(info.state):
                 return True
         elif lifted:  # started again already (this helper was not one of the job's processes)
             return True
@@ -152,14 +153,23 @@ def main(argv: list[str] | None = None) -> int:
                 record(Path(run_dir), "requeue_hold_lifted", after=after)
 
     count = os.environ.get("SLURM_RESTART_COUNT", "0")  # this start's: the job's, inherited
-    def others_alive() -> bool:  # the job's processes on this node but this one (None: cannot tell)
+    def may_leave(state: str) -> bool:
+        """Where Slurm tracks this helper as one of the job's processes (proctrack/cgroup), the job
+        completes only once it ends: it leaves as the last of them on its node. Where it does not
+        (proctrack/linuxproc: a process of its own session, its parent gone), it stays until the
+        job has completed, its begin time still ahead: seen on the lab, ranks and templates took
+        2.3 s to end after a requeue, past the begin time set as the starter ended, and Slurm held
+        the job for cred_expire."""
         try:
-            return bool(set(slurm.job_pids_here(args.job_id) or ()) - {os.getpid()})
+            pids = slurm.job_pids_here(args.job_id)
         except FtError:
-            return False
+            pids = None
+        if pids is not None and os.getpid() in pids:
+            return not set(pids) - {os.getpid()}
+        return state == "PENDING"
 
     lifted = lift_hold(slurm, args.job_id, after, lambda: os.getppid() == starter, on_lifted=on_lifted,
-                       restarts=int(count) if count.isdigit() else 0, others_alive=others_alive)
+                       restarts=int(count) if count.isdigit() else 0, may_leave=may_leave)
     return 0 if lifted else 1
 
 
