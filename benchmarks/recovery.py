@@ -157,7 +157,10 @@ def one_kill(env: dict, recipe: Path, batch_host: bool) -> dict:
         first = wait("the first step after the crash",
                      lambda: next((m for m in metrics(run_dir) if m["time"] > restarted["started"]), None), 600)
         resumed = [m for m in metrics(run_dir) if m["time"] > restarted["started"]]
-        return {"seconds": first["time"] - killed_at, "steps_lost": before[-1]["step"] - (resumed[0]["step"] - 1),
+        # Never below 0: with a spare the batch host trains on no rank, and the others' steps (and
+        # checkpoints) went on after its crash until the requeue.
+        return {"seconds": first["time"] - killed_at,
+                "steps_lost": max(before[-1]["step"] - (resumed[0]["step"] - 1), 0),
                 "victim": "batch host" if batch_host else "other node"}
     finally:
         subprocess.run([sys.executable, "-m", "toolkit", "cancel", run["run_id"]], env=env, capture_output=True,
