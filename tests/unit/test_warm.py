@@ -102,7 +102,7 @@ def test_a_rank_forked_from_the_template_is_the_rank_its_launcher_asked_for(temp
         # The progress pipe and the log are this launcher's own: the same pipe, the same file (the
         # environment it runs with shows in the next test: /proc shows only the template's own).
         # (The child takes them up just after the fork: waited for.)
-        wait_for(lambda: os.readlink(f"/proc/{worker.pid}/fd/2") == str(launcher["log"]), 10, "the log as stderr")
+        wait_for(lambda: os.readlink(f"/proc/{worker.pid}/fd/2") == str(launcher["log"]), 30, "the log as stderr")
         assert os.readlink(f"/proc/{worker.pid}/fd/1") == str(launcher["log"])
         held = {os.readlink(f"/proc/{worker.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{worker.pid}/fd")}
         assert f"pipe:[{os.fstat(progress).st_ino}]" in held
