@@ -140,3 +140,16 @@ def test_logs_as_json_carry_the_log_text_exactly(tmp_path):
     assert result.returncode == 0, result.stderr
     (chunk,) = [json.loads(line) for line in result.stdout.splitlines()]
     assert chunk["text"] == "ft: job 7\nline ü two\n" and chunk["offset"] == 0
+
+
+def test_a_fault_reads_as_a_sentence_in_ft_status():
+    from toolkit.cli.runs import _fault_line
+
+    lost = _fault_line({"time": 1_795_500_000, "event": "node_lost", "node": "node2", "reason": "no heartbeat for 5 s",
+                        "marked_down": True})
+    assert lost.endswith("node node2 lost (no heartbeat for 5 s), marked DOWN") and "True" not in lost
+    host = _fault_line({"time": 1_795_500_000, "event": "node_lost", "node": "node1", "reason": "batch host lost",
+                        "reported_by": "node2"})
+    assert host.endswith("node node1 lost (batch host lost), reported by node2")
+    assert _fault_line({"time": 1_795_500_000, "event": "restart", "restart": 2, "after": "exit 6"}).endswith(
+        "restart 2 after exit 6")

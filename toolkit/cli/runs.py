@@ -36,6 +36,19 @@ def _cost(current) -> str:
     return f" (about ${current.summary['gpu_hours'] * price:,.2f} at ${price}/GPU-hour)" if price else ""
 
 
+def _fault_line(fault: dict) -> str:
+    """One fault of the run's timeline, as a sentence."""
+    when = datetime.fromtimestamp(fault["time"]).strftime("%H:%M:%S")  # a plausible time (timeline.py)
+    if fault["event"] == "node_lost":
+        by = f", reported by {plain(fault['reported_by'])}" if fault.get("reported_by") else ""
+        down = ", marked DOWN" if fault.get("marked_down") else ""
+        return f"{when} node {plain(fault.get('node', '?'))} lost ({plain(fault.get('reason', ''))}){down}{by}"
+    if fault["event"] == "restart":
+        return f"{when} restart {plain(fault.get('restart', '?'))} after {plain(fault.get('after', '?'))}"
+    what = ", ".join(f"{key} {plain(value)}" for key, value in fault.items() if key not in ("time", "event"))
+    return f"{when} {plain(fault['event'])}: {what}"
+
+
 def _coloured(state: str) -> str:
     return f"[{STATE_COLOURS.get(state, 'white')}]{state}[/]"
 
@@ -118,8 +131,10 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
                       soft_wrap=True)  # a path is easier to copy unbroken
     if current.summary:
         done = current.summary
-        console.print(f"  done: {done['steps']} steps, {done['tokens']} tokens, final loss {done['final_loss']:.4f}, "
-                      f"{done['wall_seconds']} s, {done['gpu_hours']} GPU-hours{_cost(current)}; "
+        # The summary is the last start's: after a restart its tokens and time are that start's alone.
+        last = " in its last start" if current.timeline and current.timeline["starts"] > 1 else ""
+        console.print(f"  done: {done['steps']} steps, final loss {done['final_loss']:.4f}; {done['tokens']} tokens, "
+                      f"{done['wall_seconds']} s, {done['gpu_hours']} GPU-hours{_cost(current)}{last}; "
                       f"output {plain(done['output'])}", soft_wrap=True)  # lines whole, paths unbroken
     if current.checkpoints and (where := checkpoint_summary(current.checkpoints)):
         console.print(f"  checkpoints: {plain(where)}", soft_wrap=True)
@@ -132,9 +147,7 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
                       f"starting {spent['starting_s']:.0f} s, recovering {spent['recovering_s']:.0f} s, "
                       f"other {spent['other_s']:.0f} s", soft_wrap=True)
         for fault in spent["faults"]:
-            when = datetime.fromtimestamp(fault["time"]).strftime("%H:%M:%S")  # a plausible time (timeline.py)
-            what = ", ".join(f"{key} {plain(value)}" for key, value in fault.items() if key not in ("time", "event"))
-            console.print(f"  {when} {plain(fault['event'])}: {what}", soft_wrap=True)
+            console.print(f"  {_fault_line(fault)}", soft_wrap=True)
     from rich.table import Table
 
     table = Table(title="attempts", title_justify="left")
