@@ -51,6 +51,8 @@ def print_status(status: LabStatus) -> None:
         console.print("[red]problems:[/]")
         for problem in status.problems:
             console.print(f"  - {plain(problem)}")
+        console.print("`ft lab up` starts what is down and brings crashed nodes back (a drained node's reason: "
+                      "`sinfo -R`)")
     else:
         console.print(f"[green]lab is up[/]: {len(status.nodes)} nodes serving jobs")
 
