@@ -54,3 +54,16 @@ def test_torn_forged_or_skewed_lines_never_break_the_accounts(tmp_path):
 
     assert spent["wall_s"] == 50 and spent["finished"] and spent["faults"] == []
     assert 0 <= spent["goodput"] <= 1 and spent["productive_s"] == 1 and spent["starting_s"] == 5
+
+
+def test_a_spares_start_stamped_with_its_faults_time_still_counts_the_detection(tmp_path):
+    t = 1_700_000_000
+    write_lines(tmp_path / "events.jsonl", [
+        {"time": t, "event": "start", "start": 1}, {"time": t + 20, "event": "node_lost", "node": "n2"},
+        {"time": t + 20, "event": "restart"}, {"time": t + 20, "event": "start", "start": 2},
+        {"time": t + 30, "event": "end", "code": 0}])
+    write_lines(tmp_path / "metrics.jsonl", [{"step": 1, "time": t + 5}, {"step": 2, "time": t + 15},
+                                             {"step": 2, "time": t + 23}, {"step": 3, "time": t + 30}])
+    spent = timeline(tmp_path)
+    assert spent["recovering_s"] == 5  # step 2 at t+15, the loss judged at t+20 (the heartbeat timeout)
+    assert spent["starting_s"] == 5 + 3

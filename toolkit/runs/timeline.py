@@ -87,7 +87,9 @@ def timeline(run_dir: Path, now: float | None = None) -> dict | None:
     stamps = [m["time"] for m in metrics]
     for event in events:  # from a fault (its last step before: detection counts) to the next start
         if event["event"] in ("node_lost", "restart") and fault is None:
-            began = starts[max(bisect.bisect_right(starts, event["time"]) - 1, 0)]
+            # The start the fault ended: the one before it (a spare's start is stamped with the
+            # fault's very time).
+            began = starts[max(bisect.bisect_left(starts, event["time"]) - 1, 0)]
             last = bisect.bisect_right(stamps, event["time"]) - 1
             fault = max(stamps[last], began) if last >= 0 else event["time"]
         elif event["event"] == "start" and fault is not None:
