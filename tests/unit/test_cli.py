@@ -140,6 +140,8 @@ def test_logs_as_json_carry_the_log_text_exactly(tmp_path):
     assert result.returncode == 0, result.stderr
     (chunk,) = [json.loads(line) for line in result.stdout.splitlines()]
     assert chunk["text"] == "ft: job 7\nline ü two\n" and chunk["offset"] == 0
+    plain = ft("logs", "r1", env={"FT_RUNS_DIR": str(tmp_path)})  # the job's log as it is, where to look on aside
+    assert plain.stdout == "ft: job 7\nline ü two\n" and "ft logs r1 --rank 0" in plain.stderr
 
 
 def test_a_fault_reads_as_a_sentence_in_ft_status():

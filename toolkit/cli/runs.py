@@ -190,6 +190,8 @@ def logs(run_id: str = typer.Argument(...), follow: bool = typer.Option(False, "
             available = sorted(p.name for p in RunLayout(store.run_dir(run_id)).logs.glob("*"))
             raise FtError(f"no log at {path} yet", hint="logs so far: " + (", ".join(available) or "none"))
         if not follow:
+            if node is None and rank is None and not as_json:  # the job's log says little of training
+                typer.echo(f"(training: ft logs {run_id} --rank 0; a node's launcher: --node NODE)", err=True)
             return
         job = client.job(job_id) if job_id else None
         if job and job.finished:
