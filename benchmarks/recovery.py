@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO))
 
 from toolkit.lab import chaos, lifecycle  # noqa: E402
 from toolkit.lab.manifest import LabManifest  # noqa: E402
-from toolkit.runs.timeline import timeline  # noqa: E402
+from toolkit.runs.timeline import read_lines, timeline  # noqa: E402
 
 RECIPE = REPO / "recipes" / "tiny-lora-sft.yaml"
 MODES = {"slurm-native": {"watchdog": {"enabled": False}},
@@ -117,15 +117,12 @@ def recipe_for(work: Path, mode: str, heartbeat_timeout: float, steps: int = 100
     return path
 
 
-def lines(path: Path) -> list[dict]:
-    try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):  # not there yet, or a line being written
-        return []
-
-
 def metrics(run_dir: Path) -> list[dict]:
-    return lines(run_dir / "metrics.jsonl")
+    return read_lines(run_dir / "metrics.jsonl", {"time": (int, float), "step": int})
+
+
+def attempts(run_dir: Path) -> list[dict]:
+    return read_lines(run_dir / "attempts.jsonl", {"started": (int, float)})
 
 
 def wait(what: str, probe, timeout: float, interval: float = 0.2):
@@ -153,7 +150,7 @@ def one_kill(env: dict, recipe: Path, batch_host: bool) -> dict:
         # The first step of the next start (the launchers' attempts.jsonl, watchdog or not): with a
         # spare the batch host trains on no rank, and the others' steps go on until the requeue.
         restarted = wait("the start after the crash", lambda: next(
-            (a for a in lines(run_dir / "attempts.jsonl") if a["started"] > killed_at), None), 600)
+            (a for a in attempts(run_dir) if a["started"] > killed_at), None), 600)
         first = wait("the first step after the crash",
                      lambda: next((m for m in metrics(run_dir) if m["time"] > restarted["started"]), None), 600)
         resumed = [m for m in metrics(run_dir) if m["time"] > restarted["started"]]
@@ -201,6 +198,12 @@ def job_alive(job_id: str) -> bool:
     return listed.returncode == 0 and bool(listed.stdout.strip())
 
 
+def heal(env: dict) -> subprocess.Popen:
+    """`ft lab up` in the background: the crashed node back."""
+    return subprocess.Popen([sys.executable, "-m", "toolkit", "lab", "up"], env=env, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def goodput_run(env: dict, recipe: Path, crash_every: float | None) -> dict:
     """Train to the end, crashing a node every `crash_every` seconds of the run (None: never)."""
     run = json.loads(ft(env, "submit", "--json", "--skip-validation", str(recipe)))
@@ -218,9 +221,7 @@ def goodput_run(env: dict, recipe: Path, crash_every: float | None) -> dict:
             # again, or after REBOOT_S (a requeued job may want every node of the lab): a real node
             # takes minutes to reboot. Brought back at once, its slurmd answers before the loss is
             # judged, and Slurm, not ft, handles it.
-            healing, crashed_at = subprocess.Popen([sys.executable, "-m", "toolkit", "lab", "up"], env=env,
-                                                   cwd=REPO, stdout=subprocess.DEVNULL,
-                                                   stderr=subprocess.DEVNULL), None
+            healing, crashed_at = heal(env), None
         if crash_every is None or time.monotonic() - last < crash_every:
             continue
         if crashed_at is not None or (healing is not None and healing.poll() is None):
@@ -231,8 +232,7 @@ def goodput_run(env: dict, recipe: Path, crash_every: float | None) -> dict:
             continue
         crashes, last, crashed_at = crashes + 1, time.monotonic(), time.time()
     if crashed_at is not None:
-        healing = subprocess.Popen([sys.executable, "-m", "toolkit", "lab", "up"], env=env, cwd=REPO,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        healing = heal(env)
     wait("the run's end", lambda: (run_dir / "summary.json").exists(), 120)
     if healing is not None:
         healing.wait()

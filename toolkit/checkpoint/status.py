@@ -31,7 +31,8 @@ class StatusBoard:
         except (OSError, ValueError, RecursionError):
             return
         for tier in ("shared", "remote"):
-            found, mine = (earlier or {}).get(tier) if isinstance(earlier, dict) else None, self.state.get(tier)
+            found = earlier.get(tier) if isinstance(earlier, dict) else None
+            mine = self.state.get(tier)
             if isinstance(found, dict) and mine is not None and type(found.get("step")) is int and \
                     (tier == "shared" or found.get("url") == mine["url"]):
                 mine["step"] = found["step"]

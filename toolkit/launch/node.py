@@ -145,8 +145,9 @@ def batch_host_lost(node: str, quiet: float) -> None:
     # step at once (a KILL: with the mark first, or both at once, the requeue was sometimes never
     # sent, and the job ran on without its script). The helper then lifts Slurm's hold on the job.
     log(f"{why}: requeueing job {job} and marking {batch_host} DOWN")
-    with contextlib.suppress(OSError):
-        record(Path(os.environ.get("FT_RUN_DIR", ".")), "node_lost", node=batch_host, reason=why, reported_by=node)
+    if os.environ.get("FT_RUN_DIR"):
+        with contextlib.suppress(OSError):
+            record(Path(os.environ["FT_RUN_DIR"]), "node_lost", node=batch_host, reason=why, reported_by=node)
     if lift_hold_soon(job, requeue=True, down=(batch_host, why)) is None:  # no helper: both from here
         slurm = CliSlurmClient()
         if not slurm.requeue(job) and not slurm.mark_node_down(batch_host, why):
