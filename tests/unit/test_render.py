@@ -26,7 +26,7 @@ PYTHON = "/opt/ft/venv/bin/python"  # fixed, so golden files do not depend on th
 
 def rendered(recipe: str, cluster: str, run_id: str = "golden-run") -> str:
     resolved = resolve(REPO / "recipes" / f"{recipe}.yaml", cluster)
-    script = render(resolved, RunPlacement(run_id, f"/shared/ft/runs/{run_id}"), python=PYTHON)
+    script = render(resolved, RunPlacement(run_id, f"/shared/ft/runs/{run_id}"), login_python=PYTHON)
     return script.replace(str(REPO), "/checkout")  # recipe-relative data paths name this checkout
 
 
@@ -167,7 +167,7 @@ def test_hostile_strings_reach_the_job_exactly_and_never_execute(tmp_path):
     """Run the script's environment section in bash: every value arrives byte for byte, no payload runs."""
     marker = tmp_path / "pwned"
     resolved = resolve(hostile_recipe(tmp_path, marker), "lab")
-    script = render(resolved, RunPlacement("hostile", str(tmp_path / "run")), python=PYTHON)
+    script = render(resolved, RunPlacement("hostile", str(tmp_path / "run")), login_python=PYTHON)
     # Everything up to the rendezvous: run dir, recipe heredoc, exports. Then print the environment.
     head = script.split("# Rendezvous:")[0]
     probe = tmp_path / "probe.sh"
@@ -208,7 +208,7 @@ def test_shell_quote(value, expected):
 def test_old_slurm_gets_gres_instead_of_gpus_per_node():
     resolved = resolve(REPO / "recipes" / "llama3-8b-lora-sft.yaml", "oci")
     placement = RunPlacement("r", "/shared/r")
-    old = sbatch_options(render(resolved, placement, python=PYTHON, slurm_version=(18, 8, 9)))
-    new = sbatch_options(render(resolved, placement, python=PYTHON, slurm_version=(22, 5, 8)))
+    old = sbatch_options(render(resolved, placement, login_python=PYTHON, slurm_version=(18, 8, 9)))
+    new = sbatch_options(render(resolved, placement, login_python=PYTHON, slurm_version=(22, 5, 8)))
     assert old["gres"] == "gpu:8" and "gpus-per-node" not in old
     assert new["gpus-per-node"] == "8" and "gres" not in new

@@ -11,7 +11,7 @@ os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
 import typer  # noqa: E402
 
 from toolkit import __version__  # noqa: E402
-from toolkit.cli import chaos, data, lab, model, recipe, runs  # noqa: E402
+from toolkit.cli import chaos, cluster, data, doctor, lab, model, recipe, runs  # noqa: E402
 from toolkit.cli.output import print_error  # noqa: E402
 from toolkit.errors import FtError  # noqa: E402
 
@@ -27,6 +27,7 @@ app.add_typer(recipe.app, name="recipe")
 app.add_typer(data.app, name="data")
 app.add_typer(chaos.app, name="chaos")
 app.add_typer(model.app, name="model")
+app.add_typer(cluster.app, name="cluster")
 app.command()(data.validate)
 app.command("render")(recipe.render_command)
 app.command()(runs.submit)
@@ -34,6 +35,7 @@ app.command()(runs.ls)
 app.command()(runs.status)
 app.command()(runs.logs)
 app.command()(runs.cancel)
+app.command()(doctor.doctor)
 
 
 def show_version(value: bool) -> None:

@@ -106,7 +106,8 @@ def status(as_json: bool = typer.Option(False, "--json", help="Machine-readable 
 @app.command()
 def env() -> None:
     """Print the exports that let this shell (and the jobs it submits) use the lab's object store:
-    eval "$(ft lab env)". The credentials are the lab's own, not a cloud's."""
+    eval "$(ft lab env)". The credentials are the lab's own, not a cloud's. W&B is offline: the
+    lab's nodes reach nothing off this machine."""
     import shlex
 
     from toolkit.lab.manifest import LabManifest
@@ -114,7 +115,7 @@ def env() -> None:
     manifest = LabManifest.load()
     if manifest is None or manifest.object_store is None:
         raise FtError("this lab has no object store", hint="run `ft lab up`")
-    for name, value in manifest.object_store.env.items():
+    for name, value in {**manifest.object_store.env, "WANDB_MODE": "offline"}.items():
         print(f"export {name}={shlex.quote(value)}")
 
 

@@ -63,6 +63,7 @@ def submit(
     skip_validation: bool = typer.Option(False, "--skip-validation",
                                          help="Submit even when the data checks find errors."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    wait: bool = typer.Option(False, "--wait", help="Follow the run until its job ends; exit 1 unless it completed."),
 ) -> None:
     """Validate a recipe and its data, render its script and submit it as a gang-scheduled job."""
     from toolkit.submission import submit as submit_run
@@ -82,6 +83,28 @@ def submit(
     console.print(f"run [bold]{plain(run.run_id)}[/] {verb}: job {plain(run.latest_job)}")
     console.print(f"  run directory {plain(submission.run_dir)}")
     console.print(f"  follow it with: ft status {plain(run.run_id)}   ft logs {plain(run.run_id)} -f")
+    if wait:
+        _wait_for(run.run_id, cluster)
+
+
+def _wait_for(run_id: str, cluster: str | None) -> None:
+    """Until the run's job has ended (a requeue is not an end): its state on a spinner, then the verdict."""
+
+    from toolkit.api import run as run_handle
+
+    handle = run_handle(run_id, cluster)
+    with task_spinner(f"run {run_id}") as step:
+        while True:
+            current = handle.status()
+            step(current.state)
+            if current.job and current.job.finished:
+                break
+            time.sleep(3)
+    if current.state != "COMPLETED":
+        err_console.print(f"run {plain(run_id)} ended [bold red]{plain(current.state)}[/]: "
+                          f"ft status {plain(run_id)}; ft logs {plain(run_id)}")
+        raise typer.Exit(1)
+    console.print(f"run {plain(run_id)} [green]COMPLETED[/]: ft status {plain(run_id)}")
 
 
 def ls(cluster: str = typer.Option(None, "--cluster", "-c"), limit: int = typer.Option(20, "--limit", "-n"),

@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from toolkit.checkpoint.cadence import DEFAULT_NODE_MTBF_HOURS
 from toolkit.errors import FtError
@@ -71,7 +72,12 @@ class ClusterProfile(BaseModel):
     # record, if it keeps one; the default follows published large-cluster interruption rates).
     node_mtbf_hours: float = Field(DEFAULT_NODE_MTBF_HOURS, gt=0)
     default_account: str | None = None
-    # Python that runs ft on the compute nodes; empty: `python3` from the job's PATH.
+    # How the compute nodes get ft and the training stack (`ft cluster prepare`):
+    #   ""         the site's: ft installed where the login node's interpreter also runs (the lab,
+    #              an admin's shared install); jobs run the login node's Python unless `python` says
+    #   venv       a venv on the shared filesystem, built on a compute node; `python` is its interpreter
+    #   container  `container_image` holds ft[train]; jobs run `python` (default python3) inside it
+    environment: Literal["", "venv", "container"] = ""
     python: str = ""
 
     _names = field_validator("name", "default_account")(slurm_name)
@@ -113,6 +119,39 @@ class ClusterProfile(BaseModel):
             if not re.fullmatch(ENV_NAME_PATTERN, name, re.ASCII):
                 raise ValueError(f"{name!r} is not a valid environment variable name")
         return value
+
+    @field_validator("python")
+    @classmethod
+    def python_path(cls, value: str) -> str:
+        if value and any(ch in value for ch in "\n\r\0"):
+            raise ValueError(f"{value!r}: an interpreter path is one line")
+        return value
+
+    @model_validator(mode="after")
+    def container_has_image(self) -> ClusterProfile:
+        if self.environment == "container" and not (self.container_runtime and self.container_image):
+            raise ValueError("environment 'container' needs container_runtime (pyxis) and container_image")
+        if self.environment == "venv" and not self.python:
+            raise ValueError("environment 'venv' needs python: the venv's interpreter (`ft cluster prepare` sets it)")
+        return self
+
+    def training_python(self, login_python: str) -> str:
+        """The interpreter a job runs ft with on the compute nodes: the recorded one, else the
+        image's python3 inside a container (the login node's path does not exist there), else the
+        login node's own (an install the compute nodes share)."""
+        if self.python:
+            return self.python
+        return "python3" if self.in_container else login_python
+
+    def batch_python(self, login_python: str) -> str:
+        """The interpreter of the job script's own steps on the batch host (registering the run, the
+        watchdog, the requeue helper): pyxis puts only srun's steps in the container, so there it is
+        the login node's install, which must sit on a filesystem the compute nodes share."""
+        return login_python if self.in_container else (self.python or login_python)
+
+    @property
+    def in_container(self) -> bool:
+        return bool(self.container_runtime and self.container_image)
 
     @property
     def distributed_backend(self) -> str:
@@ -170,16 +209,55 @@ def available_profiles() -> dict[str, ClusterProfile]:
         if not isinstance(entries, dict):
             raise ProfileError(f"{user_file}: expected a mapping of profile name to profile")
         for name, body in entries.items():
-            if not isinstance(body or {}, dict):
-                raise ProfileError(f"{user_file}: profile {name!r} is not a mapping of fields")
-            body = dict(body or {})
-            parent = body.pop("extends", None)
-            base = profiles.get(parent).model_dump() if parent in profiles else {}
-            if parent and not base:
-                raise ProfileError(f"{user_file}: profile {name} extends unknown profile {parent!r}",
-                                   hint=f"known profiles: {', '.join(sorted(profiles))}")
-            profiles[name] = _parse(base | body | {"name": name}, f"{user_file} ({name})")
+            profiles[name] = user_profile(name, body, profiles, str(user_file))
     return profiles
+
+
+def user_profile(name: str, body: object, profiles: dict[str, ClusterProfile], origin: str) -> ClusterProfile:
+    """One entry of the user's profiles file: its fields over those of the profile it `extends`."""
+    if not isinstance(body or {}, dict):
+        raise ProfileError(f"{origin}: profile {name!r} is not a mapping of fields")
+    body = dict(body or {})
+    parent = body.pop("extends", None)
+    base = profiles.get(parent).model_dump() if parent in profiles else {}
+    if parent and not base:
+        raise ProfileError(f"{origin}: profile {name} extends unknown profile {parent!r}",
+                           hint=f"known profiles: {', '.join(sorted(profiles))}")
+    return _parse(base | body | {"name": name}, f"{origin} ({name})")
+
+
+def read_user_entries() -> dict:
+    """The user's profiles file as written: name -> fields (with `extends`)."""
+    path = user_profiles_path()
+    entries = _read(path) if path.is_file() else {}
+    if not isinstance(entries or {}, dict):
+        raise ProfileError(f"{path}: expected a mapping of profile name to profile")
+    return dict(entries or {})
+
+
+def save_user_entry(name: str, body: dict, replace: bool = False) -> ClusterProfile:
+    """Add (or with `replace`, overwrite) one entry of the user's profiles file, checked as a whole
+    profile first; the other entries are kept (their comments are not). Written atomically under a
+    lock: two `ft cluster` commands at once lose neither's entry."""
+    import fcntl
+
+    from toolkit.shared_dirs import write_atomically
+
+    path = user_profiles_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        entries = read_user_entries()
+        if name in entries and not replace:
+            raise ProfileError(f"{path} already has a profile {name!r}",
+                               hint=f"`ft cluster set {name} FIELD=VALUE` changes it; --force replaces it")
+        profile = user_profile(name, body, available_profiles(), str(path))
+        entries[name] = body
+        import yaml
+
+        write_atomically(path, "# ft's cluster profiles for this user (`ft cluster add`, `ft cluster set`).\n"
+                         + yaml.safe_dump(entries, sort_keys=False))
+    return profile
 
 
 def default_profile_name() -> str:

@@ -138,10 +138,11 @@ def template_environment() -> jinja2.Environment:
 GPUS_PER_NODE_SINCE = (19, 5, 0)
 
 
-def render(resolved: ResolvedRecipe, placement: RunPlacement, mode: str = "train", python: str | None = None,
+def render(resolved: ResolvedRecipe, placement: RunPlacement, mode: str = "train", login_python: str | None = None,
            slurm_version: tuple[int, int, int] | None = None) -> str:
     """The job script. `slurm_version`, when known (detected on the cluster), picks the options this
-    Slurm understands; unknown means a current Slurm."""
+    Slurm understands; unknown means a current Slurm. `login_python` stands in for this process's
+    interpreter where the profile records no training environment (golden files)."""
     if not RUN_ID_PATTERN.fullmatch(placement.run_id):
         raise RenderError(f"run id {placement.run_id!r} is not typeable",
                           hint="use letters, digits, '.', '_' and '-'")
@@ -166,7 +167,8 @@ def render(resolved: ResolvedRecipe, placement: RunPlacement, mode: str = "train
         "environment": environment(resolved),
         "secret_names": SECRET_NAMES,
         "srun_options": srun_options(resolved),
-        "python": python or resolved.profile.python or sys.executable,
+        "python": resolved.profile.training_python(login_python or sys.executable),
+        "batch_python": resolved.profile.batch_python(login_python or sys.executable),
         "files": layout.TEMPLATE_NAMES,
         "spec_json": json.dumps(resolved.spec.model_dump(mode="json"), indent=2, sort_keys=True),
     }

@@ -1,0 +1,3 @@
+"""`ft doctor`: is this user's setup of a cluster able to run ft? Checks from the login node
+(login.py) and from compute nodes through a short preflight step (preflight.py runs compute.py
+there); each finding says what is wrong and the command that fixes it (findings.py)."""

@@ -1,0 +1,171 @@
+"""What `ft doctor` checks on a compute node, run there by the preflight step with the interpreter
+jobs will use: `python -m toolkit.doctor.compute ARGS-JSON`. Prints one JSON line of findings.
+
+It imports the training stack (that is the point: the job will), so it never runs on the login node."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+from toolkit.doctor.findings import Finding, blocker, ok, warn
+
+
+def interface_problem(variable: str, value: str, available: list[str]) -> str | None:
+    """NCCL's *_IFNAME / NCCL_IB_HCA syntax: '^a,b' excludes, '=a' is exact, else prefixes; a ':port'
+    suffix is allowed. Why the value matches nothing here, or None."""
+    if not value or value.startswith("^"):
+        return None
+    exact = value.startswith("=")
+    wanted = [item.split(":")[0] for item in value.lstrip("=").split(",") if item]
+    matched = [name for name in available if any(name == w if exact else name.startswith(w) for w in wanted)]
+    if matched:
+        return None
+    return f"{variable}={value} matches no device here (found: {', '.join(available) or 'none'})"
+
+
+def listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+def check_fabric(args: dict, environ: dict[str, str]) -> list[Finding]:
+    findings = []
+    interfaces, hcas = listdir("/sys/class/net"), listdir("/sys/class/infiniband")
+    for variable in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        problem = interface_problem(variable, environ.get(variable, ""), interfaces)
+        if problem:
+            findings.append(blocker("fabric", problem, f"set {variable} in the profile's nccl_env to one of these "
+                                    f"(ft cluster set {args['profile']} nccl_env.{variable}=...)"))
+    problem = interface_problem("NCCL_IB_HCA", environ.get("NCCL_IB_HCA", ""), hcas)
+    if problem:
+        findings.append(blocker("fabric", problem, f"ft cluster set {args['profile']} nccl_env.NCCL_IB_HCA=..."))
+    if environ.get("FI_PROVIDER") == "efa" and not any("efa" in name for name in hcas):
+        findings.append(blocker("fabric", "FI_PROVIDER=efa but no EFA device (/sys/class/infiniband)",
+                                f"use an EFA instance type, or ft cluster set {args['profile']} fabric=none"))
+    if args["fabric"] in ("efa", "infiniband", "roce") and not hcas:
+        findings.append(warn("fabric", f"the profile says fabric {args['fabric']}, but no RDMA device is here: "
+                                       "NCCL falls back to TCP sockets (slow across nodes)",
+                             f"ft cluster set {args['profile']} fabric=none, or ask the admins about the RDMA driver"))
+    if not findings:
+        findings.append(ok("fabric", f"fabric {args['fabric']}: its variables match this node's devices"))
+    return findings
+
+
+def check_gpus(args: dict) -> list[Finding]:
+    import torch
+
+    if args["cpu_workers"]:
+        return [ok("gpus", f"CPU workers ({args['cpu_workers']} per node, gloo): no GPU needed")]
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < args["gpus_per_node"]:
+        return [blocker("gpus", f"torch sees {found} GPUs, the profile asks {args['gpus_per_node']} per node",
+                        "check the driver (nvidia-smi) and that torch was built for CUDA (ft cluster prepare)")]
+    return [ok("gpus", f"{found} GPUs ({torch.cuda.get_device_name(0)})")]
+
+
+def check_shared(args: dict, node: str) -> list[Finding]:
+    token = Path(args["token"])
+    fix = f"ft cluster set {args['profile']} shared_root=/a/folder/every/node/shares"
+    try:
+        seen = token.read_text().strip()
+    except OSError as exc:
+        return [blocker("shared_root", f"the login node's file {token} is not here ({exc.strerror}): "
+                                       "the shared root is not the same filesystem on this node", fix)]
+    if seen != args["token_value"]:
+        return [blocker("shared_root", f"{token} holds other content here: not the login node's filesystem", fix)]
+    try:
+        Path(f"{token}.{node}").write_text(node)
+    except OSError as exc:
+        return [blocker("shared_root", f"the shared root is not writable here ({exc.strerror})", fix)]
+    return [ok("shared_root", "the shared root is the login node's, and writable")]
+
+
+def check_versions(args: dict) -> list[Finding]:
+    from importlib import metadata
+
+    from toolkit.build import build_id
+
+    versions = {}
+    for name in ("torch", "transformers", "peft", "deepspeed"):
+        try:
+            __import__(name)
+            versions[name] = metadata.version(name)
+        except Exception as exc:  # an import that fails is the finding
+            return [blocker("environment", f"{name} does not import with {sys.executable}: {exc}"[:300],
+                            f"ft cluster prepare {args['profile']}")]
+    here = build_id()
+    stack = ", ".join(f"{name} {version}" for name, version in versions.items())
+    if here != args["login_build"]:
+        return [blocker("ft_version", f"ft {here} on compute nodes, {args['login_build']} on the login node "
+                                      f"(jobs would run other code than you tested)",
+                        f"ft cluster prepare {args['profile']}")]
+    return [ok("ft_version", f"ft {here} (as on the login node); {stack}")]
+
+
+def check_object_store(args: dict) -> list[Finding]:
+    if not args["s3_prefix"]:
+        return [ok("object_store", "no object store in the profile: checkpoints stay on the shared filesystem")]
+    fix = ("export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) before ft submit"
+           + ('; on the lab: eval "$(ft lab env)"' if args["lab"] else ""))
+    from toolkit.data import object_store
+
+    if not object_store.credentials_visible(args["s3_endpoint"]):
+        return [warn("object_store", f"no S3 credentials in the environment: checkpoint mirrors to "
+                                     f"{args['s3_prefix']} would fail (training is not affected)", fix)]
+    object_store.configure(args["s3_endpoint"])
+
+    def list_bucket() -> object:
+        import fsspec
+
+        filesystem, path = fsspec.core.url_to_fs(args["s3_prefix"])
+        return filesystem.ls(path.split("/")[0])
+
+    answer = object_store.within(list_bucket, 20)
+    if not answer.in_time or answer.error is not None:
+        why = f"{type(answer.error).__name__}: {answer.error}" if answer.error else "no answer within 20 s"
+        return [warn("object_store", f"{args['s3_prefix']} does not answer with these credentials ({why})"[:400],
+                     fix)]
+    return [ok("object_store", f"{args['s3_prefix']} answers")]
+
+
+def check_wandb(environ: dict[str, str]) -> list[Finding]:
+    mode = environ.get("WANDB_MODE", "")
+    if mode in ("offline", "disabled", "dryrun"):
+        return [ok("wandb", f"WANDB_MODE={mode}: nothing to reach (`wandb sync` an offline run from the login node)")]
+    url = urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname or "", port), timeout=5):
+            pass
+    except OSError as exc:
+        return [warn("wandb", f"{url.hostname}:{port} is unreachable ({exc.strerror or exc}): runs whose recipe "
+                              "logs online will fail to start W&B", "set tracking.wandb.mode: offline in the recipe "
+                              "(or export WANDB_MODE=offline) and `wandb sync` from the login node")]
+    return [ok("wandb", f"{url.hostname}:{port} answers")]
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    node = socket.gethostname()
+    started = time.monotonic()
+    findings = check_versions(args)
+    if findings[0].level == "ok":
+        findings += check_gpus(args)
+    findings += check_shared(args, node) + check_fabric(args, dict(os.environ)) + check_object_store(args)
+    findings += check_wandb(dict(os.environ))
+    # One short line per finding: srun splits long lines (about 1 KB) of a task's output.
+    for finding in findings:
+        item = finding.to_dict() | {"where": node, "detail": finding.detail[:400], "fix": finding.fix[:300]}
+        print("FT-DOCTOR " + json.dumps(item), flush=True)
+    print(f"FT-DOCTOR-DONE {node} {time.monotonic() - started:.1f}", flush=True)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""What the login node can check of a cluster profile: Slurm, the tiers' partitions and QOS, the
+account, GPUs as GRES, the shared root, the recorded training environment."""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from toolkit.build import build_id
+from toolkit.cluster.discover import Discovery
+from toolkit.cluster.prepare import ready_build
+from toolkit.cluster.profile import ClusterProfile
+from toolkit.doctor.findings import Finding, blocker, ok, warn
+from toolkit.shared_dirs import folder_problem, shared_root_path
+
+TRAINING_STACK = ("torch", "transformers", "peft", "deepspeed")
+
+
+def closest(name: str, known: list[str]) -> str:
+    match = difflib.get_close_matches(name, known, n=1)
+    return match[0] if match else (known[0] if known else "NAME")
+
+
+def check_slurm(found: Discovery) -> list[Finding]:
+    if not found.slurm_version:
+        return [blocker("slurm", f"Slurm does not answer on this host: {found.unread.get('slurm', 'no sinfo')}",
+                        "load Slurm's client tools (`module load slurm`) and check `scontrol ping`; "
+                        "on the local lab, `ft lab up`")]
+    return [ok("slurm", f"Slurm {found.slurm_version} answers")]
+
+
+def check_tiers(profile: ClusterProfile, found: Discovery) -> list[Finding]:
+    findings = []
+    names = sorted(found.partitions)
+    for tier, target in profile.tiers.items():
+        partition = found.partitions.get(target.partition)
+        if partition is None:
+            findings.append(blocker(
+                "partition", f"tier {tier}: partition {target.partition!r} does not exist "
+                f"(this cluster's: {', '.join(names) or 'none readable'})",
+                f"ft cluster set {profile.name} tiers.{tier}.partition={closest(target.partition, names)}"))
+            continue
+        if partition.state != "UP":
+            findings.append(warn("partition", f"tier {tier}: partition {partition.name} is {partition.state}",
+                                 "ask the cluster's admins, or use another partition for this tier"))
+        refused = partition.admits(profile.default_account, target.qos)
+        if refused:
+            findings.append(blocker("partition", f"tier {tier}: {refused}",
+                                    f"ft cluster set {profile.name} default_account=... (or another partition)"))
+        if target.qos and found.qos and target.qos not in found.qos:
+            findings.append(blocker(
+                "qos", f"tier {tier}: QOS {target.qos!r} does not exist (this cluster's: {', '.join(found.qos)})",
+                f"ft cluster set {profile.name} tiers.{tier}.qos={closest(target.qos, found.qos)}"))
+        if partition and not refused and partition.state == "UP":
+            findings.append(ok("partition", f"tier {tier}: partition {partition.name}"
+                                            + (f", QOS {target.qos}" if target.qos else "")))
+    return findings
+
+
+def check_account(profile: ClusterProfile, found: Discovery) -> list[Finding]:
+    if "accounts" in found.unread:
+        return [warn("account", f"your Slurm accounts could not be read ({found.unread['accounts']}): "
+                                "not checked", "")]
+    if profile.default_account is None:
+        if found.default_account or not found.accounts:
+            return [ok("account", "jobs use your default Slurm account"
+                                  + (f" ({found.default_account})" if found.default_account else ""))]
+        return [warn("account", f"no account in the profile; yours: {', '.join(found.accounts)}",
+                     f"ft cluster set {profile.name} default_account={found.accounts[0]}")]
+    if profile.default_account not in found.accounts:
+        yours = ", ".join(found.accounts) or "none"
+        fix = (f"ft cluster set {profile.name} default_account={closest(profile.default_account, found.accounts)}"
+               if found.accounts else "ask the cluster's admins for an account (sacctmgr add user)")
+        return [blocker("account", f"you ({found.user}) have no association with Slurm account "
+                                   f"{profile.default_account!r}: jobs would be refused (yours: {yours})", fix)]
+    return [ok("account", f"account {profile.default_account}")]
+
+
+def check_gpus(profile: ClusterProfile, found: Discovery) -> list[Finding]:
+    if profile.gpus_per_node == 0:
+        return [ok("gpus", "the profile asks for no GPUs")]
+    standard = profile.tiers.get("standard") or next(iter(profile.tiers.values()))
+    if standard.partition not in found.partitions:
+        return []  # the partition check names it
+    gpus, kind = found.gpus_in(standard.partition)
+    if gpus == 0:
+        return [blocker("gpus", f"no node of partition {standard.partition} has GPUs as GRES: jobs asking "
+                                f"--gpus-per-node={profile.gpus_per_node} can never start",
+                        "ask the cluster's admins to declare the GPUs (GresTypes=gpu, gres.conf), or pick the GPU "
+                        f"partition: ft cluster set {profile.name} tiers.standard.partition=...")]
+    if gpus < profile.gpus_per_node:
+        return [blocker("gpus", f"partition {standard.partition}'s nodes have {gpus} GPUs, the profile asks "
+                                f"{profile.gpus_per_node}", f"ft cluster set {profile.name} gpus_per_node={gpus}")]
+    return [ok("gpus", f"{gpus} GPUs per node as GRES" + (f" ({kind})" if kind else ""))]
+
+
+def check_shared_root(profile: ClusterProfile) -> list[Finding]:
+    if not profile.shared_root:
+        return [blocker("shared_root", "the profile has no shared root: runs, checkpoints and the training "
+                                       "environment need a filesystem every node shares",
+                        f"ft cluster set {profile.name} shared_root=/path/on/the/shared/filesystem")]
+    root = shared_root_path(profile.shared_root)
+    fix = f"ft cluster set {profile.name} shared_root=/a/folder/you/may/write (or `mkdir -p {root}`)"
+    if not root.is_dir():
+        return [blocker("shared_root", f"{root} does not exist", fix)]
+    problem = folder_problem(root)
+    if problem:
+        return [blocker("shared_root", f"{root} {problem}", fix)]
+    try:
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".ft-doctor-"):
+            pass
+    except OSError as exc:
+        return [blocker("shared_root", f"{root} is not writable by you ({exc.strerror or exc})", fix)]
+    return [ok("shared_root", f"{root} is writable")]
+
+
+def has_training_stack() -> list[str]:
+    """The training packages this interpreter lacks (found without importing them: instant)."""
+    return [name for name in TRAINING_STACK if importlib.util.find_spec(name) is None]
+
+
+def check_environment(profile: ClusterProfile) -> list[Finding]:
+    prepare = f"ft cluster prepare {profile.name}"
+    if profile.environment == "container" or profile.in_container:
+        return [ok("environment", f"container image {profile.container_image} ({profile.container_runtime}); "
+                                  "the compute check below shows whether it holds ft")]
+    if profile.environment == "venv":
+        built = ready_build(profile.python)
+        if built is None:
+            return [blocker("environment", f"the training environment {profile.python} is missing or incomplete",
+                            prepare)]
+        if built != build_id():
+            return [blocker("environment", f"the training environment holds ft {built}, this login node runs "
+                                           f"{build_id()}: jobs would run other code than you tested",
+                            prepare)]
+        return [ok("environment", f"venv {Path(profile.python).parent.parent} (ft {built})")]
+    python = profile.python or sys.executable
+    if profile.python and not os.access(profile.python, os.X_OK):
+        return [blocker("environment", f"the profile's python {profile.python} does not exist here", prepare)]
+    missing = has_training_stack() if not profile.python else []
+    if missing:
+        return [blocker("environment", f"no training environment: jobs would run {python}, which lacks "
+                                       f"{', '.join(missing)} (a login-node install)", prepare)]
+    return [ok("environment", f"jobs run {python}")]
+
+
+def login_checks(profile: ClusterProfile, found: Discovery) -> list[Finding]:
+    findings = check_slurm(found)
+    if found.slurm_version:
+        findings += check_tiers(profile, found) + check_account(profile, found) + check_gpus(profile, found)
+    return findings + check_shared_root(profile) + check_environment(profile)

@@ -1,0 +1,134 @@
+"""The compute side of `ft doctor`: one short srun step over a few nodes of the standard tier, with
+the profile's partition, QOS, account, container and fabric variables, running compute.py with the
+interpreter jobs will use. Its output comes back through srun, so a shared root that the nodes
+cannot write does not hide the answer."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from toolkit.build import build_id
+from toolkit.cluster.profile import ClusterProfile
+from toolkit.doctor.findings import Finding, blocker, merge_nodes, ok, warn
+from toolkit.shared_dirs import common_dir, private_dir, require_trusted, shared_root_path
+from toolkit.slurm import commands
+
+# Runs on each node before any Python of the user's: says which of the interpreter and ft is missing.
+WRAPPER = r"""
+python=$1 node=$(hostname)
+if ! command -v "$python" >/dev/null 2>&1; then echo "FT-DOCTOR-MISSING $node python"; exit 0; fi
+if ! "$python" -c 'import toolkit.doctor.compute' >/dev/null 2>&1; then echo "FT-DOCTOR-MISSING $node ft"; exit 0; fi
+exec "$python" -m toolkit.doctor.compute "$2"
+"""
+
+
+def token_file(profile: ClusterProfile) -> Path | None:
+    """A file only this login node could have written, that each node reads back (the same
+    filesystem) and answers beside (writable, and visible from here). None without a usable root."""
+    try:
+        root = require_trusted(shared_root_path(profile.shared_root))
+        folder = private_dir(common_dir(root / "doctor") / f"uid-{os.getuid()}")
+    except Exception:  # the login checks name what is wrong with the shared root
+        return None
+    token = folder / f"token-{secrets.token_hex(6)}"
+    token.write_text(token.name)
+    return token
+
+
+def srun_argv(profile: ClusterProfile, nodes: int, wait_s: int, python: str, args: dict) -> list[str]:
+    standard = profile.tiers.get("standard") or next(iter(profile.tiers.values()))
+    argv = ["srun", f"--nodes={nodes}", "--ntasks-per-node=1", f"--partition={standard.partition}",
+            "--time=5", "--job-name=ft-doctor", f"--immediate={wait_s}", "--chdir=/", "--quiet",
+            "--label"]  # whole lines per task: two nodes' long lines would otherwise interleave
+    if standard.qos:
+        argv.append(f"--qos={standard.qos}")
+    if profile.default_account:
+        argv.append(f"--account={profile.default_account}")
+    if profile.in_container:
+        argv += [f"--container-image={profile.container_image}",
+                 f"--container-mounts={profile.shared_root}", "--container-workdir=/"]
+    return [*argv, "bash", "-c", WRAPPER, "ft-doctor", python, json.dumps(args)]
+
+
+def refused(stderr: str, profile: ClusterProfile) -> Finding:
+    """Slurm's refusal of the preflight step, as a finding with its fix."""
+    text = stderr.strip().splitlines()[-1] if stderr.strip() else "srun failed without a message"
+    lowered = text.lower()
+    if "immediate" in lowered or "unable to allocate resources" in lowered and "busy" in lowered:
+        return warn("preflight", f"no nodes free for the preflight step in time ({text}): compute checks not run",
+                    "run `ft doctor` again later, or with --nodes 1")
+    if "account" in lowered or "association" in lowered:
+        return blocker("account", f"Slurm refused the preflight step: {text}",
+                       f"ft cluster set {profile.name} default_account=<one of yours: sacctmgr show assoc user=$USER>")
+    if "partition" in lowered:
+        return blocker("partition", f"Slurm refused the preflight step: {text}",
+                       f"ft cluster set {profile.name} tiers.standard.partition=<sinfo -s>")
+    return blocker("preflight", f"Slurm refused the preflight step: {text}", "read the message; `ft doctor --json`")
+
+
+def compute_checks(profile: ClusterProfile, nodes: int = 2, wait_s: int = 120) -> list[Finding]:
+    token = token_file(profile)
+    python = profile.training_python(sys.executable)
+    args = {"profile": profile.name, "login_build": build_id(), "token": str(token or "/nonexistent"),
+            "token_value": token.name if token else "", "fabric": profile.fabric,
+            "gpus_per_node": profile.gpus_per_node, "cpu_workers": profile.cpu_workers_per_node,
+            "s3_prefix": profile.s3_prefix, "s3_endpoint": profile.s3_endpoint, "lab": profile.name == "lab"}
+    env = commands.slurm_env() | profile.nccl_env
+    argv = srun_argv(profile, nodes, wait_s, python, args)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=wait_s + 300,
+                              stdin=subprocess.DEVNULL, check=False)
+    except FileNotFoundError:
+        return [blocker("preflight", "srun is not installed here", "load Slurm's client tools (`module load slurm`)")]
+    except subprocess.TimeoutExpired:
+        return [blocker("preflight", f"the preflight step did not end within {wait_s + 300} s",
+                        f"look at `squeue -u $USER -n ft-doctor`; try `{shlex.join(argv[:4])} hostname`")]
+    try:
+        return read_reports(done, profile, python, token, nodes)
+    finally:
+        if token:
+            for path in token.parent.glob(token.name + "*"):
+                path.unlink(missing_ok=True)
+
+
+def read_reports(done: subprocess.CompletedProcess, profile: ClusterProfile, python: str, token: Path | None,
+                 nodes: int) -> list[Finding]:
+    findings: list[Finding] = []
+    answered = []
+    prepare = f"ft cluster prepare {profile.name}"
+    for labelled in done.stdout.splitlines():
+        line = labelled.partition(": ")[2] if labelled.split(":", 1)[0].strip().isdigit() else labelled
+        if line.startswith("FT-DOCTOR-MISSING "):
+            _, node, what = line.split()
+            answered.append(node)
+            findings.append(blocker(
+                "environment", f"{python} does not exist on the compute nodes" if what == "python"
+                else f"ft does not import with {python} on the compute nodes (no training environment there)",
+                prepare, where=node))
+        elif line.startswith("FT-DOCTOR-DONE "):
+            answered.append(line.split()[1])
+        elif line.startswith("FT-DOCTOR "):
+            try:
+                findings.append(Finding(**json.loads(line.removeprefix("FT-DOCTOR "))))
+            except (json.JSONDecodeError, TypeError):
+                continue  # a line lost in transit: its node may still answer DONE
+    if token:
+        for node in answered:
+            wrote = any(f.check == "shared_root" and f.level == "ok" and f.where == node for f in findings)
+            if wrote and not Path(f"{token}.{node}").exists():
+                findings.append(blocker("shared_root", "a file the node wrote in the shared root is not visible "
+                                        "from the login node", f"ft cluster set {profile.name} shared_root=...",
+                                        where=node))
+    if not answered:
+        return [refused(done.stderr, profile)]
+    if len(answered) < nodes:
+        findings.append(warn("preflight", f"{nodes - len(answered)} of {nodes} nodes did not answer: "
+                                          f"{done.stderr.strip()[-200:]}", "ft doctor --json; sinfo -R"))
+    findings.append(ok("preflight", f"checked on {len(answered)} compute node(s): {', '.join(sorted(answered))}"))
+    return merge_nodes(findings)
