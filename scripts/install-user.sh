@@ -36,6 +36,9 @@ if [[ ! -x "$venv/bin/python" ]]; then
     mkdir -p "$home"
     "$python" -m venv "$venv"
 fi
+# A current pip: the venv's own may be old (Debian 12's: 23.0, without `wheel`), and one that old
+# fails to build some source packages ft cluster prepare gathers (deepspeed's).
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
 log "installing ft (login node: no training stack) from $repo"
 # Editable: a `git pull` of the checkout updates ft; `ft doctor` then says when the compute nodes'
 # environment is older than it (ft cluster prepare builds a new one).

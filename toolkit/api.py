@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,11 +36,13 @@ class Run:
     def state(self) -> str:
         return self.status().state
 
-    def wait(self, timeout: float | None = None, poll: float = 2.0) -> RunStatus:
+    def wait(self, timeout: float | None = None, poll: float = 2.0,
+             on_state: Callable[[RunStatus], None] = lambda status: None) -> RunStatus:
         """Block until the run's job has finished (or `timeout` seconds passed: TimeoutError)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             current = self.status()
+            on_state(current)
             if current.job and current.job.finished:
                 return current
             if deadline is not None and time.monotonic() > deadline:

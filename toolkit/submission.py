@@ -99,6 +99,17 @@ def _sbatch(run_dir: Path, script: str) -> str:
     return str(job.job_id)
 
 
+def require_training_environment(resolved: ResolvedRecipe) -> None:
+    """The compute nodes must have something to train with before a job is queued: the check
+    `ft doctor` makes from the login node (a prepared venv of this very ft, or an interpreter with
+    the training stack)."""
+    from toolkit.doctor.login import check_environment
+
+    for finding in check_environment(resolved.profile):
+        if finding.level == "blocker":
+            raise SubmitError(f"cluster {resolved.profile.name}: {finding.detail}", hint=finding.fix)
+
+
 def store_for(resolved: ResolvedRecipe) -> RunStore:
     return RunStore.for_shared_root(resolved.profile.shared_root)
 
@@ -106,6 +117,7 @@ def store_for(resolved: ResolvedRecipe) -> RunStore:
 def submit(recipe_path: Path, cluster: str | None = None, idempotency_key: str | None = None,
            mode: str = "train", skip_validation: bool = False) -> Submission:
     resolved = resolve(recipe_path, cluster)
+    require_training_environment(resolved)
     store = store_for(resolved)
 
     def validated() -> list:

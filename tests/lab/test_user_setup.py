@@ -4,8 +4,10 @@ Slurm association) goes from a clean home directory to a completed run with the 
 
 Her pip never leaves the machine: it reads a wheelhouse the test gathers first (as root, the way
 scripts/setup.sh installs ft: the package index), through pip's own PIP_NO_INDEX/PIP_FIND_LINKS,
-as a site with a local mirror would set them. Everything else is real: her own venvs, a real Slurm
-job building the training environment on a compute node, a real 2-node run, real preflight steps."""
+as a site with a local mirror would set them. It holds deepspeed as its source package, so her pip
+(Debian's, upgraded by install-user.sh) builds it as it would from the index. Everything else is
+real: her own venvs, a real Slurm job building the training environment on a compute node, a real
+2-node run, real preflight steps."""
 
 from __future__ import annotations
 
@@ -38,13 +40,18 @@ def wheelhouse(lab) -> Path:
     """Every wheel ft[train] needs, and ft's build backend, gathered as root through the index."""
     folder = Path(lab.shared_dir) / "tests" / "carol-wheelhouse"
     folder.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check",
-                           "-c", str(REPO / "constraints.txt"), "-w", str(folder), f"{REPO}[train]",
-                           "hatchling", "editables"], capture_output=True, text=True,
-                          env={**os.environ, "DS_BUILD_OPS": "0"}, timeout=600)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    done = subprocess.run([*pip, "wheel", "--quiet", "-c", str(REPO / "constraints.txt"), "-w", str(folder),
+                           f"{REPO}[train]", "hatchling", "editables", "pip", "setuptools", "wheel"],
+                          capture_output=True, text=True, env={**os.environ, "DS_BUILD_OPS": "0"}, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    for old in folder.glob("ft-*.whl"):
-        old.unlink()  # carol builds her own ft from her clone
+    for built in [*folder.glob("ft-*.whl"), *folder.glob("deepspeed-*.whl")]:
+        built.unlink()  # carol builds her own ft from her clone, and deepspeed from its source
+    version = next(line for line in (REPO / "constraints.txt").read_text().splitlines()
+                   if line.startswith("deepspeed==")).split("==")[1]
+    done = subprocess.run([*pip, "download", "--quiet", "--no-deps", "--no-binary", "deepspeed", "-d", str(folder),
+                           f"deepspeed=={version}"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
     subprocess.run(["chmod", "-R", "a+rX", str(folder.parent)], check=True)
     return folder
 
@@ -67,7 +74,7 @@ def carol(lab, wheelhouse) -> dict:
     for entry in home.iterdir():
         shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
     shared = Path(lab.shared_dir)
-    for leftover in ("envs", "cache", "doctor"):
+    for leftover in ("envs", "cache"):
         shutil.rmtree(shared / leftover / f"uid-{account.pw_uid}", ignore_errors=True)
     clone = home / "ft"
     for name in checkout_files():
@@ -103,7 +110,7 @@ def test_readme_lines_take_a_clean_home_to_a_completed_run(user_path, carol):
     assert runs[0]["state"] == "COMPLETED" and (run_dir / "output" / "adapter_model.safetensors").is_file()
     profile = json.loads(as_carol(carol, LOGIN + "ft cluster show mylab --json").stdout)
     assert profile["environment"] == "venv"
-    assert profile["python"].startswith(f"/var/lib/ft-lab/shared/envs/uid-{carol['uid']}/ft-")
+    assert profile["python"].startswith(f"/var/lib/ft-lab/shared/envs/uid-{carol['uid']}/mylab/ft-")
     # The job ran the prepared environment's interpreter, not the login install's.
     script = (run_dir / "job.sbatch").read_text()
     assert f"{profile['python']} -m toolkit.launch" in script and ".local/share/ft" not in script
@@ -118,6 +125,14 @@ def test_the_login_install_has_no_training_stack_and_nothing_is_roots(user_path,
     foreign = [path for path in carol["home"].rglob("*")
                if not path.is_symlink() and path.lstat().st_uid != carol["uid"]]
     assert foreign == []
+
+
+def test_submit_before_the_training_environment_is_refused_naming_the_fix(user_path, carol):
+    done = as_carol(carol, LOGIN + "ft cluster add early --extends lab --yes --force >/dev/null && "
+                           "ft submit ~/ft/recipes/tiny-lora-sft.yaml --cluster early")
+    assert done.returncode != 0 and "ft cluster prepare early" in done.stderr and "Traceback" not in done.stderr
+    queued = subprocess.run(["squeue", "--noheader", "--user", CAROL], capture_output=True, text=True)
+    assert queued.stdout.strip() == ""  # no job was queued
 
 
 def doctor(carol: dict, cluster: str, *options: str) -> tuple[int, list[dict]]:

@@ -32,7 +32,8 @@ RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "llama3-8b-lora-s
 @pytest.mark.parametrize("argv", [["--help"], ["lab", "--help"], ["lab", "status", "--json"],
                                   ["recipe", "explain", RECIPE, "--cluster", "oci"],
                                   ["render", RECIPE, "--cluster", "hyperpod"], ["ls", "--json"],
-                                  ["status", "no-such-run"]])
+                                  ["status", "no-such-run"], ["cluster", "ls"], ["cluster", "show", "lab"],
+                                  ["doctor", "--cluster", "hyperpod", "--login-only"]])
 def test_login_node_commands_never_import_the_training_stack(argv, tmp_path):
     probe = (
         "import sys\n"

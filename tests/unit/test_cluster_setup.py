@@ -5,6 +5,7 @@ profiles file, and the interpreter each kind of training environment gives the j
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -12,7 +13,14 @@ import pytest
 import yaml
 
 from toolkit.cluster import discover as discovery
-from toolkit.cluster.profile import ClusterProfile, ProfileError, load_profile, read_user_entries, save_user_entry
+from toolkit.cluster.profile import (
+    ClusterProfile,
+    ProfileError,
+    load_all,
+    load_profile,
+    read_user_entries,
+    update_user_entry,
+)
 from toolkit.cluster.propose import Answers, propose
 from toolkit.slurm.commands import CommandResult
 
@@ -116,19 +124,49 @@ def profiles_file(tmp_path, monkeypatch):
     return path
 
 
+def put(name: str, body: dict) -> ClusterProfile:
+    return update_user_entry(name, lambda entry: body)
+
+
 def test_user_profiles_file_keeps_other_entries_and_refuses_a_bad_one_whole(profiles_file):
-    save_user_entry("alpha", {"extends": "lab", "shared_root": "/fsx/alpha"})
-    save_user_entry("beta", {"extends": "hyperpod", "default_account": "ml"})
+    put("alpha", {"extends": "lab", "shared_root": "/fsx/alpha"})
+    put("beta", {"extends": "hyperpod", "default_account": "ml"})
     assert load_profile("alpha").tiers["standard"].partition == "standard"  # from lab
-    with pytest.raises(ProfileError, match="already has a profile 'alpha'"):
-        save_user_entry("alpha", {"extends": "lab"})
     before = profiles_file.read_text()
-    with pytest.raises(ProfileError, match="shared_root"):
-        save_user_entry("gamma", {"extends": "lab", "shared_root": "/has space"})
-    with pytest.raises(ProfileError, match="needs python"):
-        save_user_entry("delta", {"extends": "lab", "environment": "venv"})
+    for bad, message in [({"extends": "lab", "shared_root": "/has space"}, "shared_root"),
+                         ({"extends": "lab", "environment": "venv"}, "needs python"),
+                         ({"extends": "lab", "tiers": {}}, "standard tier"),
+                         ({"extends": "lab", "container_runtime": "foo bar"}, "pyxis")]:
+        with pytest.raises(ProfileError, match=message):
+            put("gamma", bad)
     assert profiles_file.read_text() == before and set(read_user_entries()) == {"alpha", "beta"}
     assert profiles_file.stat().st_mode & 0o777 == 0o600
+
+
+def test_entries_extend_each_other_in_any_order_and_a_loop_is_refused(profiles_file):
+    profiles_file.write_text("child:\n  extends: parent\n  max_nodes: 2\nparent:\n  extends: lab\n  max_nodes: 3\n")
+    assert load_profile("child").max_nodes == 2 and load_profile("child").shared_root == "/var/lib/ft-lab/shared"
+    with pytest.raises(ProfileError, match="extend each other in a loop"):
+        update_user_entry("parent", lambda entry: {**entry, "extends": "child"})
+    assert load_profile("parent").max_nodes == 3  # not written
+
+
+def test_a_broken_entry_written_by_hand_hides_no_other_profile(profiles_file):
+    profiles_file.write_text("mine:\n  extends: lab\nbad:\n  extends: lab\n  gpus_per_node: -3\n"
+                             "worse:\n  extends: bad\n")
+    profiles, errors = load_all()
+    assert "mine" in profiles and "lab" in profiles and set(errors) == {"bad", "worse"}
+    with pytest.raises(ProfileError, match="gpus_per_node"):
+        load_profile("bad")
+    with pytest.raises(ProfileError, match="extends bad, which is broken"):
+        load_profile("worse")
+    # The others may still be changed, the broken ones mended or removed; no change may break one more.
+    assert update_user_entry("mine", lambda entry: {**entry, "max_nodes": 2}).max_nodes == 2
+    with pytest.raises(ProfileError, match="not changed"):
+        update_user_entry("mine", lambda entry: {**entry, "max_nodes": -2})
+    update_user_entry("worse", lambda entry: None)
+    assert update_user_entry("bad", lambda entry: {"extends": "lab"}).name == "bad"
+    assert load_all()[1] == {}
 
 
 def test_cluster_set_changes_nested_fields_and_extends_a_builtin(profiles_file):
@@ -136,17 +174,27 @@ def test_cluster_set_changes_nested_fields_and_extends_a_builtin(profiles_file):
         return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True,
                               env={"FT_CLUSTERS_FILE": str(profiles_file), "PATH": "/usr/bin:/bin"})
 
-    done = ft("cluster", "set", "hyperpod", "tiers.standard.qos=normal", "default_account=ml", "max_nodes=8")
+    done = ft("cluster", "set", "hyperpod", "tiers.standard.qos=normal", "default_account=12345", "max_nodes=8",
+              "tiers.free.partition=0700", "nccl_env.NCCL_IB_TIMEOUT=22")
     assert done.returncode == 0, done.stderr
     entry = yaml.safe_load(profiles_file.read_text())["hyperpod"]
     assert entry["extends"] == "hyperpod" and entry["max_nodes"] == 8
+    # Text stays text: an account named 12345, a partition named 0700 (not octal 448), NCCL's values.
+    assert entry["default_account"] == "12345" and entry["tiers"]["free"]["partition"] == "0700"
+    assert entry["nccl_env"]["NCCL_IB_TIMEOUT"] == "22" and entry["nccl_env"]["FI_PROVIDER"] == "efa"
     assert entry["tiers"]["standard"] == {"partition": "train", "qos": "normal"}
     assert entry["tiers"]["premium"] == {"partition": "urgent", "qos": None}  # the rest kept
     refused = ft("cluster", "set", "hyperpod", "gpus_per_node=-1")
     assert refused.returncode == 2 and "gpus_per_node" in refused.stderr and "Traceback" not in refused.stderr
     assert yaml.safe_load(profiles_file.read_text())["hyperpod"]["max_nodes"] == 8  # unchanged
+    for bad, message in [("tiers.standard.partition.x=1", "not a mapping"), ("modules=[", "not a valid value"),
+                         ("nosuchfield=1", "not a cluster profile field"), ("tiers=3", "tiers")]:
+        refused = ft("cluster", "set", "hyperpod", bad, "tiers.standard.partition=x")
+        assert refused.returncode == 2 and message in refused.stderr and "Traceback" not in refused.stderr, bad
     listed = json.loads(ft("cluster", "ls", "--json").stdout)
     assert {"name": "hyperpod", "yours": True}.items() <= next(r for r in listed if r["name"] == "hyperpod").items()
+    assert ft("cluster", "rm", "hyperpod").returncode == 0 and "hyperpod" not in read_user_entries()
+    assert ft("cluster", "rm", "hyperpod").returncode == 2
 
 
 def test_each_environment_gives_the_job_its_interpreter():
@@ -161,3 +209,32 @@ def test_each_environment_gives_the_job_its_interpreter():
     assert container.batch_python("/home/me/.local/share/ft/venv/bin/python").startswith("/home/me")
     with pytest.raises(ValueError, match="container_image"):
         ClusterProfile(name="x", gpus_per_node=1, tiers={"standard": {"partition": "p"}}, environment="container")
+
+
+def test_cluster_add_refuses_a_shared_root_that_is_not_there(profiles_file, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "toolkit", "cluster", "add", "mine", "--extends", "lab", "--yes",
+                           "--shared-root", str(tmp_path / "nowhere")], capture_output=True, text=True,
+                          env={"FT_CLUSTERS_FILE": str(profiles_file), "PATH": "/usr/bin:/bin",
+                               "SLURM_CONF": str(tmp_path / "no-slurm.conf")})
+    assert done.returncode == 2 and "nowhere does not exist" in done.stderr and "Traceback" not in done.stderr
+    assert not profiles_file.exists()  # nothing written
+
+
+def test_the_environment_job_is_a_readable_script_bash_accepts(tmp_path):
+    from toolkit.cluster.prepare import EnvPlace, render_job
+
+    profile = load_profile("lab")
+    place = EnvPlace(tmp_path / "envs" / "uid-1", "lab")
+    script = render_job(profile, place, "0.1.0+abc", tmp_path / "ft-0.1.0-py3-none-any.whl", "python3",
+                        offline=True, time_minutes=90)
+    assert "#SBATCH --time=01:30:00" in script and "#SBATCH --partition=standard" in script
+    assert "--no-index" in script and "uname -m" in script  # offline: the wheels must fit this node
+    assert "#SBATCH --account=research" in script and "AWS_" not in script  # no secret is ever written
+    path = tmp_path / "prepare.sbatch"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    if shutil.which("shellcheck"):
+        checked = subprocess.run(["shellcheck", str(path)], capture_output=True, text=True)
+        assert checked.returncode == 0, checked.stdout
+    online = render_job(profile, place, "0.1.0+abc", tmp_path / "ft.whl", "python3", offline=False)
+    assert "--no-index" not in online

@@ -14,7 +14,8 @@ import pytest
 from toolkit.build import build_id
 from toolkit.cluster.discover import Discovery, NodeGpus, Partition
 from toolkit.cluster.profile import ClusterProfile
-from toolkit.doctor import compute, login, preflight
+from toolkit.doctor import login, preflight
+from toolkit.train import doctor as compute
 
 
 @pytest.fixture
@@ -23,7 +24,8 @@ def cluster() -> Discovery:
                      partitions={"gpu": Partition("gpu", default=True), "cpu": Partition("cpu"),
                                  "vip": Partition("vip", allow_accounts="board")},
                      nodes={"g1": NodeGpus("g1", ["gpu", "vip"], 8, "h100"), "c1": NodeGpus("c1", ["cpu"], 0)},
-                     qos=["normal", "high"], accounts=["ml", "research"], default_account="ml")
+                     qos=["normal", "high"], accounts=["ml", "research"], default_account="ml",
+                     account_qos={"ml": ["normal"], "research": ["normal", "high"]}, enforces_associations=True)
 
 
 def profile(tmp_path: Path, **fields) -> ClusterProfile:
@@ -46,6 +48,10 @@ def test_a_sound_profile_has_no_blocker(tmp_path, cluster):
      "ft cluster set mine tiers.standard.partition=gpu"),
     ({"tiers": {"standard": {"partition": "gpu", "qos": "hihg"}}}, "qos", "QOS 'hihg' does not exist",
      "tiers.standard.qos=high"),
+    ({"tiers": {"standard": {"partition": "gpu", "qos": "high"}}}, "partition",
+     "account ml may use QOS normal, not high", "default_account"),
+    ({"tiers": {"standard": {"partition": "vip"}}, "default_account": None}, "partition",
+     "admits accounts board only", "default_account"),  # checked against the user's own default account
     ({"default_account": "physics"}, "account", "no association with Slurm account 'physics'",
      "default_account=ml"),
     ({"tiers": {"standard": {"partition": "cpu"}}}, "gpus", "no node of partition cpu has GPUs as GRES", "GresTypes"),
@@ -72,6 +78,21 @@ def test_a_venv_of_other_code_than_the_login_nodes_is_a_blocker(tmp_path, cluste
                                            python=str(venv / "bin" / "python")))[0].level == "ok"
 
 
+def test_no_association_where_slurm_enforces_them_is_a_blocker(tmp_path, cluster):
+    cluster.accounts, cluster.account_qos, cluster.default_account = [], {}, None
+    findings = login.check_account(profile(tmp_path, default_account=None), cluster)
+    assert findings[0].level == "blocker" and "no Slurm association" in findings[0].detail
+    cluster.enforces_associations = False
+    assert login.check_account(profile(tmp_path, default_account=None), cluster)[0].level == "ok"
+
+
+def test_a_controller_that_does_not_answer_is_named_not_every_partition(tmp_path, cluster):
+    cluster.partitions, cluster.unread = {}, {"partitions": "slurm_load_partitions: Unable to contact slurm controller"}
+    findings = login.login_checks(profile(tmp_path), cluster)
+    assert [(f.check, f.level) for f in findings if f.level == "blocker"] == [("slurm", "blocker")]
+    assert "controller does not answer" in findings[0].detail and "scontrol ping" in findings[0].fix
+
+
 def test_slurm_missing_stops_the_cluster_checks(tmp_path):
     findings = login.login_checks(profile(tmp_path), Discovery(user="carol", unread={"slurm": "sinfo: not found"}))
     assert verdicts(findings)["slurm"] == "blocker" and "partition" not in verdicts(findings)
@@ -81,6 +102,7 @@ def test_slurm_missing_stops_the_cluster_checks(tmp_path):
 @pytest.mark.parametrize(("variable", "value", "problem"), [
     ("NCCL_SOCKET_IFNAME", "eth", None), ("NCCL_SOCKET_IFNAME", "=eth0", None),
     ("NCCL_SOCKET_IFNAME", "^docker,lo", None), ("NCCL_SOCKET_IFNAME", "ens", "matches no device"),
+    ("NCCL_SOCKET_IFNAME", "^eth,lo,mlx", "excludes every device"),
     ("NCCL_SOCKET_IFNAME", "=eth", "matches no device"), ("NCCL_IB_HCA", "mlx5_0:1,mlx5_1:1", None),
     ("NCCL_IB_HCA", "=mlx5_9", "matches no device"), ("NCCL_IB_HCA", "", None),
 ])
@@ -106,6 +128,18 @@ def test_wandb_offline_needs_nothing_and_an_unreachable_server_is_a_warning():
     assert finding.level == "warn" and "offline" in finding.fix
 
 
+def test_a_check_that_fails_to_run_is_a_warning_and_the_others_still_run(tmp_path, monkeypatch):
+    args = {"profile": "mine", "token": str(tmp_path / "none"), "token_value": "x", "fabric": "none",
+            "gpus_per_node": 0, "cpu_workers": None, "s3_prefix": "", "s3_endpoint": "", "lab": False,
+            "login_build": build_id()}
+    monkeypatch.setenv("WANDB_BASE_URL", "http://w:99999")  # a port out of range: urlparse raises
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    findings = {f.check: f for f in compute.run_checks(args, "node1")}
+    assert findings["wandb"].level == "warn" and "could not run" in findings["wandb"].detail
+    assert findings["gpus"].level == "ok" and "no GPUs" in findings["gpus"].detail  # 0 GPUs asked: no CUDA needed
+    assert findings["ft_version"].level == "ok" and findings["fabric"].level == "ok"
+
+
 def test_the_shared_root_must_hold_the_login_nodes_token(tmp_path):
     token = tmp_path / "token-abc"
     token.write_text("token-abc")
@@ -126,8 +160,10 @@ def test_preflight_output_is_read_per_node_and_merged(tmp_path):
     ok_line = '{"check": "shared_root", "level": "ok", "detail": "fine", "fix": "", "where": "%s"}'
     stdout = "\n".join([f"0: FT-DOCTOR {ok_line % 'n1'}", "0: FT-DOCTOR-DONE n1 1.0",
                         f"1: FT-DOCTOR {ok_line % 'n2'}", "1: FT-DOCTOR-DONE n2 1.2",
-                        "2: FT-DOCTOR-MISSING n3 ft", "3: FT-DOCTOR-MISSING n4 ft"])
+                        "2: FT-DOCTOR-MISSING n3 ft", "3: FT-DOCTOR-MISSING n4 ft", "4: FT-DOCTOR-MISSING",
+                        '5: FT-DOCTOR {"check": "x", "level": "odd", "detail": "d"', "6: garbage"])
     findings = preflight.read_reports(srun_output(stdout), profile(tmp_path), "/envs/py", token, nodes=4)
+    assert not [f for f in findings if f.check == "x"]  # a line cut short is dropped, not a crash
     missing = [f for f in findings if f.check == "environment"]
     assert len(missing) == 1 and missing[0].where == "n3,n4" and "ft cluster prepare mine" in missing[0].fix
     unseen = [f for f in findings if f.check == "shared_root" and f.level == "blocker"]
@@ -151,6 +187,6 @@ def test_preflight_step_carries_the_profiles_placement_and_container(tmp_path):
                         tiers={"standard": {"partition": "gpu", "qos": "high"}})
     argv = preflight.srun_argv(container, 2, 60, container.training_python("/login/py"), {"a": 1})
     assert {"--partition=gpu", "--qos=high", "--account=ml", "--container-image=nvcr.io#ft", "--immediate=60",
-            "--chdir=/"} <= set(argv)
+            "--chdir=/", "--gres=gpu:8"} <= set(argv)  # with its GPUs: a step without them may see none
     assert argv[-3:-1] == ["ft-doctor", "python3"]
     assert os.path.basename(argv[argv.index("bash")]) == "bash"

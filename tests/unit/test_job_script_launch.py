@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def run_script(tmp_path: Path, started: str, unreached: str, error: str = COMMUN
     # The script's decision is under test, not the watchdog's restarts in place (with their backoff
     # of 1, 2, 4... s, the default five took 34 s when every launcher had started).
     resolved.recipe.watchdog.max_restarts = 0
-    script = render(resolved, RunPlacement("r1", str(run_dir)), python="python3")
+    script = render(resolved, RunPlacement("r1", str(run_dir)), login_python=sys.executable)
     (tmp_path / "job.sh").write_text(script)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

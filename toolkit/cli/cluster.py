@@ -1,9 +1,12 @@
 """`ft cluster …`: the user's cluster profiles (~/.config/ft/clusters.yaml): add one from what the
-login node discovers, change a field, prepare the compute nodes' training environment."""
+login node discovers, change or remove one, prepare the compute nodes' training environment."""
 
 from __future__ import annotations
 
+import os
 import sys
+import types
+import typing
 from pathlib import Path
 
 import typer
@@ -11,7 +14,7 @@ import typer
 from toolkit.cli.output import console, plain, print_json, task_spinner
 from toolkit.errors import UsageError
 
-app = typer.Typer(help="Cluster profiles: add (discovered), ls, show, set, prepare.", no_args_is_help=True)
+app = typer.Typer(help="Cluster profiles: add (discovered), ls, show, set, rm, prepare.", no_args_is_help=True)
 
 
 def _ask(question: str, choices: list[str], interactive: bool) -> str | None:
@@ -19,6 +22,71 @@ def _ask(question: str, choices: list[str], interactive: bool) -> str | None:
         return None
     shown = f" ({', '.join(choices)})" if choices else ""
     return typer.prompt(f"{question}{shown}", default=choices[0] if choices else None) or None
+
+
+def _tier_options(tier: list[str]) -> dict[str, str]:
+    tiers = {}
+    for item in tier:
+        key, sep, value = item.partition("=")
+        if not sep or not value:
+            raise UsageError(f"--tier {item!r}: expected TIER=PARTITION[:QOS]", hint="e.g. --tier standard=gpu:normal")
+        tiers[key] = value
+    return tiers
+
+
+def _ask_missing(proposal, found, interactive: bool) -> None:
+    """What discovery could not tell, asked at a terminal; with --yes or no terminal, an error
+    naming the flags to give."""
+    questions = {"shared_root": ("Shared filesystem folder for runs, checkpoints and the training environment",
+                                 found.shared_candidates),
+                 "default_account": ("Slurm account", found.accounts)}
+    for missing in list(proposal.missing):
+        if missing in questions:
+            value = _ask(*questions[missing], interactive)
+            if value:
+                proposal.set(missing, value.rstrip("/") if missing == "shared_root" else value, "asked")
+                proposal.missing.remove(missing)
+    if proposal.missing:
+        flags = {"shared_root": "--shared-root DIR" + (f" (candidates: {', '.join(found.shared_candidates)})"
+                                                       if found.shared_candidates else ""),
+                 "default_account": f"--account ({', '.join(found.accounts)})", "tiers": "--tier standard=PARTITION"}
+        raise UsageError(f"{', '.join(proposal.missing)} not discovered",
+                         hint="give " + "; ".join(flags[m] for m in proposal.missing))
+
+
+def _check_shared_root(body: dict) -> None:
+    """A shared root that is not there or not writable is refused now, not at the first job."""
+    from toolkit.shared_dirs import folder_problem
+
+    root = body.get("shared_root")
+    if not root:
+        return
+    path = Path(root).expanduser()
+    problem = "does not exist" if not path.is_dir() else folder_problem(path)
+    if problem is None and not os.access(path, os.W_OK | os.X_OK):
+        problem = "is not writable by you"
+    if problem:
+        raise UsageError(f"--shared-root {root} {problem}",
+                         hint="give a folder on the shared filesystem that you may write (e.g. under your "
+                              "project or scratch space), or make it first: mkdir -p " + root)
+
+
+def _print_proposal(name: str, proposal, found, path) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"cluster profile {name} ({plain(path)})", title_justify="left")
+    for column in ("field", "value", "from"):
+        table.add_column(column, style="dim" if column == "from" else None)
+    for field, value in proposal.body.items():
+        if field == "tiers":
+            value = ", ".join(f"{tier}={target['partition']}" + (f":{target['qos']}" if target.get("qos") else "")
+                              for tier, target in value.items())
+        table.add_row(field, plain(value), plain(proposal.sources.get(field, "")))
+    console.print(table)
+    if found.unread:
+        console.print("[yellow]not read:[/] " + plain("; ".join(f"{k}: {v}" for k, v in found.unread.items())))
+    console.print(f"next: [bold]ft cluster prepare {plain(name)}[/] (the compute nodes' training environment), "
+                  f"then [bold]ft doctor --cluster {plain(name)}[/]")
 
 
 @app.command()
@@ -42,77 +110,57 @@ def add(
     """Write a cluster profile from what this login node discovers (Slurm version, partitions and
     their limits, GPU GRES, QOS, your accounts, shared filesystems); asks only for the rest."""
     from toolkit.cluster.discover import discover
-    from toolkit.cluster.profile import save_user_entry, user_profiles_path
+    from toolkit.cluster.profile import ProfileError, update_user_entry, user_profiles_path
     from toolkit.cluster.propose import Answers, check_name, propose
 
     check_name(name)
-    tiers = {}
-    for item in tier:
-        key, sep, value = item.partition("=")
-        if not sep or not value:
-            raise UsageError(f"--tier {item!r}: expected TIER=PARTITION[:QOS]", hint="e.g. --tier standard=gpu:normal")
-        tiers[key] = value
+    answers = Answers(shared_root=shared_root, account=account, tiers=_tier_options(tier), extends=extends,
+                      gpus_per_node=gpus_per_node, cpu_workers_per_node=cpu_workers_per_node, fabric=fabric,
+                      s3_prefix=s3_prefix, s3_endpoint=s3_endpoint, price_per_gpu_hour=price)
     with task_spinner("discovering") as on_task:
         on_task("asking Slurm (sinfo, scontrol, sacctmgr)")
         found = discover()
     if not found.slurm_version and not extends:
         raise UsageError(f"Slurm does not answer on this host: {found.unread.get('slurm', '')}",
                          hint="run ft cluster add on the cluster's login node (Slurm's tools loaded)")
-    answers = Answers(shared_root=shared_root, account=account, tiers=tiers, extends=extends,
-                      gpus_per_node=gpus_per_node, cpu_workers_per_node=cpu_workers_per_node, fabric=fabric,
-                      s3_prefix=s3_prefix, s3_endpoint=s3_endpoint, price_per_gpu_hour=price)
     proposal = propose(found, answers)
-    interactive = not yes and not json_out and sys.stdin.isatty()
-    for missing in list(proposal.missing):
-        if missing == "shared_root":
-            value = _ask("Shared filesystem folder for runs, checkpoints and the training environment",
-                         found.shared_candidates, interactive)
-            if value:
-                proposal.set("shared_root", value.rstrip("/"), "asked")
-        elif missing == "default_account":
-            value = _ask("Slurm account", found.accounts, interactive)
-            if value:
-                proposal.set("default_account", value, "asked")
-        if missing in proposal.body:
-            proposal.missing.remove(missing)
-    if proposal.missing:
-        flags = {"shared_root": "--shared-root DIR" + (f" (candidates: {', '.join(found.shared_candidates)})"
-                                                       if found.shared_candidates else ""),
-                 "default_account": f"--account ({', '.join(found.accounts)})", "tiers": "--tier standard=PARTITION"}
-        raise UsageError(f"cannot write profile {name}: {', '.join(proposal.missing)} not discovered",
-                         hint="give " + "; ".join(flags[m] for m in proposal.missing))
-    profile = save_user_entry(name, proposal.body, replace=force)
+    _ask_missing(proposal, found, interactive=not yes and not json_out and sys.stdin.isatty())
+    _check_shared_root(proposal.body)
+
+    def write(entry: dict | None) -> dict:
+        if entry is not None and not force:
+            raise ProfileError(f"{user_profiles_path()} already has a profile {name!r}",
+                               hint=f"`ft cluster set {name} FIELD=VALUE` changes it; --force replaces it")
+        return proposal.body
+
+    profile = update_user_entry(name, write)
     if json_out:
         print_json({"profile": profile.model_dump(mode="json"), "sources": proposal.sources,
                     "discovered": found.to_dict(), "file": str(user_profiles_path())})
-        return
-    from rich.table import Table
+    else:
+        _print_proposal(name, proposal, found, user_profiles_path())
 
-    table = Table(title=f"cluster profile {name} ({plain(user_profiles_path())})", title_justify="left")
-    table.add_column("field")
-    table.add_column("value")
-    table.add_column("from", style="dim")
-    for field, value in proposal.body.items():
-        if field == "tiers":
-            value = ", ".join(f"{tier}={target['partition']}" + (f":{target['qos']}" if target.get("qos") else "")
-                              for tier, target in value.items())
-        table.add_row(field, plain(value), plain(proposal.sources.get(field, "")))
-    console.print(table)
-    if found.unread:
-        console.print("[yellow]not read:[/] " + plain("; ".join(f"{k}: {v}" for k, v in found.unread.items())))
-    console.print(f"next: [bold]ft cluster prepare {plain(name)}[/] (the compute nodes' training environment), "
-                  f"then [bold]ft doctor --cluster {plain(name)}[/]")
+
+def environment_label(profile) -> str:
+    if profile.environment == "venv":
+        return "venv"
+    if profile.in_container:
+        return f"container {profile.container_image}"
+    return "site: " + (profile.python or "this login's python")
 
 
 @app.command("ls")
 def list_profiles(json_out: bool = typer.Option(False, "--json")) -> None:
-    """Every cluster profile ft knows: built in, this site's, yours."""
-    from toolkit.cluster.profile import available_profiles, default_profile_name, read_user_entries
+    """Every cluster profile ft knows: built in, this site's, yours (and yours that are broken)."""
+    from toolkit.cluster.profile import default_profile_name, load_all, read_user_entries
 
-    profiles, mine, default = available_profiles(), read_user_entries(), default_profile_name()
+    (profiles, errors), mine, default = load_all(), read_user_entries(), default_profile_name()
     rows = [{"name": name, "yours": name in mine, "default": name == default, "shared_root": p.shared_root,
-             "environment": p.environment or "site", "gpus_per_node": p.gpus_per_node}
+             "environment": environment_label(p), "gpus_per_node": p.gpus_per_node,
+             "error": errors[name].message if name in errors else None}
             for name, p in sorted(profiles.items())]
+    rows += [{"name": name, "yours": True, "default": False, "error": error.message}
+             for name, error in sorted(errors.items()) if name not in profiles]
     if json_out:
         print_json(rows)
         return
@@ -122,9 +170,12 @@ def list_profiles(json_out: bool = typer.Option(False, "--json")) -> None:
     for column in ("name", "source", "shared root", "environment", "GPUs/node"):
         table.add_column(column)
     for row in rows:
-        source = "yours" if row["yours"] else "built in / site"
-        table.add_row(plain(row["name"]) + (" (default)" if row["default"] else ""), source,
-                      plain(row["shared_root"]), row["environment"], str(row["gpus_per_node"]))
+        if row["error"]:
+            table.add_row(plain(row["name"]), "yours", f"[red]broken:[/] {plain(row['error'])}", "", "")
+            continue
+        table.add_row(plain(row["name"]) + (" (default)" if row["default"] else ""),
+                      "yours" if row["yours"] else "built in / site", plain(row["shared_root"]),
+                      plain(row["environment"]), str(row["gpus_per_node"]))
     console.print(table)
 
 
@@ -142,6 +193,52 @@ def show(name: str = typer.Argument(...), json_out: bool = typer.Option(False, "
         console.print(plain(yaml.safe_dump(data, sort_keys=False).rstrip()))
 
 
+def typed_value(keys: list[str], raw: str) -> object:
+    """FIELD=VALUE's value as the field wants it: text stays text (an account named 12345, a
+    partition named 0700, NCCL's values), lists, mappings and numbers are read as YAML."""
+    import yaml
+
+    from toolkit.cluster.profile import ClusterProfile
+
+    field = ClusterProfile.model_fields.get(keys[0])
+    if keys[0] == "extends" or len(keys) > 1:
+        return raw
+    if field is None:
+        raise UsageError(f"{keys[0]!r} is not a cluster profile field",
+                         hint="fields: " + ", ".join(sorted(ClusterProfile.model_fields)))
+    origin = typing.get_origin(field.annotation)
+    optional_text = origin in (typing.Union, types.UnionType) and str in typing.get_args(field.annotation)
+    if field.annotation is str or optional_text or origin is typing.Literal:
+        return raw
+    try:
+        return yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError as exc:
+        raise UsageError(f"{'.'.join(keys)}={raw!r} is not a valid value: {exc}".splitlines()[0],
+                         hint="lists as [a, b], mappings as {key: value}") from None
+
+
+def apply_change(body: dict, resolved: dict, change: str) -> None:
+    path, sep, raw = change.partition("=")
+    keys = path.split(".")
+    if not sep or not all(keys):
+        raise UsageError(f"{change!r}: expected FIELD=VALUE", hint="e.g. default_account=research")
+    value = typed_value(keys, raw)
+    if len(keys) == 1:
+        body[keys[0]] = value
+        return
+    node = body.get(keys[0], resolved.get(keys[0]))
+    if not isinstance(node, dict):
+        raise UsageError(f"{change!r}: {keys[0]} is not a mapping here", hint=f"set {keys[0]} as a whole")
+    body[keys[0]] = node = dict(node)
+    for key in keys[1:-1]:
+        child = node.get(key) or {}
+        if not isinstance(child, dict):
+            raise UsageError(f"{change!r}: {key} is not a mapping", hint=f"set {'.'.join(keys[:-1])} as a whole")
+        node[key] = child = dict(child)
+        node = child
+    node[keys[-1]] = value
+
+
 @app.command("set")
 def set_fields(
     name: str = typer.Argument(...),
@@ -149,69 +246,68 @@ def set_fields(
 ) -> None:
     """Change fields of one of your profiles (a built-in or site profile gets an entry of yours that
     extends it)."""
-    import yaml
+    from toolkit.cluster.profile import load_profile, update_user_entry
 
-    from toolkit.cluster.profile import load_profile, read_user_entries, save_user_entry
-
-    entry = read_user_entries().get(name)
     resolved = load_profile(name).model_dump(mode="json")
-    body = dict(entry) if entry is not None else {"extends": name}
-    for change in changes:
-        path, sep, raw = change.partition("=")
-        keys = path.split(".")
-        if not sep or not all(keys):
-            raise UsageError(f"{change!r}: expected FIELD=VALUE", hint="e.g. default_account=research")
-        value = yaml.safe_load(raw) if raw else ""
-        if len(keys) == 1:
-            body[keys[0]] = value
-            continue
-        top = body.get(keys[0], resolved.get(keys[0]))
-        top = dict(top) if isinstance(top, dict) else {}
-        node = top
-        for key in keys[1:-1]:
-            node[key] = dict(node.get(key) or {})
-            node = node[key]
-        node[keys[-1]] = value
-        body[keys[0]] = top
-    save_user_entry(name, body, replace=True)
+
+    def change(entry: dict | None) -> dict:
+        body = dict(entry) if entry is not None else {"extends": name}
+        for item in changes:
+            apply_change(body, resolved, item)
+        return body
+
+    update_user_entry(name, change)
     console.print(f"profile {plain(name)} updated: " + plain(", ".join(changes)))
+
+
+@app.command("rm")
+def remove(name: str = typer.Argument(...)) -> None:
+    """Remove one of your profiles (its training environments stay until the next prepare prunes them)."""
+    from toolkit.cluster.profile import read_user_entries, update_user_entry, user_profiles_path
+
+    if name not in read_user_entries():
+        raise UsageError(f"{user_profiles_path()} has no profile {name!r}", hint="yours: ft cluster ls")
+    update_user_entry(name, lambda entry: None)
+    console.print(f"profile {plain(name)} removed")
 
 
 @app.command()
 def prepare(
     name: str = typer.Argument(None, help="Cluster profile (default: this site's)."),
     container: str = typer.Option(None, "--container", help="Use this image (it holds ft[train]) instead of a venv."),
-    runtime: str = typer.Option("pyxis", "--runtime", help="Container runtime, with --container."),
     base_python: str = typer.Option("python3", "--base-python", help="The compute nodes' Python for the venv."),
     online: bool = typer.Option(False, "--online", help="Let the compute node use the package index too."),
     keep_old: bool = typer.Option(False, "--keep-old", help="Keep your earlier environments of this cluster."),
-    timeout_minutes: int = typer.Option(60, "--timeout-minutes", min=1),
+    timeout_minutes: int = typer.Option(60, "--timeout-minutes", min=5, max=1440),
 ) -> None:
     """Prepare the compute nodes' training environment: a venv on the shared filesystem built by a
     short job on a compute node, from wheels this login node gathers (compute nodes need no
-    internet); or, with --container, an image with ft[train] (pyxis/enroot sites). The profile
-    records which, and rendered scripts run the matching interpreter."""
+    internet); or, with --container, an image with ft[train] (pyxis sites). The profile records
+    which, and rendered scripts run the matching interpreter."""
     from toolkit.cluster import prepare as env
-    from toolkit.cluster.profile import load_profile, read_user_entries, save_user_entry
+    from toolkit.cluster.profile import load_profile, update_user_entry
 
     profile = load_profile(name)
-    entry = dict(read_user_entries().get(profile.name) or {"extends": profile.name})
     if container:
-        entry.update({"environment": "container", "container_runtime": runtime, "container_image": container,
-                      "python": ""})
-        save_user_entry(profile.name, entry, replace=True)
-        console.print(f"profile {plain(profile.name)}: jobs run ft inside {plain(container)} ({plain(runtime)}); "
+        fields = {"environment": "container", "container_runtime": "pyxis", "container_image": container,
+                  "python": ""}
+        update_user_entry(profile.name, lambda entry: {**(entry or {"extends": profile.name}), **fields})
+        console.print(f"profile {plain(profile.name)}: jobs run ft inside {plain(container)} (pyxis); "
                       f"`ft doctor --cluster {plain(profile.name)}` checks that the image holds it")
         return
     with task_spinner(f"preparing {profile.name}") as on_task:
         python = env.prepare_venv(profile, base_python=base_python, offline=not online, on_state=on_task,
-                                  timeout_s=timeout_minutes * 60)
+                                  timeout_minutes=timeout_minutes)
     previous = profile.python if profile.environment == "venv" else ""
-    entry.update({"environment": "venv", "python": str(python)})
-    save_user_entry(profile.name, entry, replace=True)
-    # The venv recorded before may still run a queued or running job: kept until the next prepare.
-    kept = {python.parent.parent} | ({Path(previous).parent.parent} if previous else set())
-    removed = [] if keep_old else env.prune(env.env_place(profile), kept)
-    console.print(f"profile {plain(profile.name)}: jobs run {plain(python)} (ft {plain(env.ready_build(str(python)))})"
-                  + (f"; removed {len(removed)} older environment(s)" if removed else ""))
+    # A venv runs on the host it was built on: an image the profile inherits is not used.
+    fields = {"environment": "venv", "python": str(python), "container_runtime": "", "container_image": ""}
+    update_user_entry(profile.name, lambda entry: {**(entry or {"extends": profile.name}), **fields})
+    console.print(f"profile {plain(profile.name)}: jobs run {plain(python)} (ft {plain(env.ready_build(python))})")
+    if not keep_old:
+        kept, removed = env.prune(env.env_place(profile), python, previous)
+        if removed:
+            console.print(f"removed {len(removed)} older environment(s) of this profile")
+        if kept:
+            console.print(f"kept {len(kept)} older environment(s): jobs of yours are queued or running "
+                          "(the next prepare prunes them)")
     console.print(f"next: [bold]ft doctor --cluster {plain(profile.name)}[/]")

@@ -23,7 +23,7 @@ def doctor(
     Exits 1 when anything blocks a run."""
     from toolkit.cluster.discover import discover
     from toolkit.cluster.profile import load_profile
-    from toolkit.doctor.login import login_checks
+    from toolkit.doctor.login import login_checks, slurm_answers
     from toolkit.doctor.preflight import compute_checks
 
     profile = load_profile(cluster)
@@ -31,7 +31,7 @@ def doctor(
         on_task("asking Slurm")
         found = discover()
         findings = login_checks(profile, found)
-        if not login_only and found.slurm_version:
+        if not login_only and slurm_answers(found):
             on_task(f"preflight step on {nodes} compute node(s)")
             findings += compute_checks(profile, nodes=nodes, wait_s=wait)
     blockers = [f for f in findings if f.level == "blocker"]
@@ -47,7 +47,7 @@ def doctor(
         for f in findings:
             where = "" if f.where == "login" else f" [dim](on {plain(f.where)})[/]"
             fix = f"\n[cyan]fix:[/] {plain(f.fix)}" if f.fix else ""
-            table.add_row(MARK[f.level], f.check, plain(f.detail) + where + fix)
+            table.add_row(MARK.get(f.level, plain(f.level)), f.check, plain(f.detail) + where + fix)
         console.print(table)
         console.print(f"[bold red]{len(blockers)} blocker(s)[/]: fix them before `ft submit`" if blockers
                       else "[green]ready[/]: `ft submit RECIPE --cluster " + plain(profile.name) + "`")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import typer
@@ -89,6 +90,11 @@ def status(as_json: bool = typer.Option(False, "--json", help="Machine-readable 
     from toolkit.lab.status import collect
 
     manifest = LabManifest.load()
+    if manifest is not None and os.geteuid() != 0:
+        # The daemons' pid files and the namespaces are root's to see: as another user every daemon
+        # would look stopped. Slurm itself answers anyone.
+        raise FtError("ft lab status needs root (the lab's daemons are root's to see)",
+                      hint="as a user of the lab: `sinfo` shows its nodes, `ft doctor --cluster NAME` your setup")
     if manifest is None:
         if as_json:
             print_json({"up": False, "healthy": False, "problems": ["no lab on this machine"]})

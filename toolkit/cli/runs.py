@@ -89,17 +89,10 @@ def submit(
 
 def _wait_for(run_id: str, cluster: str | None) -> None:
     """Until the run's job has ended (a requeue is not an end): its state on a spinner, then the verdict."""
-
     from toolkit.api import run as run_handle
 
-    handle = run_handle(run_id, cluster)
     with task_spinner(f"run {run_id}") as step:
-        while True:
-            current = handle.status()
-            step(current.state)
-            if current.job and current.job.finished:
-                break
-            time.sleep(3)
+        current = run_handle(run_id, cluster).wait(poll=3, on_state=lambda status: step(status.state))
     if current.state != "COMPLETED":
         err_console.print(f"run {plain(run_id)} ended [bold red]{plain(current.state)}[/]: "
                           f"ft status {plain(run_id)}; ft logs {plain(run_id)}")

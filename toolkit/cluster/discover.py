@@ -38,13 +38,10 @@ class Partition:
     name: str
     default: bool = False
     state: str = "UP"
-    max_time: str = "UNLIMITED"
     max_nodes: int | None = None
     total_nodes: int = 0
     allow_accounts: str = "ALL"
     allow_qos: str = "ALL"
-    qos: str = ""
-    priority_tier: int = 1
 
     def admits(self, account: str | None, qos: str | None) -> str | None:
         """Why this partition refuses the account or QOS, or None."""
@@ -71,7 +68,9 @@ class Discovery:
     nodes: dict[str, NodeGpus] = field(default_factory=dict)
     qos: list[str] = field(default_factory=list)
     accounts: list[str] = field(default_factory=list)  # this user's associations
+    account_qos: dict[str, list[str]] = field(default_factory=dict)  # account -> the QOS this user may use there
     default_account: str | None = None
+    enforces_associations: bool = False  # AccountingStorageEnforce: a job needs an association
     shared_candidates: list[str] = field(default_factory=list)
     unread: dict[str, str] = field(default_factory=dict)  # what could not be read, and why
 
@@ -105,14 +104,11 @@ def parse_partitions(text: str) -> dict[str, Partition]:
         if not name:
             continue
         max_nodes = values.get("MaxNodes", "UNLIMITED")
+        total = values.get("TotalNodes", "0")
         partitions[name] = Partition(
             name=name, default=values.get("Default") == "YES", state=values.get("State", "UP"),
-            max_time=values.get("MaxTime", "UNLIMITED"),
-            max_nodes=int(max_nodes) if max_nodes.isdigit() else None,
-            total_nodes=int(values.get("TotalNodes", "0") or 0),
-            allow_accounts=values.get("AllowAccounts", "ALL"), allow_qos=values.get("AllowQos", "ALL"),
-            qos=values.get("QoS", "N/A").replace("N/A", ""),
-            priority_tier=int(values.get("PriorityTier", "1") or 1))
+            max_nodes=int(max_nodes) if max_nodes.isdigit() else None, total_nodes=int(total) if total.isdigit() else 0,
+            allow_accounts=values.get("AllowAccounts", "ALL"), allow_qos=values.get("AllowQos", "ALL"))
     return partitions
 
 
@@ -179,10 +175,18 @@ def discover(run: Runner = run_quietly, user: str | None = None) -> Discovery:
         found.qos = [line.strip() for line in qos.stdout.splitlines() if line.strip()]
     else:
         found.unread["qos"] = qos.stderr.strip() or "sacctmgr failed (accounting off?)"
+    config = run(["scontrol", "show", "config"])
+    enforce = re.search(r"^AccountingStorageEnforce\s*=\s*(\S*)", config.stdout, re.M)
+    found.enforces_associations = bool(enforce and re.search(r"assoc|limits|qos|safe", enforce.group(1)))
     associations = run(["sacctmgr", "--noheader", "--parsable2", "show", "associations", f"user={user}",
-                        "format=Account"])
+                        "format=Account,QOS"])
     if associations.returncode == 0:
-        found.accounts = sorted({line.strip() for line in associations.stdout.splitlines() if line.strip()})
+        for line in associations.stdout.splitlines():
+            account, _, qos = line.strip().partition("|")
+            if account:
+                found.account_qos.setdefault(account, [])
+                found.account_qos[account] += [q for q in qos.split(",") if q and q not in found.account_qos[account]]
+        found.accounts = sorted(found.account_qos)
         default = run(["sacctmgr", "--noheader", "--parsable2", "show", "user", user, "format=DefaultAccount"])
         found.default_account = default.stdout.strip().splitlines()[0] if default.stdout.strip() else None
     else:

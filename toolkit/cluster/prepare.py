@@ -6,9 +6,12 @@ first: compute nodes often have no internet, login nodes do. Or a container imag
 for pyxis/enroot sites, which is recorded, not built. The profile records which, and every
 rendered script runs the right interpreter for it (`ClusterProfile.training_python`).
 
-    <shared root>/envs/uid-N/wheelhouse/         wheels + constraints.txt (reused between builds)
-    <shared root>/envs/uid-N/ft-<build>/          the venv; .ft-build marks it complete
-    <shared root>/envs/uid-N/prepare-<build>.sbatch, prepare-<build>.log
+    <shared root>/envs/uid-N/wheelhouse/                  wheels + constraints.txt
+    <shared root>/envs/uid-N/<profile>/ft-<build>/         the venv; .ft-build marks it complete
+    <shared root>/envs/uid-N/<profile>/prepare-<build>.sbatch, .log, wheels-<build>.log
+
+The wheels are the login node's platform's: where compute nodes differ (an aarch64 partition
+behind an x86_64 login node), the job says so and `--online` lets it install from the index.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +29,14 @@ from toolkit.build import build_id
 from toolkit.cluster.profile import ClusterProfile, ProfileError
 from toolkit.errors import FtError
 from toolkit.paths import resource_dir
-from toolkit.shared_dirs import common_dir, private_dir, require_trusted, shared_root_path, write_atomically
+from toolkit.shared_dirs import (
+    SharedFolderError,
+    common_dir,
+    private_dir,
+    require_trusted,
+    shared_root_path,
+    write_atomically,
+)
 from toolkit.slurm import commands
 
 READY_STAMP = ".ft-build"
@@ -39,11 +48,16 @@ class PrepareError(FtError):
 
 @dataclass(frozen=True)
 class EnvPlace:
-    folder: Path  # <shared root>/envs/uid-N
+    user_folder: Path  # <shared root>/envs/uid-N
+    profile: str
 
     @property
     def wheelhouse(self) -> Path:
-        return self.folder / "wheelhouse"
+        return self.user_folder / "wheelhouse"
+
+    @property
+    def folder(self) -> Path:
+        return self.user_folder / self.profile
 
     def venv(self, build: str) -> Path:
         return self.folder / f"ft-{build}"
@@ -54,23 +68,29 @@ class EnvPlace:
     def log(self, build: str) -> Path:
         return self.folder / f"prepare-{build}.log"
 
+    def wheels_log(self, build: str) -> Path:
+        return self.folder / f"wheels-{build}.log"
+
 
 def env_place(profile: ClusterProfile) -> EnvPlace:
-    """This user's folder for environments on the profile's shared root (private; refused when
+    """This user's folder for this profile's environments on its shared root (private; refused when
     another user made it first: a venv is code every job runs)."""
+    fix = f"ft cluster set {profile.name} shared_root=/a/folder/on/the/shared/filesystem/you/may/write"
     if not profile.shared_root:
         raise ProfileError(f"cluster profile {profile.name} has no shared_root: the compute nodes need the "
-                           "environment on a filesystem they share",
-                           hint=f"`ft cluster set {profile.name} shared_root=/path/on/the/shared/filesystem`")
+                           "environment on a filesystem they share", hint=fix)
     root = shared_root_path(profile.shared_root)
     if not root.is_dir():
-        raise ProfileError(f"the shared root {root} does not exist",
-                           hint=f"`mkdir -p {root}` if it is yours to make, or `ft cluster set {profile.name} "
-                                "shared_root=...` (a folder on the shared filesystem you may write)")
-    return EnvPlace(private_dir(common_dir(require_trusted(root) / "envs") / f"uid-{os.getuid()}"))
+        raise ProfileError(f"the shared root {root} does not exist", hint=f"mkdir -p {root}, or {fix}")
+    try:
+        mine = private_dir(common_dir(require_trusted(root) / "envs") / f"uid-{os.getuid()}")
+        private_dir(mine / profile.name)
+    except SharedFolderError as exc:
+        raise ProfileError(exc.message, hint=f"{exc.hint}; or {fix}") from None
+    return EnvPlace(mine, profile.name)
 
 
-def ready_build(python: str) -> str | None:
+def ready_build(python: str | Path) -> str | None:
     """The ft build a prepared venv holds (its stamp), or None: not built, or its build failed."""
     stamp = Path(python).parent.parent / READY_STAMP
     try:
@@ -107,14 +127,16 @@ def gather_wheels(place: EnvPlace, log: Path, run: Callable = subprocess.run) ->
     source = source_tree()
     requirement = f"{source}[train]" if source else f"ft[train]=={__version__}"
     # pip's own settings (PIP_INDEX_URL, PIP_FIND_LINKS: a site's mirror) apply: none given here.
-    argv = [sys.executable, "-m", "pip", "wheel", "--disable-pip-version-check", "--wheel-dir",
+    # --use-pep517: an older pip (Debian's venvs have 23.0, without `wheel`) builds deepspeed's
+    # source package the way current ones do, instead of failing on bdist_wheel.
+    argv = [sys.executable, "-m", "pip", "wheel", "--disable-pip-version-check", "--use-pep517", "--wheel-dir",
             str(place.wheelhouse), "--constraint", str(place.wheelhouse / "constraints.txt"), requirement]
     with open(log, "w") as output:
         completed = run(argv, stdout=output, stderr=subprocess.STDOUT, env={**os.environ, "DS_BUILD_OPS": "0"},
                         stdin=subprocess.DEVNULL, check=False)
     if completed.returncode != 0:
         raise PrepareError(f"gathering the training stack's wheels failed (pip, exit {completed.returncode}): "
-                           f"{tail(log)}", hint=f"the whole log: {log}; the login node needs the package index")
+                           f"{tail(log)}", hint=f"the whole log: {log}")
     wheels = sorted(place.wheelhouse.glob(f"ft-{__version__}-*.whl"))
     if not wheels:
         raise PrepareError(f"pip built no wheel of ft {__version__} into {place.wheelhouse}", hint=f"see {log}")
@@ -129,13 +151,16 @@ def tail(path: Path, lines: int = 12) -> str:
 
 
 def render_job(profile: ClusterProfile, place: EnvPlace, build: str, wheel: Path, base_python: str,
-               offline: bool, time_minutes: int = 30) -> str:
+               offline: bool, time_minutes: int = 60) -> str:
+    import platform
+
     from toolkit.render.sbatch import template_environment
 
-    standard = profile.tiers.get("standard") or next(iter(profile.tiers.values()))
+    standard = profile.standard_tier
     return template_environment().get_template("prepare_env.sbatch.j2").render(
         version=__version__, profile=profile, partition=standard.partition, qos=standard.qos,
-        account=profile.default_account, time_minutes=f"{time_minutes:02d}", log=str(place.log(build)),
+        account=profile.default_account, time_limit=f"{time_minutes // 60:02d}:{time_minutes % 60:02d}:00",
+        machine=platform.machine(), log=str(place.log(build)),
         target=str(place.venv(build)), wheelhouse=str(place.wheelhouse), base_python=base_python,
         offline=offline, requirement=f"{wheel}[train]", python_version=sys.version_info[:2],
         python_tag=f"cp{sys.version_info.major}{sys.version_info.minor}")
@@ -143,50 +168,56 @@ def render_job(profile: ClusterProfile, place: EnvPlace, build: str, wheel: Path
 
 def submit_and_wait(script: Path, on_state: Callable[[str], None], timeout_s: float) -> tuple[str, str]:
     """sbatch the script; wait for its end. Returns (job id, final state)."""
-    from toolkit.slurm.client import CliSlurmClient
+    from toolkit.slurm.client import CliSlurmClient, wait_for_job
 
     submitted = commands.run(["sbatch", "--parsable", str(script)])
     job_id = submitted.stdout.strip().split(";")[0]
-    client = CliSlurmClient()
-    deadline = time.monotonic() + timeout_s
-    state = "PENDING"
-    while time.monotonic() < deadline:
-        info = client.job(job_id)
-        state = info.state if info else state
-        on_state(f"job {job_id}: {state}" + (f" ({info.reason})" if info and info.reason else ""))
-        if info and info.finished:
-            return job_id, state
-        time.sleep(2)
-    commands.run(["scancel", job_id], check=False)
-    return job_id, "TIMEOUT (ft's wait; job cancelled)"
+    info = wait_for_job(CliSlurmClient(), job_id, lambda info: on_state(f"job {job_id}: {info.describe()}"),
+                        timeout_s)
+    if info is None or not info.finished:
+        commands.run(["scancel", job_id], check=False)
+        return job_id, "TIMEOUT (ft's wait; job cancelled)"
+    return job_id, info.state
 
 
 def prepare_venv(profile: ClusterProfile, base_python: str = "python3", offline: bool = True,
-                 on_state: Callable[[str], None] = lambda _: None, timeout_s: float = 3600) -> Path:
+                 on_state: Callable[[str], None] = lambda _: None, timeout_minutes: int = 60) -> Path:
     """Build the venv on a compute node; returns its interpreter. Nothing is recorded on failure."""
     place = env_place(profile)
     build = build_id()
     venv = place.venv(build)
-    if ready_build(str(venv / "bin" / "python")) == build:
+    if ready_build(venv / "bin" / "python") == build:
         return venv / "bin" / "python"
     on_state("gathering wheels on the login node (pip)")
-    wheel = gather_wheels(place, place.folder / f"wheels-{build}.log")
+    wheel = gather_wheels(place, place.wheels_log(build))
     script = place.script(build)
-    write_atomically(script, render_job(profile, place, build, wheel, base_python, offline), mode=0o700)
-    job_id, state = submit_and_wait(script, on_state, timeout_s)
-    built = ready_build(str(venv / "bin" / "python"))
-    if state != "COMPLETED" or built != build:
+    write_atomically(script, render_job(profile, place, build, wheel, base_python, offline, timeout_minutes),
+                     mode=0o700)
+    job_id, state = submit_and_wait(script, on_state, timeout_minutes * 60 + 120)
+    if state != "COMPLETED" or ready_build(venv / "bin" / "python") != build:
         raise PrepareError(f"the environment job {job_id} ended {state} without a complete environment:\n"
                            f"{tail(place.log(build))}",
                            hint=f"the job's log: {place.log(build)}; its script: {script}")
     return venv / "bin" / "python"
 
 
-def prune(place: EnvPlace, keep: set[Path]) -> list[Path]:
-    """Remove this user's older environments (a venv is about 2 GB), keeping `keep`."""
-    removed = []
-    for venv in place.folder.glob("ft-*"):
-        if venv.is_dir() and venv not in keep:
-            shutil.rmtree(venv, ignore_errors=True)
-            removed.append(venv)
-    return removed
+def prune(place: EnvPlace, current: Path, previous: str) -> tuple[list[Path], list[Path]]:
+    """Remove this profile's older environments (a venv is about 2 GB) but the new one and the one
+    recorded before it, with their scripts and logs. While jobs of this user are queued or running,
+    nothing is removed (one of them may run an older environment: a requeued job keeps its
+    script). Returns (kept, removed)."""
+    keep = {current.parent.parent} | ({Path(previous).parent.parent} if previous else set())
+    older = [venv for venv in place.folder.glob("ft-*") if venv.is_dir() and venv not in keep]
+    if not older or user_has_jobs():
+        return older, []
+    for venv in older:
+        shutil.rmtree(venv, ignore_errors=True)
+        build = venv.name.removeprefix("ft-")
+        for leftover in (place.script(build), place.log(build), place.wheels_log(build)):
+            leftover.unlink(missing_ok=True)
+    return [], older
+
+
+def user_has_jobs() -> bool:
+    listed = commands.run(["squeue", "--noheader", "--user", str(os.getuid()), "--format=%i"], check=False)
+    return listed.returncode != 0 or bool(listed.stdout.strip())

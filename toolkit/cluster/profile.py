@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -51,7 +52,7 @@ class ClusterProfile(BaseModel):
     gpus_per_node: int = Field(ge=0)
     # Workers per node where there are no GPUs (the lab: gloo on CPU). None: one per GPU.
     cpu_workers_per_node: int | None = None
-    max_nodes: int | None = None
+    max_nodes: int | None = Field(None, ge=1)
     fabric: str = "none"
     nccl_env: dict[str, str] = {}
     tiers: dict[str, TierTarget]
@@ -127,6 +128,20 @@ class ClusterProfile(BaseModel):
             raise ValueError(f"{value!r}: an interpreter path is one line")
         return value
 
+    @field_validator("tiers")
+    @classmethod
+    def has_standard_tier(cls, value: dict[str, TierTarget]) -> dict[str, TierTarget]:
+        if "standard" not in value:
+            raise ValueError("a profile needs at least the standard tier (tiers.standard.partition)")
+        return value
+
+    @field_validator("container_runtime")
+    @classmethod
+    def known_runtime(cls, value: str) -> str:
+        if value not in ("", "pyxis"):
+            raise ValueError(f"{value!r}: ft runs containers through pyxis (srun --container-image); '' for none")
+        return value
+
     @model_validator(mode="after")
     def container_has_image(self) -> ClusterProfile:
         if self.environment == "container" and not (self.container_runtime and self.container_image):
@@ -151,7 +166,14 @@ class ClusterProfile(BaseModel):
 
     @property
     def in_container(self) -> bool:
-        return bool(self.container_runtime and self.container_image)
+        """Whether srun's steps run in the profile's image: a venv of its own (`ft cluster prepare`
+        on a profile that extends a container one) runs on the host, where it was built."""
+        return self.environment != "venv" and bool(self.container_runtime and self.container_image)
+
+    @property
+    def standard_tier(self) -> TierTarget:
+        """Where ft's own short jobs (the environment build, doctor's preflight) run."""
+        return self.tiers["standard"]
 
     @property
     def distributed_backend(self) -> str:
@@ -174,7 +196,8 @@ def _parse(data: dict, origin: str) -> ClusterProfile:
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(part) for part in first["loc"])
-        raise ProfileError(f"{origin}: cluster profile field {field}: {first['msg']}") from None
+        where = f"cluster profile field {field}" if field else "cluster profile"
+        raise ProfileError(f"{origin}: {where}: {first['msg'].removeprefix('Value error, ')}") from None
 
 
 def _read(path: Path) -> object:
@@ -189,8 +212,8 @@ def user_profiles_path() -> Path:
     return Path(os.environ.get("FT_CLUSTERS_FILE", os.path.join(base, "ft", "clusters.yaml")))
 
 
-def available_profiles() -> dict[str, ClusterProfile]:
-    """Every profile by name; later sources override earlier: built in, site, user."""
+def base_profiles() -> dict[str, ClusterProfile]:
+    """The built-in profiles, then this site's over them."""
     profiles: dict[str, ClusterProfile] = {}
     for path in sorted(BUILTIN_DIR.glob("*.yaml")):
         profile = _parse(load_trusted_yaml(path), str(path))
@@ -203,14 +226,56 @@ def available_profiles() -> dict[str, ClusterProfile]:
             merged = (base.model_dump() if base else {}) | {k: v for k, v in site.items() if v not in ("", None)}
             profile = _parse(merged, str(site_path))
             profiles[profile.name] = profile
-    user_file = user_profiles_path()
-    if user_file.is_file():
-        entries = _read(user_file) or {}
-        if not isinstance(entries, dict):
-            raise ProfileError(f"{user_file}: expected a mapping of profile name to profile")
-        for name, body in entries.items():
-            profiles[name] = user_profile(name, body, profiles, str(user_file))
     return profiles
+
+
+def resolve_user_entries(entries: dict, base: dict[str, ClusterProfile], origin: str
+                         ) -> tuple[dict[str, ClusterProfile], dict[str, ProfileError]]:
+    """The user's entries over the base profiles, each after the entry it extends (whatever their
+    order in the file). An entry that extends its own name extends the base profile of that name. A
+    broken entry (and those extending it) is set apart with its error: it never hides the others."""
+    profiles = dict(base)
+    errors: dict[str, ProfileError] = {}
+    done: set[str] = set()
+
+    def resolve(name: str, chain: tuple[str, ...]) -> None:
+        if name in done:
+            return
+        body = entries[name]
+        parent = body.get("extends") if isinstance(body, dict) else None
+        try:
+            if name in chain:
+                raise ProfileError(f"{origin}: profiles extend each other in a loop: {' -> '.join((*chain, name))}",
+                                   hint="make one of them extend a built-in profile (lab, hyperpod, ...)")
+            if parent in entries and parent != name:
+                resolve(parent, (*chain, name))
+                if parent in errors:
+                    raise ProfileError(f"{origin}: profile {name} extends {parent}, which is broken: "
+                                       f"{errors[parent].message}")
+            profiles[name] = user_profile(name, body, base if parent == name else profiles, origin)
+        except ProfileError as exc:
+            errors[name] = exc
+            if name in base:
+                profiles[name] = base[name]  # `ft cluster ls` still lists it; load_profile raises the error
+            else:
+                profiles.pop(name, None)
+        done.add(name)
+
+    for name in entries:
+        resolve(name, ())
+    return profiles, errors
+
+
+def load_all() -> tuple[dict[str, ClusterProfile], dict[str, ProfileError]]:
+    """Every profile by name (later sources override earlier: built in, site, user), and the user's
+    entries that are broken, with why."""
+    base = base_profiles()
+    path = user_profiles_path()
+    return resolve_user_entries(read_user_entries(), base, str(path)) if path.is_file() else (base, {})
+
+
+def available_profiles() -> dict[str, ClusterProfile]:
+    return load_all()[0]
 
 
 def user_profile(name: str, body: object, profiles: dict[str, ClusterProfile], origin: str) -> ClusterProfile:
@@ -231,15 +296,20 @@ def read_user_entries() -> dict:
     path = user_profiles_path()
     entries = _read(path) if path.is_file() else {}
     if not isinstance(entries or {}, dict):
-        raise ProfileError(f"{path}: expected a mapping of profile name to profile")
+        raise ProfileError(f"{path}: expected a mapping of profile name to profile",
+                           hint=f"fix or remove {path}")
     return dict(entries or {})
 
 
-def save_user_entry(name: str, body: dict, replace: bool = False) -> ClusterProfile:
-    """Add (or with `replace`, overwrite) one entry of the user's profiles file, checked as a whole
-    profile first; the other entries are kept (their comments are not). Written atomically under a
-    lock: two `ft cluster` commands at once lose neither's entry."""
+def update_user_entry(name: str, change: Callable[[dict | None], dict | None]) -> ClusterProfile | None:
+    """Read, change and write one entry of the user's profiles file under a lock (two `ft cluster`
+    commands at once lose neither's change): `change` gets the entry (None: there is none) and
+    returns the new one (None: remove it). The whole file is checked before it is written, and
+    nothing is written when any entry would be broken. The other entries are kept (their comments
+    are not)."""
     import fcntl
+
+    import yaml
 
     from toolkit.shared_dirs import write_atomically
 
@@ -248,16 +318,23 @@ def save_user_entry(name: str, body: dict, replace: bool = False) -> ClusterProf
     with open(path.with_name(path.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         entries = read_user_entries()
-        if name in entries and not replace:
-            raise ProfileError(f"{path} already has a profile {name!r}",
-                               hint=f"`ft cluster set {name} FIELD=VALUE` changes it; --force replaces it")
-        profile = user_profile(name, body, available_profiles(), str(path))
-        entries[name] = body
-        import yaml
-
+        base = base_profiles()
+        broken_before = set(resolve_user_entries(entries, base, str(path))[1])
+        body = change(entries.get(name))
+        if body is None:
+            entries.pop(name, None)
+        else:
+            entries[name] = body
+        profiles, errors = resolve_user_entries(entries, base, str(path))
+        # Refused: a change that breaks its entry or another one; an entry broken before (by a hand
+        # edit) does not stop changes to the others, nor its own mending or removal.
+        new_errors = {key: error for key, error in errors.items() if key == name or key not in broken_before}
+        if new_errors:
+            first = new_errors.get(name) or next(iter(new_errors.values()))
+            raise ProfileError(f"not changed: {first.message}", hint=first.hint)
         write_atomically(path, "# ft's cluster profiles for this user (`ft cluster add`, `ft cluster set`).\n"
                          + yaml.safe_dump(entries, sort_keys=False))
-    return profile
+    return profiles.get(name) if body is not None else None
 
 
 def default_profile_name() -> str:
@@ -270,8 +347,10 @@ def default_profile_name() -> str:
 
 
 def load_profile(name: str | None) -> ClusterProfile:
-    profiles = available_profiles()
+    profiles, errors = load_all()
     wanted = name or default_profile_name()
+    if wanted in errors:
+        raise errors[wanted]
     if wanted not in profiles:
         import difflib
 

@@ -104,6 +104,8 @@ def propose(discovery: Discovery, answers: Answers) -> Proposal:
         proposal.set("gpus_per_node", gpus, f"GRES of partition {standard}'s nodes" + (f" ({kind})" if kind else ""))
     if answers.cpu_workers_per_node is not None:
         proposal.set("cpu_workers_per_node", answers.cpu_workers_per_node, "--cpu-workers-per-node")
+    elif proposal.body.get("gpus_per_node") == 0 and not answers.extends:
+        proposal.set("cpu_workers_per_node", 1, "no GPU GRES: one CPU worker per node (gloo)")
     if standard and standard in discovery.partitions:
         partition = discovery.partitions[standard]
         nodes = partition.max_nodes or partition.total_nodes

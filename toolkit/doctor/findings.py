@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-LEVELS = ("ok", "warn", "blocker")
-
 
 @dataclass(frozen=True)
 class Finding:

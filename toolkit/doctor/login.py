@@ -27,15 +27,22 @@ def closest(name: str, known: list[str]) -> str:
 
 def check_slurm(found: Discovery) -> list[Finding]:
     if not found.slurm_version:
-        return [blocker("slurm", f"Slurm does not answer on this host: {found.unread.get('slurm', 'no sinfo')}",
-                        "load Slurm's client tools (`module load slurm`) and check `scontrol ping`; "
-                        "on the local lab, `ft lab up`")]
+        return [blocker("slurm", f"Slurm's tools do not run on this host: {found.unread.get('slurm', 'no sinfo')}",
+                        "load Slurm's client tools (`module load slurm`); on the local lab, `ft lab up`")]
+    if "partitions" in found.unread:  # sinfo --version answers without the controller
+        return [blocker("slurm", f"the Slurm controller does not answer: {found.unread['partitions'] or 'no reply'}",
+                        "check `scontrol ping`; ask the cluster's admins; on the local lab, `ft lab up`")]
     return [ok("slurm", f"Slurm {found.slurm_version} answers")]
+
+
+def slurm_answers(found: Discovery) -> bool:
+    return bool(found.slurm_version) and "partitions" not in found.unread
 
 
 def check_tiers(profile: ClusterProfile, found: Discovery) -> list[Finding]:
     findings = []
     names = sorted(found.partitions)
+    account = profile.default_account or found.default_account
     for tier, target in profile.tiers.items():
         partition = found.partitions.get(target.partition)
         if partition is None:
@@ -47,7 +54,7 @@ def check_tiers(profile: ClusterProfile, found: Discovery) -> list[Finding]:
         if partition.state != "UP":
             findings.append(warn("partition", f"tier {tier}: partition {partition.name} is {partition.state}",
                                  "ask the cluster's admins, or use another partition for this tier"))
-        refused = partition.admits(profile.default_account, target.qos)
+        refused = partition.admits(account, target.qos) or qos_refused(account, target.qos, found)
         if refused:
             findings.append(blocker("partition", f"tier {tier}: {refused}",
                                     f"ft cluster set {profile.name} default_account=... (or another partition)"))
@@ -61,10 +68,23 @@ def check_tiers(profile: ClusterProfile, found: Discovery) -> list[Finding]:
     return findings
 
 
+def qos_refused(account: str | None, qos: str | None, found: Discovery) -> str | None:
+    """Why this user may not use the QOS under the account (their association's QOS list), or None."""
+    allowed = found.account_qos.get(account or "", [])
+    exists = not found.qos or qos in found.qos  # one that does not exist is named as such
+    if qos and allowed and exists and qos not in allowed:
+        return f"your association with account {account} may use QOS {', '.join(allowed)}, not {qos}"
+    return None
+
+
 def check_account(profile: ClusterProfile, found: Discovery) -> list[Finding]:
     if "accounts" in found.unread:
         return [warn("account", f"your Slurm accounts could not be read ({found.unread['accounts']}): "
                                 "not checked", "")]
+    if not found.accounts and found.enforces_associations:
+        return [blocker("account", f"you ({found.user}) have no Slurm association: this cluster enforces them, "
+                                   "so every job would be refused", "ask the cluster's admins to add you to an "
+                                   "account (sacctmgr add user NAME account=ACCOUNT)")]
     if profile.default_account is None:
         if found.default_account or not found.accounts:
             return [ok("account", "jobs use your default Slurm account"
@@ -83,7 +103,7 @@ def check_account(profile: ClusterProfile, found: Discovery) -> list[Finding]:
 def check_gpus(profile: ClusterProfile, found: Discovery) -> list[Finding]:
     if profile.gpus_per_node == 0:
         return [ok("gpus", "the profile asks for no GPUs")]
-    standard = profile.tiers.get("standard") or next(iter(profile.tiers.values()))
+    standard = profile.standard_tier
     if standard.partition not in found.partitions:
         return []  # the partition check names it
     gpus, kind = found.gpus_in(standard.partition)
@@ -118,14 +138,14 @@ def check_shared_root(profile: ClusterProfile) -> list[Finding]:
     return [ok("shared_root", f"{root} is writable")]
 
 
-def has_training_stack() -> list[str]:
+def missing_training_stack() -> list[str]:
     """The training packages this interpreter lacks (found without importing them: instant)."""
     return [name for name in TRAINING_STACK if importlib.util.find_spec(name) is None]
 
 
 def check_environment(profile: ClusterProfile) -> list[Finding]:
     prepare = f"ft cluster prepare {profile.name}"
-    if profile.environment == "container" or profile.in_container:
+    if profile.in_container:
         return [ok("environment", f"container image {profile.container_image} ({profile.container_runtime}); "
                                   "the compute check below shows whether it holds ft")]
     if profile.environment == "venv":
@@ -141,7 +161,7 @@ def check_environment(profile: ClusterProfile) -> list[Finding]:
     python = profile.python or sys.executable
     if profile.python and not os.access(profile.python, os.X_OK):
         return [blocker("environment", f"the profile's python {profile.python} does not exist here", prepare)]
-    missing = has_training_stack() if not profile.python else []
+    missing = missing_training_stack() if not profile.python else []
     if missing:
         return [blocker("environment", f"no training environment: jobs would run {python}, which lacks "
                                        f"{', '.join(missing)} (a login-node install)", prepare)]
@@ -150,6 +170,6 @@ def check_environment(profile: ClusterProfile) -> list[Finding]:
 
 def login_checks(profile: ClusterProfile, found: Discovery) -> list[Finding]:
     findings = check_slurm(found)
-    if found.slurm_version:
+    if slurm_answers(found):
         findings += check_tiers(profile, found) + check_account(profile, found) + check_gpus(profile, found)
     return findings + check_shared_root(profile) + check_environment(profile)

@@ -6,9 +6,7 @@ cannot write does not hide the answer."""
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,33 +14,38 @@ from pathlib import Path
 from toolkit.build import build_id
 from toolkit.cluster.profile import ClusterProfile
 from toolkit.doctor.findings import Finding, blocker, merge_nodes, ok, warn
-from toolkit.shared_dirs import common_dir, private_dir, require_trusted, shared_root_path
+from toolkit.errors import FtError
+from toolkit.shared_dirs import user_cache
 from toolkit.slurm import commands
 
 # Runs on each node before any Python of the user's: says which of the interpreter and ft is missing.
 WRAPPER = r"""
 python=$1 node=$(hostname)
 if ! command -v "$python" >/dev/null 2>&1; then echo "FT-DOCTOR-MISSING $node python"; exit 0; fi
-if ! "$python" -c 'import toolkit.doctor.compute' >/dev/null 2>&1; then echo "FT-DOCTOR-MISSING $node ft"; exit 0; fi
-exec "$python" -m toolkit.doctor.compute "$2"
+if ! "$python" -c 'import toolkit.train.doctor' >/dev/null 2>&1; then echo "FT-DOCTOR-MISSING $node ft"; exit 0; fi
+exec "$python" -m toolkit.train.doctor "$2"
+"""
+# Beside a container: the job script's own steps run on the host, with the login node's install.
+BATCH_WRAPPER = r"""
+python=$1 node=$(hostname)
+if ! "$python" -c 'import toolkit.watch.supervise' >/dev/null 2>&1; then echo "FT-DOCTOR-MISSING $node batch"; fi
+echo "FT-DOCTOR-DONE $node 0"
 """
 
 
-def token_file(profile: ClusterProfile) -> Path | None:
+def token_file(profile: ClusterProfile) -> Path:
     """A file only this login node could have written, that each node reads back (the same
-    filesystem) and answers beside (writable, and visible from here). None without a usable root."""
-    try:
-        root = require_trusted(shared_root_path(profile.shared_root))
-        folder = private_dir(common_dir(root / "doctor") / f"uid-{os.getuid()}")
-    except Exception:  # the login checks name what is wrong with the shared root
-        return None
-    token = folder / f"token-{secrets.token_hex(6)}"
+    filesystem) and answers beside (writable, and visible from here), in this user's own cache
+    folder on the shared root."""
+    token = user_cache(profile.shared_root) / f"doctor-token-{secrets.token_hex(6)}"
     token.write_text(token.name)
     return token
 
 
-def srun_argv(profile: ClusterProfile, nodes: int, wait_s: int, python: str, args: dict) -> list[str]:
-    standard = profile.tiers.get("standard") or next(iter(profile.tiers.values()))
+def step_options(profile: ClusterProfile, nodes: int, wait_s: int) -> list[str]:
+    """srun's options for a short step placed as the profile's jobs are (with their GPUs: where
+    Slurm constrains devices, a step without GPUs sees none)."""
+    standard = profile.standard_tier
     argv = ["srun", f"--nodes={nodes}", "--ntasks-per-node=1", f"--partition={standard.partition}",
             "--time=5", "--job-name=ft-doctor", f"--immediate={wait_s}", "--chdir=/", "--quiet",
             "--label"]  # whole lines per task: two nodes' long lines would otherwise interleave
@@ -50,6 +53,13 @@ def srun_argv(profile: ClusterProfile, nodes: int, wait_s: int, python: str, arg
         argv.append(f"--qos={standard.qos}")
     if profile.default_account:
         argv.append(f"--account={profile.default_account}")
+    if profile.gpus_per_node:
+        argv.append(f"--gres=gpu:{profile.gpus_per_node}")
+    return argv
+
+
+def srun_argv(profile: ClusterProfile, nodes: int, wait_s: int, python: str, args: dict) -> list[str]:
+    argv = step_options(profile, nodes, wait_s)
     if profile.in_container:
         argv += [f"--container-image={profile.container_image}",
                  f"--container-mounts={profile.shared_root}", "--container-workdir=/"]
@@ -73,28 +83,57 @@ def refused(stderr: str, profile: ClusterProfile) -> Finding:
 
 
 def compute_checks(profile: ClusterProfile, nodes: int = 2, wait_s: int = 120) -> list[Finding]:
-    token = token_file(profile)
+    try:
+        token = token_file(profile)
+    except (FtError, OSError) as exc:  # the login checks say what is wrong with the shared root
+        token = None
+        unusable = blocker("shared_root", f"the shared root cannot hold doctor's test file: "
+                                          f"{getattr(exc, 'message', exc)}",
+                           getattr(exc, "hint", None) or f"ft cluster set {profile.name} shared_root=...")
     python = profile.training_python(sys.executable)
     args = {"profile": profile.name, "login_build": build_id(), "token": str(token or "/nonexistent"),
             "token_value": token.name if token else "", "fabric": profile.fabric,
             "gpus_per_node": profile.gpus_per_node, "cpu_workers": profile.cpu_workers_per_node,
             "s3_prefix": profile.s3_prefix, "s3_endpoint": profile.s3_endpoint, "lab": profile.name == "lab"}
-    env = commands.slurm_env() | profile.nccl_env
-    argv = srun_argv(profile, nodes, wait_s, python, args)
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=wait_s + 300,
-                              stdin=subprocess.DEVNULL, check=False)
-    except FileNotFoundError:
-        return [blocker("preflight", "srun is not installed here", "load Slurm's client tools (`module load slurm`)")]
-    except subprocess.TimeoutExpired:
-        return [blocker("preflight", f"the preflight step did not end within {wait_s + 300} s",
-                        f"look at `squeue -u $USER -n ft-doctor`; try `{shlex.join(argv[:4])} hostname`")]
-    try:
-        return read_reports(done, profile, python, token, nodes)
+        done = run_step(srun_argv(profile, nodes, wait_s, python, args), profile, wait_s)
+        if isinstance(done, Finding):
+            return [done]
+        findings = read_reports(done, profile, python, token, nodes)
+        if profile.in_container:
+            findings += batch_host_checks(profile, wait_s)
+        return findings if token else [unusable, *findings]
     finally:
         if token:
             for path in token.parent.glob(token.name + "*"):
                 path.unlink(missing_ok=True)
+
+
+def run_step(argv: list[str], profile: ClusterProfile, wait_s: int) -> subprocess.CompletedProcess | Finding:
+    env = commands.slurm_env() | profile.nccl_env
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=wait_s + 120,
+                              stdin=subprocess.DEVNULL, check=False)
+    except FileNotFoundError:
+        return blocker("preflight", "srun is not installed here", "load Slurm's client tools (`module load slurm`)")
+    except subprocess.TimeoutExpired:
+        return blocker("preflight", f"the preflight step did not end within {wait_s + 120} s",
+                       "look at `squeue -u $USER -n ft-doctor`; run `ft doctor` again later")
+
+
+def batch_host_checks(profile: ClusterProfile, wait_s: int) -> list[Finding]:
+    """The job script's own steps (register, watchdog, requeue) run outside the container with the
+    login node's install: it must be on a filesystem the compute nodes share."""
+    argv = [*step_options(profile, 1, wait_s), "bash", "-c", BATCH_WRAPPER, "ft-doctor", sys.executable]
+    done = run_step(argv, profile, wait_s)
+    if isinstance(done, Finding):
+        return [done]
+    if "FT-DOCTOR-MISSING" in done.stdout:
+        return [blocker("environment", f"the job script's own steps run {sys.executable} on the compute nodes, "
+                                       "outside the container, and it does not import ft there",
+                        "install ft where the compute nodes see it (scripts/install-user.sh into your home "
+                        "or the shared filesystem, FT_HOME=...)")]
+    return [ok("environment", f"{sys.executable} runs ft's batch steps on the compute nodes (outside the image)")]
 
 
 def read_reports(done: subprocess.CompletedProcess, profile: ClusterProfile, python: str, token: Path | None,
@@ -105,7 +144,7 @@ def read_reports(done: subprocess.CompletedProcess, profile: ClusterProfile, pyt
     for labelled in done.stdout.splitlines():
         line = labelled.partition(": ")[2] if labelled.split(":", 1)[0].strip().isdigit() else labelled
         if line.startswith("FT-DOCTOR-MISSING "):
-            _, node, what = line.split()
+            _, node, what = (line.split() + ["", ""])[:3]
             answered.append(node)
             findings.append(blocker(
                 "environment", f"{python} does not exist on the compute nodes" if what == "python"

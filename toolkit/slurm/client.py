@@ -15,6 +15,8 @@ import functools
 import json
 import os
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,6 +41,25 @@ class JobInfo:
     @property
     def finished(self) -> bool:
         return self.state in FINISHED
+
+    def describe(self) -> str:
+        return self.state + (f" ({self.reason})" if self.reason and self.reason != "None" else "")
+
+
+def wait_for_job(client: SlurmClient, job_id: str, on_state: Callable[[JobInfo], None],
+                 timeout_s: float | None = None, poll_s: float = 2.0) -> JobInfo | None:
+    """Poll a job until it has finished (a requeue is not an end) or `timeout_s` passed; returns
+    what was last seen of it (None: never seen)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    info = None
+    while deadline is None or time.monotonic() < deadline:
+        info = client.job(job_id) or info
+        if info is not None:
+            on_state(info)
+            if info.finished:
+                return info
+        time.sleep(poll_s)
+    return info
 
 
 class SlurmClient(Protocol):

@@ -1,5 +1,5 @@
 """What `ft doctor` checks on a compute node, run there by the preflight step with the interpreter
-jobs will use: `python -m toolkit.doctor.compute ARGS-JSON`. Prints one JSON line of findings.
+jobs will use: `python -m toolkit.train.doctor ARGS-JSON`. Prints a JSON line per finding.
 
 It imports the training stack (that is the point: the job will), so it never runs on the login node."""
 
@@ -19,8 +19,13 @@ from toolkit.doctor.findings import Finding, blocker, ok, warn
 def interface_problem(variable: str, value: str, available: list[str]) -> str | None:
     """NCCL's *_IFNAME / NCCL_IB_HCA syntax: '^a,b' excludes, '=a' is exact, else prefixes; a ':port'
     suffix is allowed. Why the value matches nothing here, or None."""
-    if not value or value.startswith("^"):
+    if not value:
         return None
+    if value.startswith("^"):  # all but these: something must be left
+        excluded = [item.split(":")[0] for item in value[1:].lstrip("=").split(",") if item]
+        if any(not any(name.startswith(prefix) for prefix in excluded) for name in available):
+            return None
+        return f"{variable}={value} excludes every device here (found: {', '.join(available) or 'none'})"
     exact = value.startswith("=")
     wanted = [item.split(":")[0] for item in value.lstrip("=").split(",") if item]
     matched = [name for name in available if any(name == w if exact else name.startswith(w) for w in wanted)]
@@ -64,6 +69,8 @@ def check_gpus(args: dict) -> list[Finding]:
 
     if args["cpu_workers"]:
         return [ok("gpus", f"CPU workers ({args['cpu_workers']} per node, gloo): no GPU needed")]
+    if not args["gpus_per_node"]:
+        return [ok("gpus", "the profile asks for no GPUs")]
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if found < args["gpus_per_node"]:
         return [blocker("gpus", f"torch sees {found} GPUs, the profile asks {args['gpus_per_node']} per node",
@@ -128,6 +135,11 @@ def check_object_store(args: dict) -> list[Finding]:
         filesystem, path = fsspec.core.url_to_fs(args["s3_prefix"])
         return filesystem.ls(path.split("/")[0])
 
+    try:
+        import s3fs  # noqa: F401 - what the checkpoint mirror uploads with
+    except ImportError:
+        return [blocker("object_store", f"s3fs is not installed in {sys.executable}: checkpoint mirrors to "
+                                        f"{args['s3_prefix']} cannot work", f"ft cluster prepare {args['profile']}")]
     answer = object_store.within(list_bucket, 20)
     if not answer.in_time or answer.error is not None:
         why = f"{type(answer.error).__name__}: {answer.error}" if answer.error else "no answer within 20 s"
@@ -152,15 +164,32 @@ def check_wandb(environ: dict[str, str]) -> list[Finding]:
     return [ok("wandb", f"{url.hostname}:{port} answers")]
 
 
+CHECKS = ("versions", "gpus", "shared", "fabric", "object_store", "wandb")
+
+
+def run_checks(args: dict, node: str) -> list[Finding]:
+    """Each check on its own: one that fails to run is a warning naming it, and the others still run."""
+    environ = dict(os.environ)
+    checks = {"versions": lambda: check_versions(args), "gpus": lambda: check_gpus(args),
+              "shared": lambda: check_shared(args, node), "fabric": lambda: check_fabric(args, environ),
+              "object_store": lambda: check_object_store(args), "wandb": lambda: check_wandb(environ)}
+    findings: list[Finding] = []
+    for name in CHECKS:
+        if name == "gpus" and findings and findings[0].level != "ok":
+            continue  # the training stack does not import: nothing to ask torch
+        try:
+            findings += checks[name]()
+        except Exception as exc:  # the check's own failure, whatever it is: reported, not fatal
+            findings.append(warn(name, f"the check could not run: {type(exc).__name__}: {exc}"[:400],
+                                 "ft doctor --json shows every finding; report it if it persists"))
+    return findings
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     node = socket.gethostname()
     started = time.monotonic()
-    findings = check_versions(args)
-    if findings[0].level == "ok":
-        findings += check_gpus(args)
-    findings += check_shared(args, node) + check_fabric(args, dict(os.environ)) + check_object_store(args)
-    findings += check_wandb(dict(os.environ))
+    findings = run_checks(args, node)
     # One short line per finding: srun splits long lines (about 1 KB) of a task's output.
     for finding in findings:
         item = finding.to_dict() | {"where": node, "detail": finding.detail[:400], "fix": finding.fix[:300]}
