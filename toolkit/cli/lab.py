@@ -48,6 +48,9 @@ def print_status(status: LabStatus) -> None:
         buckets = ", ".join(f"s3://{plain(name)}" for name in store.buckets.values())
         console.print(f"object store {plain(store.url)}: {state}; buckets {buckets} "
                       "([dim]credentials: eval \"$(ft lab env)\"[/])", soft_wrap=True)
+    if status.prometheus:
+        state = "[green]answering[/]" if status.prometheus["answering"] else "[red]not answering[/]"
+        console.print(f"Prometheus {plain(status.prometheus['url'])}: {state} (every run's metrics)")
     if status.problems:
         console.print("[red]problems:[/]")
         for problem in status.problems:

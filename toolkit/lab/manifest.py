@@ -61,6 +61,7 @@ class LabManifest:
     daemons: tuple[LabDaemon, ...]
     users: tuple[str, ...] = ()  # unprivileged accounts, for trying ft without root
     object_store: LabObjectStore | None = None
+    prometheus: str | None = None  # its URL: every run's metrics (ansible/roles/prometheus)
 
     @classmethod
     def load(cls, path: Path | None = None) -> LabManifest | None:
@@ -88,6 +89,7 @@ class LabManifest:
             users=tuple(raw.get("users", ())),
             object_store=LabObjectStore(store["url"], dict(store["buckets"]), store["access_key"],
                                         store["secret_key"]) if (store := raw.get("object_store")) else None,
+            prometheus=raw.get("prometheus"),
         )
 
     def node(self, name: str) -> LabNode:

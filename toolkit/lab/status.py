@@ -57,6 +57,7 @@ class LabStatus:
     nodes: list[NodeStatus]
     problems: list[str]
     object_store: ObjectStoreStatus | None = None
+    prometheus: dict | None = None  # url, answering
 
     @property
     def up(self) -> bool:
@@ -76,6 +77,7 @@ class LabStatus:
             "daemons": [asdict(d) | {"running": d.running} for d in self.daemons],
             "nodes": [asdict(n) | {"serving": n.serving} for n in self.nodes],
             "object_store": asdict(self.object_store) if self.object_store else None,
+            "prometheus": self.prometheus,
         }
 
 
@@ -87,8 +89,8 @@ def bridge_up(bridge: str) -> bool:
         return False
 
 
-def s3_answers(url: str, timeout: float = 3.0) -> bool:
-    """The S3 gateway answers (its root says 403 to a request without credentials)."""
+def answers(url: str, timeout: float = 3.0) -> bool:
+    """An HTTP server answers (the S3 gateway's root says 403 to a request without credentials)."""
     import urllib.error
     import urllib.request
 
@@ -140,8 +142,13 @@ def collect(manifest: LabManifest) -> LabStatus:
             problems.append(f"{node.name} is {node.state}{'+' + '+'.join(node.flags) if node.flags else ''}{detail}")
     store = None
     if manifest.object_store:
-        answering = has_bridge and s3_answers(manifest.object_store.url)
+        answering = has_bridge and answers(manifest.object_store.url)
         store = ObjectStoreStatus(manifest.object_store.url, manifest.object_store.buckets, answering)
         if has_bridge and not answering:
             problems.append(f"the object store at {manifest.object_store.url} does not answer")
-    return LabStatus(manifest.cluster, has_bridge, daemons, nodes, problems, store)
+    prometheus = None
+    if manifest.prometheus:
+        prometheus = {"url": manifest.prometheus, "answering": answers(manifest.prometheus + "/-/ready")}
+        if not prometheus["answering"]:
+            problems.append(f"Prometheus at {manifest.prometheus} does not answer")
+    return LabStatus(manifest.cluster, has_bridge, daemons, nodes, problems, store, prometheus)

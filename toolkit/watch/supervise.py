@@ -365,10 +365,29 @@ class Supervisor:
         # nodes importing the runtime at once from a shared filesystem (Lustre's metadata servers)
         # slow the first start of every node.
         self.start_warm(self.placement())
+        exporter = self.start_exporter()
         try:
             return self.attempts()
         finally:
             self.stop_warm()
+            if exporter is not None:
+                exporter.stop()
+
+    def heartbeat_ages(self) -> dict[str, float]:
+        now = time.monotonic()
+        return {node: round(now - seen.last, 3) for node, seen in self.receiver.seen().items()}
+
+    def start_exporter(self):
+        """The run's Prometheus metrics (toolkit/watch/metrics.py); a run goes on without them."""
+        try:
+            from toolkit.watch.metrics import RunExporter
+
+            exporter = RunExporter(self.run_dir, self.heartbeat_ages, host=self.node)
+            log(f"metrics for Prometheus on {self.node}:{exporter.start()}/metrics")
+            return exporter
+        except Exception as exc:  # no prometheus_client, no port: monitoring is not worth a failed run
+            log(f"no Prometheus metrics for this run: {type(exc).__name__}: {exc}")
+            return None
 
     def attempts(self) -> int:
         restarts, most = 0, self.watchdog.max_restarts

@@ -1,0 +1,53 @@
+"""A real Prometheus (Debian's, started by `ft lab up` through ansible/roles/prometheus) finds a real
+run through the targets file its watchdog writes, and scrapes its metrics while it trains. The run
+is the session's uninterrupted tiny run (tests/lab/conftest.py): what Prometheus kept of it is read
+back from its own storage once the run has ended."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def query(base: str, promql: str) -> list[dict]:
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        body = json.loads(answer.read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+@pytest.fixture(scope="module")
+def prometheus(lab) -> str:
+    if not lab.prometheus:
+        pytest.fail("the lab has no Prometheus: bring it up again with `ft lab up`")
+    status = json.loads(subprocess.run([sys.executable, "-m", "toolkit", "lab", "status", "--json"],
+                                       capture_output=True, text=True).stdout)
+    assert status["prometheus"] == {"url": lab.prometheus, "answering": True}
+    return lab.prometheus
+
+
+def test_a_run_was_scraped_while_it_trained(lab, prometheus, tiny_baseline):
+    run_id, run_dir = tiny_baseline["run_id"], Path(tiny_baseline["run_dir"])
+    assert not (Path(lab.shared_dir) / "monitoring" / "targets" / f"{run_id}.json").exists()  # gone with the run
+    steps = query(prometheus, f'ft_run_step{{run="{run_id}"}}[1h]')
+    assert steps, f"Prometheus kept no ft_run_step of {run_id}"
+    assert steps[0]["metric"]["job"] == "ft-runs" and steps[0]["metric"]["cluster"] == "lab"
+    samples = [(float(at), float(step)) for at, step in steps[0]["values"]]
+    assert all(1 <= step <= 120 for _, step in samples)
+    first_step = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["time"]
+    # Reported, not asserted (timings belong in benchmarks): the lab scrapes every 5 s.
+    print(f"{run_id}: first step at {first_step:.1f}, first scraped {samples[0][0] - first_step:.1f} s later, "
+          f"{len(samples)} samples")
+    exposed = {series["metric"]["__name__"] for series in query(prometheus, f'{{run="{run_id}"}}[1h]')}
+    assert {"ft_run_info", "ft_run_step", "ft_run_loss", "ft_run_learning_rate", "ft_run_tokens_per_second",
+            "ft_run_step_seconds", "ft_run_tokens_total", "ft_node_heartbeat_age_seconds",
+            "ft_run_last_step_timestamp_seconds", "ft_run_restarts_total"} <= exposed, exposed

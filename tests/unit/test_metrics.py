@@ -1,0 +1,95 @@
+"""A run's Prometheus metrics (toolkit/watch/metrics.py): what a scrape reads from the run's own
+files, exposed in Prometheus's text format by prometheus_client's real HTTP server, and the
+targets file that file-based discovery reads. The lab test (tests/lab/test_monitoring.py) has a real
+Prometheus scrape a real run."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.support.run_specs import run_spec, write_run_spec
+from toolkit.watch.metrics import RunCollector, RunExporter, tail_lines
+
+NAME_RULE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    folder = tmp_path / "runs" / "r1"
+    folder.mkdir(parents=True)
+    write_run_spec(folder, run_spec(nodes=2))
+    now = time.time()
+    lines = [{"step": step, "time": now - 40 + step, "loss": 3.0 - step / 100, "lr": 1e-4, "tokens": 1000 * step}
+             for step in range(1, 41)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"step": 41, "ti')
+    (folder / "checkpoints.json").write_text(json.dumps({
+        "shared": {"step": 40, "at": now - 30}, "remote": {"step": 30, "at": now - 50, "error": "timeout",
+                                                            "failing_since": now - 30}}))
+    events = [{"time": now - 45, "event": "start", "nodes": ["n1", "n2"]},
+              {"time": now - 20, "event": "restart", "restart": 1},
+              {"time": now - 18, "event": "start", "nodes": ["n1", "n2"]}]
+    (folder / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return folder
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        return answer.read().decode()
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{key}="{val}"' in line for key, val in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not in the scrape")
+
+
+def test_a_scrape_reads_the_runs_files_in_prometheus_format(run_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("FT_CLUSTER", "lab")
+    targets = tmp_path / "targets"
+    targets.mkdir()
+    exporter = RunExporter(run_dir, lambda: {"n1": 0.4, "n2": 12.5}, host="node7", targets=str(targets),
+                           listen="127.0.0.1")
+    port = exporter.start()
+    try:
+        text = scrape(port)
+        announced = json.loads((targets / "r1.json").read_text())
+    finally:
+        exporter.stop()
+    assert announced == [{"targets": [f"node7:{port}"], "labels": {"run": "r1"}}]
+    assert not (targets / "r1.json").exists()  # gone with the exporter: Prometheus stops scraping
+    assert value(text, "ft_run_step", run="r1", cluster="lab") == 40  # the half-written line is skipped
+    assert value(text, "ft_run_loss", run="r1") == pytest.approx(2.6)
+    assert value(text, "ft_run_tokens_per_second", run="r1") == pytest.approx(1000.0)  # 19 steps of 1 s
+    assert value(text, "ft_run_step_seconds", run="r1") == pytest.approx(1.0)
+    assert value(text, "ft_run_tokens_total", run="r1") == 40000
+    assert value(text, "ft_run_restarts_total", run="r1") == 1
+    assert value(text, "ft_run_checkpoint_step", tier="remote") == 30
+    assert 29 <= value(text, "ft_run_checkpoint_upload_lag_seconds") <= 40
+    assert value(text, "ft_run_checkpoint_upload_failing") == 1
+    assert value(text, "ft_node_heartbeat_age_seconds", node="n2") == 12.5
+    assert 0 < value(text, "ft_run_goodput_ratio") < 1
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    ours = {name for name in names if name.startswith("ft_")}
+    assert len(ours) >= 12 and all(NAME_RULE.match(name) for name in ours)
+
+
+def test_a_run_before_its_first_step_exposes_what_it_has(tmp_path):
+    folder = tmp_path / "r2"
+    folder.mkdir()
+    write_run_spec(folder, run_spec())
+    families = list(RunCollector(folder, {"run": "r2"}, dict).collect())
+    assert [family.name for family in families] == ["ft_run_info", "ft_node_heartbeat_age_seconds"]
+
+
+def test_the_tail_is_read_from_the_end_of_a_long_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": n, "time": n}) + "\n" for n in range(100_000)))
+    lines = tail_lines(path)
+    assert lines[-1]["step"] == 99_999 and 20 <= len(lines) < 1000 and lines[0]["step"] > 99_000
