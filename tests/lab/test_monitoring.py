@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.slurm import wait_for
+
 pytestmark = pytest.mark.slow
 
 
@@ -51,3 +53,47 @@ def test_a_run_was_scraped_while_it_trained(lab, prometheus, tiny_baseline):
     assert {"ft_run_info", "ft_run_step", "ft_run_loss", "ft_run_learning_rate", "ft_run_tokens_per_second",
             "ft_run_step_seconds", "ft_run_tokens_total", "ft_node_heartbeat_age_seconds",
             "ft_run_last_step_timestamp_seconds", "ft_run_restarts_total"} <= exposed, exposed
+
+
+def test_the_clusters_nodes_and_queues_are_scraped(lab, prometheus):
+    nodes = {node.name for node in lab.nodes}
+
+    def every_node_up():
+        found = query(prometheus, "ft_node_up")
+        return found if {series["metric"]["node"] for series in found} == nodes else None
+
+    up = wait_for("ft_node_up of every lab node", every_node_up, timeout=60, interval=1)
+    assert all(series["metric"]["job"] == "ft-cluster" for series in up)
+    assert query(prometheus, "ft_cluster_slurm_up")[0]["value"][1] == "1"
+    tiers = {series["metric"]["tier"] for series in query(prometheus, "ft_queue_pending_jobs")}
+    assert {"free", "standard", "premium"} <= tiers
+    rules = json.loads(urllib.request.urlopen(f"{prometheus}/api/v1/rules", timeout=10).read())["data"]["groups"]
+    assert {"ft-runs", "ft-cluster"} <= {group["name"] for group in rules}  # ft's alert rules are loaded
+
+
+DASHBOARDS = Path(__file__).resolve().parents[2] / "monitoring" / "dashboards"
+
+
+def query_range(base: str, promql: str, start: float, end: float) -> list[dict]:
+    url = f"{base}/api/v1/query_range?" + urllib.parse.urlencode(
+        {"query": promql, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": "1"})
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        body = json.loads(answer.read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def test_every_dashboard_panel_returns_data_for_a_real_run(lab, prometheus, tiny_baseline):
+    """Each panel's query, as Grafana would send it for the time the run trained (its variable set
+    to the run), answered by the lab's Prometheus with data."""
+    run_id = tiny_baseline["run_id"]
+    times = [json.loads(line)["time"] for line in
+             (Path(tiny_baseline["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    empty = []
+    for board in sorted(DASHBOARDS.glob("*.json")):
+        for panel in json.loads(board.read_text())["panels"]:
+            for target in panel["targets"]:
+                expr = target["expr"].replace("$run", run_id)
+                if not query_range(prometheus, expr, times[0] - 2, times[-1] + 10):
+                    empty.append(f"{board.name}: {panel['title']}: {expr}")
+    assert empty == []

@@ -1,0 +1,93 @@
+"""The cluster's metrics (toolkit/watch/cluster_metrics.py) from Slurm's own output, as the lab's
+Slurm 22.05 prints it, served by prometheus_client's real HTTP server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.request
+from datetime import datetime
+
+from toolkit.slurm.commands import CommandResult, SlurmUnavailable
+from toolkit.watch.cluster_metrics import ClusterCollector, parse_jobs, parse_nodes
+
+NOW = datetime(2026, 11, 24, 12, 0, 0).timestamp()
+SINFO = """node1|idle|none
+node1|idle|none
+node2|drained|ft-health: gpu 2 ECC uncorrectable errors
+node3|mixed|none
+node4|down*|Not responding
+"""
+SQUEUE = """premium|PENDING|2026-11-24T11:50:00
+premium|PENDING|2026-11-24T11:58:00
+standard|RUNNING|2026-11-24T10:00:00
+standard,free|PENDING|2026-11-24T11:00:00
+free|PENDING|N/A
+"""
+
+
+def runner(sinfo: str = SINFO, squeue: str = SQUEUE, fail: bool = False):
+    def run(argv):
+        if fail:
+            raise SlurmUnavailable("the Slurm controller is unreachable")
+        return CommandResult(tuple(argv), 0, sinfo if argv[0] == "sinfo" else squeue, "")
+    return run
+
+
+def samples(collector) -> dict[tuple, float]:
+    found = {}
+    for family in collector.collect():
+        for sample in family.samples:
+            found[(sample.name, *sorted(sample.labels.items()))] = sample.value
+    return found
+
+
+TIERS = {"free": "free", "standard": "standard", "premium": "premium"}
+
+
+def test_nodes_and_queues_per_tier():
+    found = samples(ClusterCollector(TIERS, runner(), now=lambda: NOW))
+    assert found[("ft_node_up", ("node", "node1"))] == 1 and found[("ft_node_up", ("node", "node4"))] == 0
+    assert found[("ft_node_drained", ("node", "node2"), ("reason", "ft-health: gpu 2 ECC uncorrectable errors"))] == 1
+    assert found[("ft_node_up", ("node", "node2"))] == 0 and found[("ft_node_up", ("node", "node3"))] == 1
+    premium = (("partition", "premium"), ("tier", "premium"))
+    assert found[("ft_queue_pending_jobs", *premium)] == 2
+    assert found[("ft_queue_oldest_pending_seconds", *premium)] == 600
+    assert found[("ft_queue_pending_jobs", ("partition", "free"), ("tier", "free"))] == 2  # one has no time yet
+    assert found[("ft_queue_oldest_pending_seconds", ("partition", "free"), ("tier", "free"))] == 3600
+    assert found[("ft_queue_running_jobs", ("partition", "standard"), ("tier", "standard"))] == 1
+    assert found[("ft_cluster_slurm_up",)] == 1
+
+
+def test_a_silent_controller_is_said_and_no_stale_numbers_are_kept():
+    found = samples(ClusterCollector(TIERS, runner(fail=True), now=lambda: NOW))
+    assert found[("ft_cluster_slurm_up",)] == 0 and not any(key[0] == "ft_node_up" for key in found)
+    assert found[("ft_queue_pending_jobs", ("partition", "premium"), ("tier", "premium"))] == 0
+
+
+def test_parsers_take_slurms_odd_values():
+    assert parse_nodes("n1|draining|maintenance\n\nbad line\n")["n1"].drained
+    assert parse_jobs("p|PENDING|Unknown\n")[0].submitted is None
+
+
+def test_the_exporter_serves_prometheus_text_over_http(tmp_path):
+    port_file = tmp_path / "out"
+    with open(port_file, "w") as output:
+        process = subprocess.Popen([sys.executable, "-m", "toolkit.watch.cluster_metrics", "--port", "0",
+                                    "--cluster", "lab"], stdout=output, stderr=subprocess.STDOUT,
+                                   env={"PATH": "/usr/bin:/bin", "SLURM_CONF": str(tmp_path / "none.conf")})
+    try:
+        for _ in range(100):
+            text = port_file.read_text()
+            if "metrics on" in text:
+                break
+            time.sleep(0.1)
+        port = int(text.split("metrics on ")[1].split("/")[0].rsplit(":", 1)[1])
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+            body = answer.read().decode()
+        assert "ft_cluster_slurm_up 0.0" in body  # no Slurm here: said, not crashed
+        assert 'ft_queue_pending_jobs{partition="premium",tier="premium"} 0.0' in body
+    finally:
+        process.terminate()
+        assert process.wait(timeout=10) == 0

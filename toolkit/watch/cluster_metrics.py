@@ -1,0 +1,162 @@
+"""The cluster's metrics for Prometheus: its nodes (serving, drained and why, down) and its queues per
+service tier (pending and running jobs, the oldest pending job's wait), read from Slurm's own tools
+at scrape time (at most every CACHE_S seconds: a scrape never floods slurmctld).
+
+    python -m toolkit.watch.cluster_metrics [--listen 127.0.0.1] [--port 9797] [--cluster NAME]
+
+runs on the controller (ansible/roles/prometheus starts it); Prometheus scrapes it as job ft-cluster.
+
+    ft_node_up{node}                                   1 when the node can run jobs
+    ft_node_drained{node, reason}                      1 when drained or draining
+    ft_queue_pending_jobs{partition, tier}             jobs waiting
+    ft_queue_running_jobs{partition, tier}             jobs running
+    ft_queue_oldest_pending_seconds{partition, tier}   how long the oldest waiting job has waited
+    ft_cluster_slurm_up                                1 when Slurm answered the last scrape
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime
+
+from toolkit.errors import FtError
+from toolkit.slurm import commands
+
+CACHE_S = 10.0
+SERVING = {"idle", "mixed", "allocated", "completing"}
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    state: str  # sinfo's long state: idle, mixed, drained, draining, down, ...
+    reason: str
+
+    @property
+    def up(self) -> bool:
+        return self.state.rstrip("*~#!%$@^-") in SERVING
+
+    @property
+    def drained(self) -> bool:
+        return self.state.startswith("drain")
+
+
+@dataclass(frozen=True)
+class Job:
+    partition: str
+    state: str
+    submitted: float | None
+
+
+def parse_nodes(text: str) -> dict[str, Node]:
+    """`sinfo --Node --noheader --format=%N|%T|%E`: a node appears once per partition."""
+    nodes = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|", 2)
+        if len(parts) == 3 and parts[0]:
+            nodes[parts[0]] = Node(parts[0], parts[1].lower(), "" if parts[2] == "none" else parts[2])
+    return nodes
+
+
+def slurm_time(text: str) -> float | None:
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return None  # N/A, Unknown
+
+
+def parse_jobs(text: str) -> list[Job]:
+    """`squeue --all --noheader --format=%P|%T|%V`: partition, state, submit time. A job submitted to
+    several partitions counts in each."""
+    jobs = []
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) == 3:
+            jobs += [Job(partition, parts[1].upper(), slurm_time(parts[2])) for partition in parts[0].split(",")]
+    return jobs
+
+
+class ClusterCollector:
+    def __init__(self, tiers: dict[str, str], run: Callable = commands.run, now: Callable[[], float] = time.time):
+        self.tiers = tiers  # partition -> tier, from the cluster profile
+        self.run, self.now = run, now
+        self.cached: tuple[float, dict[str, Node], list[Job], bool] = (float("-inf"), {}, [], False)
+        self.lock = threading.Lock()
+
+    def read(self) -> tuple[dict[str, Node], list[Job], bool]:
+        with self.lock:
+            taken, nodes, jobs, answered = self.cached
+            if time.monotonic() - taken >= CACHE_S:
+                try:
+                    nodes = parse_nodes(self.run(["sinfo", "--Node", "--noheader", "--format=%N|%T|%E"]).stdout)
+                    jobs = parse_jobs(self.run(["squeue", "--all", "--noheader", "--format=%P|%T|%V"]).stdout)
+                    answered = True
+                except FtError:  # the controller does not answer: say so, keep no stale numbers
+                    nodes, jobs, answered = {}, [], False
+                self.cached = (time.monotonic(), nodes, jobs, answered)
+            return nodes, jobs, answered
+
+    def collect(self) -> Iterator:
+        from prometheus_client.core import GaugeMetricFamily
+
+        nodes, jobs, answered = self.read()
+        slurm_up = GaugeMetricFamily("ft_cluster_slurm_up", "1 when Slurm answered the last scrape")
+        slurm_up.add_metric([], 1.0 if answered else 0.0)
+        yield slurm_up
+        up = GaugeMetricFamily("ft_node_up", "1 when the node can run jobs", labels=["node"])
+        drained = GaugeMetricFamily("ft_node_drained", "1 when the node is drained or draining",
+                                    labels=["node", "reason"])
+        for node in sorted(nodes.values(), key=lambda n: n.name):
+            up.add_metric([node.name], 1.0 if node.up else 0.0)
+            drained.add_metric([node.name, node.reason if node.drained else ""], 1.0 if node.drained else 0.0)
+        yield up
+        yield drained
+        labels = ["partition", "tier"]
+        pending = GaugeMetricFamily("ft_queue_pending_jobs", "Jobs waiting, per partition", labels=labels)
+        running = GaugeMetricFamily("ft_queue_running_jobs", "Jobs running, per partition", labels=labels)
+        oldest = GaugeMetricFamily("ft_queue_oldest_pending_seconds", "The oldest waiting job's wait",
+                                   labels=labels)
+        now = self.now()
+        for partition in sorted(set(self.tiers) | {job.partition for job in jobs}):
+            key = [partition, self.tiers.get(partition, "")]
+            waiting = [job for job in jobs if job.partition == partition and job.state == "PENDING"]
+            pending.add_metric(key, len(waiting))
+            running.add_metric(key, sum(job.partition == partition and job.state == "RUNNING" for job in jobs))
+            submitted = [job.submitted for job in waiting if job.submitted is not None]
+            oldest.add_metric(key, max(now - min(submitted), 0.0) if submitted else 0.0)
+        yield from (pending, running, oldest)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m toolkit.watch.cluster_metrics",
+                                     description="Serve the cluster's metrics for Prometheus.")
+    parser.add_argument("--listen", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9797)
+    parser.add_argument("--cluster", default=None, help="cluster profile whose tiers name the partitions")
+    options = parser.parse_args(argv)
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from toolkit.cluster.profile import load_profile
+
+    profile = load_profile(options.cluster or None)
+    tiers = {target.partition: tier for tier, target in profile.tiers.items()}
+    registry = CollectorRegistry()
+    registry.register(ClusterCollector(tiers))
+    server, _ = start_http_server(options.port, addr=options.listen, registry=registry)
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    print(f"ft cluster metrics on {options.listen}:{server.server_port}/metrics", flush=True)
+    while not stopped.wait(1.0):
+        pass
+    server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
