@@ -8,23 +8,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from tests.support.prometheus import query, query_range
 from tests.support.slurm import wait_for
 
 pytestmark = pytest.mark.slow
-
-
-def query(base: str, promql: str) -> list[dict]:
-    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
-    with urllib.request.urlopen(url, timeout=10) as answer:
-        body = json.loads(answer.read())
-    assert body["status"] == "success", body
-    return body["data"]["result"]
 
 
 @pytest.fixture(scope="module")
@@ -72,15 +64,6 @@ def test_the_clusters_nodes_and_queues_are_scraped(lab, prometheus):
 
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "monitoring" / "dashboards"
-
-
-def query_range(base: str, promql: str, start: float, end: float) -> list[dict]:
-    url = f"{base}/api/v1/query_range?" + urllib.parse.urlencode(
-        {"query": promql, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": "1"})
-    with urllib.request.urlopen(url, timeout=10) as answer:
-        body = json.loads(answer.read())
-    assert body["status"] == "success", body
-    return body["data"]["result"]
 
 
 def test_every_dashboard_panel_returns_data_for_a_real_run(lab, prometheus, tiny_baseline):

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.prometheus import query
 from tests.support.slurm import cancel, sbatch, wait_for, write_script
 from tests.support.training import TINY, assert_same_weights, ft, lab_runs, submit, wait_done
 from toolkit.lab import chaos, lifecycle
@@ -142,16 +143,23 @@ def test_a_gpu_that_needs_a_restart_moves_the_run_off_and_its_node_comes_back_by
     assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after XID 94 on {node}")
 
 
-def test_a_hung_rank_then_a_killed_one_are_restarted_on_the_same_nodes(tiny_baseline, runs):
+def test_a_hung_rank_then_killed_ones_are_restarted_on_the_same_nodes_and_the_loop_alert_fires(
+        tiny_baseline, runs, lab):
     run = submit(recipe(runs, "hang", watchdog={"hang_floor": 5, "hang_factor": 10}), runs_dir=runs)
     checkpoint_after(run, 0)  # the first one
     hung = chaos.hang_rank(Path(run["run_dir"]), 1)
     checkpoint_after(run, latest_step(run))
     chaos.kill_rank(Path(run["run_dir"]), 0)
+    checkpoint_after(run, latest_step(run))
+    chaos.kill_rank(Path(run["run_dir"]), 1)
 
     finished(run, runs)
+    # Three restarts in 30 minutes: the lab's Prometheus, scraping the run's watchdog, fires
+    # FtRunRestartLoop (monitoring/alerts/ft-runs.rules.yml) on the counter it kept.
+    firing = f'ALERTS{{alertname="FtRunRestartLoop", run="{run["run_id"]}", alertstate="firing"}}'
+    assert wait_for("FtRunRestartLoop firing", lambda: query(lab.prometheus, firing), timeout=60, interval=1)
     attempts = [json.loads(line) for line in (Path(run["run_dir"]) / "attempts.jsonl").read_text().splitlines()]
-    assert {a["job_id"] for a in attempts} == {run["job_id"]} and len(attempts) == 3  # one job, three starts
+    assert {a["job_id"] for a in attempts} == {run["job_id"]} and len(attempts) == 4  # one job, four starts
     node_log = (Path(run["run_dir"]) / "logs" / f"node-{hung.node}.log").read_text()
     assert "rank 1 on" in node_log and "is hung: no progress for" in node_log
     stacks = Path(run["run_dir"]) / "logs" / "stacks"
@@ -161,10 +169,10 @@ def test_a_hung_rank_then_a_killed_one_are_restarted_on_the_same_nodes(tiny_base
     assert "worker.py" in waiting.read_text()
     timeline = events(run)
     restarts = [e["after"] for e in timeline if e["event"] == "restart"]
-    assert restarts[0] == "exit 6" and len(restarts) == 2
+    assert restarts[0] == "exit 6" and len(restarts) == 3
     starts = [e["nodes"] for e in timeline if e["event"] == "start"]
-    assert starts[0] == starts[1] == starts[2]
-    assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), "after a hung rank and a killed one")
+    assert starts[0] == starts[1] == starts[2] == starts[3]
+    assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), "after a hung rank and killed ones")
 
 
 def test_a_lost_node_without_a_spare_requeues_the_job_without_slurms_hold(tiny_baseline, runs, heal_lab):

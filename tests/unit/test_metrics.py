@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -61,7 +62,7 @@ def test_a_scrape_reads_the_runs_files_in_prometheus_format(run_dir, tmp_path, m
         text = scrape(port)
         announced = json.loads((targets / "r1.json").read_text())
     finally:
-        exporter.stop()
+        exporter.stop(final_wait_s=0)
     assert announced == [{"targets": [f"node7:{port}"], "labels": {"run": "r1"}}]
     assert not (targets / "r1.json").exists()  # gone with the exporter: Prometheus stops scraping
     assert value(text, "ft_run_step", run="r1", cluster="lab") == 40  # the half-written line is skipped
@@ -93,3 +94,25 @@ def test_the_tail_is_read_from_the_end_of_a_long_file(tmp_path):
     path.write_text("".join(json.dumps({"step": n, "time": n}) + "\n" for n in range(100_000)))
     lines = tail_lines(path)
     assert lines[-1]["step"] == 99_999 and 20 <= len(lines) < 1000 and lines[0]["step"] > 99_000
+
+
+def test_the_end_waits_for_one_more_scrape_only_where_prometheus_scrapes(run_dir, tmp_path):
+    targets = tmp_path / "targets"
+    targets.mkdir()
+    unwatched = RunExporter(run_dir, dict, targets=str(targets), listen="127.0.0.1")
+    unwatched.start()
+    unwatched.stop(final_wait_s=600)  # never scraped: no wait (the test's timeout would end it)
+    watched = RunExporter(run_dir, dict, targets=str(targets), listen="127.0.0.1")
+    port = watched.start()
+    scrape(port)
+    seen = []
+
+    def last_scrape():
+        time.sleep(0.5)
+        seen.append(((targets / "r1.json").exists(), "ft_run_step" in scrape(port)))
+
+    scraper = threading.Thread(target=last_scrape)
+    scraper.start()
+    watched.stop(final_wait_s=600)
+    scraper.join()
+    assert seen == [(True, True)]  # the final state was served, still announced, before the end

@@ -31,6 +31,7 @@ import getpass
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -74,10 +75,12 @@ class RunCollector:
         self.labels = labels
         self.heartbeats = heartbeats  # node -> seconds since heard
         self.goodput: tuple[float, dict | None] = (0.0, None)
+        self.scraped = threading.Event()  # set at each scrape; the exporter's end waits for one
 
     def collect(self) -> Iterator:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+        self.scraped.set()
         names, values = list(self.labels), list(self.labels.values())
 
         def gauge(name: str, documentation: str, value: float | None, extra: dict | None = None):
@@ -96,9 +99,11 @@ class RunCollector:
         if accounts:
             yield gauge("ft_run_goodput_ratio", "Productive training time over wall time since the first start",
                         accounts.get("goodput"))
+        starts = self.starts()
+        if starts:
             restarts = CounterMetricFamily("ft_run_restarts", "Starts of the training step after the first",
                                            labels=names)
-            restarts.add_metric(values, max(int(accounts.get("starts") or 0) - 1, 0))
+            restarts.add_metric(values, starts - 1)
             yield restarts
         ages = GaugeMetricFamily("ft_node_heartbeat_age_seconds", "Seconds since the node's launcher was heard",
                                  labels=[*names, "node"])
@@ -151,6 +156,12 @@ class RunCollector:
                                1.0 if remote.get("error") or remote.get("failing_since") else 0.0))
         return found
 
+    def starts(self) -> int:
+        """The training step's starts so far (events.jsonl: a line per start, fault and end; small)."""
+        from toolkit.runs.timeline import read_lines
+
+        return sum(e["event"] == "start" for e in read_lines(self.layout.events, {"time": (int, float), "event": str}))
+
     def timeline(self) -> dict | None:
         from toolkit.runs.timeline import timeline
 
@@ -182,7 +193,8 @@ class RunExporter:
 
         self.labels = run_labels(run_dir)
         self.registry = CollectorRegistry()
-        self.registry.register(RunCollector(run_dir, self.labels, heartbeats))
+        self.collector = RunCollector(run_dir, self.labels, heartbeats)
+        self.registry.register(self.collector)
         folder = targets if targets is not None else os.environ.get("FT_MONITORING_TARGETS", "")
         self.target_file = Path(folder) / f"{self.labels['run']}.json" if folder else None
         self.host = host or socket.gethostname()
@@ -202,7 +214,16 @@ class RunExporter:
             write_atomically(self.target_file, json.dumps(target) + "\n", mode=0o644)
         return port
 
-    def stop(self) -> None:
+    def stop(self, final_wait_s: float | None = None) -> None:
+        """Stop serving, after one more scrape when Prometheus has been scraping: a run's last state
+        (its final loss, the fault that ended it) is what the last scrape would otherwise miss. The
+        wait is at most one scrape interval, `final_wait_s` at most (FT_METRICS_FINAL_WAIT_S, 20 s):
+        nothing is waited for where no Prometheus watches."""
+        if final_wait_s is None:
+            final_wait_s = float(os.environ.get("FT_METRICS_FINAL_WAIT_S", "20"))
+        if self.server is not None and self.collector.scraped.is_set():
+            self.collector.scraped.clear()
+            self.collector.scraped.wait(final_wait_s)
         if self.target_file is not None:
             self.target_file.unlink(missing_ok=True)
         if self.server is not None:
