@@ -34,7 +34,9 @@ def test_a_run_was_scraped_while_it_trained(lab, prometheus, tiny_baseline):
     assert not (Path(lab.shared_dir) / "monitoring" / "targets" / f"{run_id}.json").exists()  # gone with the run
     steps = query(prometheus, f'ft_run_step{{run="{run_id}"}}[1h]')
     assert steps, f"Prometheus kept no ft_run_step of {run_id}"
-    assert steps[0]["metric"]["job"] == "ft-runs" and steps[0]["metric"]["cluster"] == "lab"
+    labels = steps[0]["metric"]
+    assert labels["job"] == "ft-runs" and labels["cluster"] == "lab" and labels["slurm_job"] == tiny_baseline["job_id"]
+    assert not any(name.startswith("exported_") for name in labels)  # no label of ours renamed
     samples = [(float(at), float(step)) for at, step in steps[0]["values"]]
     assert all(1 <= step <= 120 for _, step in samples)
     first_step = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["time"]

@@ -63,7 +63,7 @@ def test_a_scrape_reads_the_runs_files_in_prometheus_format(run_dir, tmp_path, m
         announced = json.loads((targets / "r1.json").read_text())
     finally:
         exporter.stop(final_wait_s=0)
-    assert announced == [{"targets": [f"node7:{port}"], "labels": {"run": "r1"}}]
+    assert announced == [{"targets": [f"node7:{port}"]}]
     assert not (targets / "r1.json").exists()  # gone with the exporter: Prometheus stops scraping
     assert value(text, "ft_run_step", run="r1", cluster="lab") == 40  # the half-written line is skipped
     assert value(text, "ft_run_loss", run="r1") == pytest.approx(2.6)

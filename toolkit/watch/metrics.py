@@ -11,7 +11,7 @@ ansible/roles/prometheus). A pull keeps Prometheus's own `up` and staleness sema
 gateway would keep serving a dead run's last values), and needs no agent beside the job (a textfile
 collector needs node_exporter on every compute node and a shared clock for freshness).
 
-    ft_run_info{run, recipe, method, user, cluster, job}           1
+    ft_run_info{run, recipe, method, user, cluster, slurm_job}     1
     ft_run_step, ft_run_loss, ft_run_learning_rate                 the newest step's
     ft_run_tokens_per_second, ft_run_step_seconds                  over the last WINDOW steps
     ft_run_last_step_timestamp_seconds                             when the newest step ended
@@ -41,7 +41,6 @@ from toolkit.runs.layout import RunLayout
 WINDOW = 20  # steps the rates are taken over
 TAIL_BYTES = 16384  # enough for WINDOW metrics lines
 GOODPUT_EVERY_S = 60.0  # the timeline reads whole files: not at every scrape
-TARGETS_DIR = "monitoring/targets"
 
 
 def tail_lines(path: Path, size: int = TAIL_BYTES) -> list[dict]:
@@ -177,9 +176,10 @@ class RunCollector:
 
 def run_labels(run_dir: Path) -> dict[str, str]:
     spec = RunLayout(run_dir).read_spec()
+    # `slurm_job`, not `job`: Prometheus's own target label `job` (the scrape job) would rename it.
     return {"run": os.environ.get("FT_RUN_ID") or run_dir.name, "recipe": spec.recipe.name,
             "method": spec.recipe.method.kind, "user": getpass.getuser(),
-            "cluster": os.environ.get("FT_CLUSTER", ""), "job": os.environ.get("SLURM_JOB_ID", "")}
+            "cluster": os.environ.get("FT_CLUSTER", ""), "slurm_job": os.environ.get("SLURM_JOB_ID", "")}
 
 
 class RunExporter:
@@ -209,7 +209,8 @@ class RunExporter:
         self.server, _ = start_http_server(0, addr=self.listen, registry=self.registry)
         port = self.server.server_port
         if self.target_file is not None and self.target_file.parent.is_dir():
-            target = [{"targets": [f"{self.host}:{port}"], "labels": {"run": self.labels["run"]}}]
+            # No labels here: the metrics carry their own (a target label would rename them).
+            target = [{"targets": [f"{self.host}:{port}"]}]
             # Prometheus (another user) reads it: world-readable, in a folder the admins made common.
             write_atomically(self.target_file, json.dumps(target) + "\n", mode=0o644)
         return port
@@ -220,7 +221,10 @@ class RunExporter:
         wait is at most one scrape interval, `final_wait_s` at most (FT_METRICS_FINAL_WAIT_S, 20 s):
         nothing is waited for where no Prometheus watches."""
         if final_wait_s is None:
-            final_wait_s = float(os.environ.get("FT_METRICS_FINAL_WAIT_S", "20"))
+            try:
+                final_wait_s = min(max(float(os.environ.get("FT_METRICS_FINAL_WAIT_S", "20")), 0.0), 60.0)
+            except ValueError:
+                final_wait_s = 20.0
         if self.server is not None and self.collector.scraped.is_set():
             self.collector.scraped.clear()
             self.collector.scraped.wait(final_wait_s)

@@ -366,12 +366,19 @@ class Supervisor:
         # slow the first start of every node.
         self.start_warm(self.placement())
         exporter = self.start_exporter()
+        code = None
         try:
-            return self.attempts()
+            code = self.attempts()
+            return code
         finally:
             self.stop_warm()
             if exporter is not None:
-                exporter.stop()
+                # One last scrape at the run's end only (finished, or failed for good): not when the
+                # job is being stopped (a time limit, a preemption, a cancel: Slurm's grace is the
+                # checkpoint's) nor requeued for lost nodes (the run goes on in the next job).
+                last = not self.stopping.is_set() and code not in (None, exits.NODES_LOST)
+                with contextlib.suppress(Exception):  # monitoring never changes the exit code
+                    exporter.stop(final_wait_s=None if last else 0)
 
     def heartbeat_ages(self) -> dict[str, float]:
         now = time.monotonic()
