@@ -109,6 +109,22 @@ def private_dir(path: Path) -> Path:
     return path
 
 
+def unusable_root(root: Path) -> str | None:
+    """Why a shared root cannot hold this user's runs (missing, untrusted, not writable), or None.
+    Writability is tried with a file, not read off the mode bits (ACLs, root squash, read-only mounts)."""
+    if not root.is_dir():
+        return "does not exist"
+    problem = folder_problem(root)
+    if problem:
+        return problem
+    try:
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".ft-check-"):
+            pass
+    except OSError as exc:
+        return f"is not writable by you ({exc.strerror or exc})"
+    return None
+
+
 def user_cache(shared_root: str) -> Path:
     """This user's cache (tokenized data, compiled ops, the tiny model): <shared root>/cache/uid-N
     on a shared filesystem; ~/ft/cache, private, without one."""

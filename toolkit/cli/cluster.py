@@ -3,7 +3,6 @@ login node discovers, change or remove one, prepare the compute nodes' training 
 
 from __future__ import annotations
 
-import os
 import sys
 import types
 import typing
@@ -56,15 +55,12 @@ def _ask_missing(proposal, found, interactive: bool) -> None:
 
 def _check_shared_root(body: dict) -> None:
     """A shared root that is not there or not writable is refused now, not at the first job."""
-    from toolkit.shared_dirs import folder_problem
+    from toolkit.shared_dirs import unusable_root
 
     root = body.get("shared_root")
     if not root:
         return
-    path = Path(root).expanduser()
-    problem = "does not exist" if not path.is_dir() else folder_problem(path)
-    if problem is None and not os.access(path, os.W_OK | os.X_OK):
-        problem = "is not writable by you"
+    problem = unusable_root(Path(root).expanduser())
     if problem:
         raise UsageError(f"--shared-root {root} {problem}",
                          hint="give a folder on the shared filesystem that you may write (e.g. under your "

@@ -7,7 +7,6 @@ import difflib
 import importlib.util
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 from toolkit.build import build_id
@@ -15,7 +14,7 @@ from toolkit.cluster.discover import Discovery
 from toolkit.cluster.prepare import ready_build
 from toolkit.cluster.profile import ClusterProfile
 from toolkit.doctor.findings import Finding, blocker, ok, warn
-from toolkit.shared_dirs import folder_problem, shared_root_path
+from toolkit.shared_dirs import shared_root_path, unusable_root
 
 TRAINING_STACK = ("torch", "transformers", "peft", "deepspeed")
 
@@ -125,16 +124,9 @@ def check_shared_root(profile: ClusterProfile) -> list[Finding]:
                         f"ft cluster set {profile.name} shared_root=/path/on/the/shared/filesystem")]
     root = shared_root_path(profile.shared_root)
     fix = f"ft cluster set {profile.name} shared_root=/a/folder/you/may/write (or `mkdir -p {root}`)"
-    if not root.is_dir():
-        return [blocker("shared_root", f"{root} does not exist", fix)]
-    problem = folder_problem(root)
+    problem = unusable_root(root)
     if problem:
         return [blocker("shared_root", f"{root} {problem}", fix)]
-    try:
-        with tempfile.NamedTemporaryFile(dir=root, prefix=".ft-doctor-"):
-            pass
-    except OSError as exc:
-        return [blocker("shared_root", f"{root} is not writable by you ({exc.strerror or exc})", fix)]
     return [ok("shared_root", f"{root} is writable")]
 
 
