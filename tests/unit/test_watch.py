@@ -180,6 +180,12 @@ FAKE_SRUN = textwrap.dedent("""
         if node != plan.get("unstarted"):
             open(os.path.join(os.environ["FT_LAUNCH_MARKS"], node), "w").close()
     nodes = [n for n in nodes if n != plan.get("unstarted")]
+    if plan.get("launch_fails"):  # srun's words (the job script sends its stderr there), then its wait
+        with open(os.path.join(os.environ["FT_LAUNCH_MARKS"], "srun.err"), "a") as errors:
+            errors.write(f"srun: error: Task launch for StepId=77.2 failed on node {plan['unstarted']}: "
+                         "Communication connection failure\\nsrun: error: Application launch failed: "
+                         "Communication connection failure\\n")
+        time.sleep(plan["launch_fails"])
     trains = (lambda: {"ranks": {"0": ["train", 3]}}) if plan.get("trains") else dict  # a rank's step reported
     senders = {n: Sender(os.environ["FT_WATCH_ADDR"], int(os.environ["FT_WATCH_PORT"]),
                          os.environ["FT_JOB_SECRET"].encode(), n, start, trains) for n in nodes}
@@ -411,3 +417,42 @@ def test_a_step_that_did_not_start_on_every_node_goes_back_to_the_job_script(tmp
                                                 {"1": {"unstarted": "n2", "exit": 233, "seconds": 0.5}})
     assert code == 233 and len(starts) == 1 and slurm.downed == []  # n1's launcher, killed, is not lost
     assert events[-1]["nodes"] == ["n2"]
+
+
+def test_a_step_srun_says_did_not_launch_everywhere_is_handed_back_without_srun_s_wait(tmp_path, monkeypatch):
+    """After a launch failure srun waits KillWait + 2 s for the lost node's part of the step, which
+    never answers: meanwhile Slurm may find the node lost itself and requeue the job, without ft's
+    reason on the node. The supervisor hands the start back as soon as srun says so."""
+    code, starts, events, _, took = supervised(tmp_path, monkeypatch, ["n1", "n2"], 2, {
+        "1": {"unstarted": "n2", "launch_fails": 30, "exit": 233}})
+    assert code == 1 and len(starts) == 1 and took < 15
+    assert events[-1]["why"] == "the step did not start on every node" and events[-1]["nodes"] == ["n2"]
+
+
+class RecordedExporter:
+    """Stands in for the run's metrics exporter: records how long its stop would wait."""
+
+    def __init__(self):
+        self.waits = []
+
+    def stop(self, final_wait_s=None):
+        self.waits.append(final_wait_s)
+
+
+@pytest.mark.parametrize("plan, max_restarts, final", [
+    ({"1": {"seconds": 0.3}}, 3, True),  # finished
+    ({"1": {"exit": 4, "seconds": 0.3}}, 3, True),  # a user error: failed for good
+    ({"1": {"exit": 3, "seconds": 0.3}}, 0, True),  # restarts spent: failed for good
+    ({"1": {"exit": 5, "seconds": 0.3}}, 3, False),  # out of memory: the job script retries at once
+    ({"1": {"unstarted": "n2", "exit": 233, "seconds": 0.3}}, 3, False),  # a node lost at launch: requeued
+])
+def test_the_last_scrape_is_waited_for_only_at_the_runs_end_for_good(tmp_path, monkeypatch, plan, max_restarts,
+                                                                      final):
+    """Waiting up to a scrape interval for Prometheus's last look holds up the job script: when it has
+    more to do (requeue without a node lost at launch before Slurm notices the node itself), no wait."""
+    from toolkit.watch.supervise import Supervisor
+
+    exporter = RecordedExporter()
+    monkeypatch.setattr(Supervisor, "start_exporter", lambda self: exporter)
+    supervised(tmp_path, monkeypatch, ["n1", "n2"], 2, plan, max_restarts=max_restarts)
+    assert exporter.waits == [None if final else 0]

@@ -49,6 +49,8 @@ from toolkit.watch.requeue import lift_hold_soon
 
 SILENT_AT_END_S = 3.0  # a node quiet this long before srun ended was lost, whatever srun says
 STOP_GRACE_S = 5.0
+SRUN_ERRORS = "srun.err"  # in FT_LAUNCH_MARKS: srun's messages (the job script's redirect)
+LAUNCH_FAILED = b"Application launch failed"  # srun's words for a step that did not launch everywhere
 LOST_STOP_GRACE_S = 1.0  # a step with a lost node: nothing worth waiting for (no checkpoint can be taken)
 DRAIN_CHECK_S = 5.0  # how often the step's nodes are checked for a drain
 CHECKPOINT_GRACE_S = 120.0  # how long ranks on a drained node may take to checkpoint before the stop
@@ -139,6 +141,9 @@ class Supervisor:
         self.spares_warm = False  # the spares' templates are started (once training has begun)
         self.lifting = False  # the helper that lifts Slurm's requeue hold is started (once)
         self.stopping = threading.Event()  # the time limit is near, or the job is ending: no restart
+        self.for_good = False  # the run ended here for good (done, a user error, restarts spent)
+        self.handing_back = False  # the job script requeues the job (lost nodes) or fails it at once
+        self.err_seen = 0  # how much of srun.err (FT_LAUNCH_MARKS) earlier starts wrote
         self.auto_resume = any(arg.startswith("--auto-resume") for arg in command)  # HyperPod restarts itself
         self.marks = Path(os.environ["FT_LAUNCH_MARKS"]) if os.environ.get("FT_LAUNCH_MARKS") else None
 
@@ -168,7 +173,27 @@ class Supervisor:
         log(f"start {start}: training on {', '.join(nodes)}"
             + (f" (spare: {', '.join(self.spares())})" if self.spares() else ""))
         record(self.run_dir, "start", start=start, nodes=nodes, spares=self.spares())
+        self.err_seen = self.srun_errors_size()
         return subprocess.Popen(argv, env=env)
+
+    def srun_errors_size(self) -> int:
+        try:
+            return (self.marks / SRUN_ERRORS).stat().st_size if self.marks else 0
+        except OSError:
+            return 0
+
+    def launch_failed(self) -> bool:
+        """srun said this start could not launch on some node. It then only waits for the rest of
+        the step (KillWait + 2 s; the lost node never answers) before exiting: the job script,
+        which judges the failure, need not wait with it while Slurm may find a lost node itself."""
+        if self.marks is None or self.srun_errors_size() <= self.err_seen:
+            return False
+        try:
+            with open(self.marks / SRUN_ERRORS, "rb") as errors:
+                errors.seek(self.err_seen)
+                return LAUNCH_FAILED in errors.read(1 << 20)
+        except OSError:
+            return False
 
     def watch(self, process: subprocess.Popen, nodes: list[str]) -> Outcome:
         began, reported, drain_checked = time.monotonic(), False, time.monotonic()
@@ -179,6 +204,11 @@ class Supervisor:
             code = process.poll()
             if code is not None:
                 return self.ended(code, nodes)
+            if self.launch_failed() and self.unstarted(nodes):
+                log("the step did not launch on every node: not waiting for srun to say so")
+                process.kill()
+                process.wait()
+                return self.ended(1, nodes)
             if self.stopping.is_set():
                 continue
             if self.warm and not self.spares_warm and self.training_began():
@@ -334,14 +364,14 @@ class Supervisor:
     def warm_alive(self, nodes: list[str]) -> bool:
         return bool(nodes) and all(n in self.warm and self.warm[n].poll() is None for n in nodes)
 
-    def stop_warm(self, nodes: list[str] | None = None) -> None:
+    def stop_warm(self, nodes: list[str] | None = None, wait: bool = True) -> None:
         """TERM to the templates' steps of the nodes named, or to all of them and then waited for (at
-        most STOP_GRACE_S altogether, then killed) as the supervisor ends."""
+        most STOP_GRACE_S altogether, then killed) as the supervisor ends, unless `wait` is False."""
         stopping = [self.warm[n] for n in (nodes if nodes is not None else self.warm) if n in self.warm]
         for process in stopping:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
-        if nodes is not None:
+        if nodes is not None or not wait:
             return
         deadline = time.monotonic() + STOP_GRACE_S
         for process in stopping:
@@ -371,12 +401,17 @@ class Supervisor:
             code = self.attempts()
             return code
         finally:
-            self.stop_warm()
+            # Not waited for when the job is handed back to be requeued (Slurm ends what is left of
+            # it): before Slurm finds a node lost at launch by itself, ft marks it down with its
+            # reason and lifts the requeue hold. An out-of-memory retry starts new templates on the
+            # same nodes: the old ones are waited for.
+            self.stop_warm(wait=not self.handing_back)
             if exporter is not None:
-                # One last scrape at the run's end only (finished, or failed for good): not when the
-                # job is being stopped (a time limit, a preemption, a cancel: Slurm's grace is the
-                # checkpoint's) nor requeued for lost nodes (the run goes on in the next job).
-                last = not self.stopping.is_set() and code not in (None, exits.NODES_LOST)
+                # One last scrape at the run's end only (finished, or failed for good): never while
+                # the job script has more to do at once (requeue without a node lost at launch before
+                # Slurm notices it, retry out of memory) nor while Slurm is stopping the job (its
+                # grace is the checkpoint's).
+                last = self.for_good and not self.stopping.is_set()
                 with contextlib.suppress(Exception):  # monitoring never changes the exit code
                     exporter.stop(final_wait_s=None if last else 0)
 
@@ -400,6 +435,7 @@ class Supervisor:
         restarts, most = 0, self.watchdog.max_restarts
         while True:
             if self.finished():  # a failure after the run's end (an upload, say) never reruns it
+                self.for_good = True
                 return self.end(0, why="the run had finished")
             if self.stopping.is_set():
                 return self.end(exits.STOPPED, why="stopped before a new start")
@@ -413,17 +449,22 @@ class Supervisor:
             if outcome.lost and not self.stopping.is_set():
                 self.exclude(outcome.lost)
             elif outcome.code == 0 or self.stopping.is_set() or self.auto_resume or outcome.code in exits.NOT_RESTARTED:
+                # Out of memory is the job script's to retry, a stop the next job's to resume.
+                self.for_good = outcome.code in (exits.DONE, exits.USER_ERROR) and not self.stopping.is_set()
                 record(self.run_dir, "end", code=outcome.code)
                 return outcome.code if outcome.code is not None else 1
             elif self.unstarted(nodes):  # a node lost at step launch, or refused it: the job script's to judge
+                self.handing_back = True
                 record(self.run_dir, "end", code=outcome.code, why="the step did not start on every node",
                        nodes=self.unstarted(nodes))
                 return outcome.code
             if self.finished():
+                self.for_good = True
                 return self.end(0, why="the run had finished")
             restarts += 1
             if restarts > most:
                 log(f"{most} restarts in this job already: giving up (watchdog.max_restarts)")
+                self.for_good = True
                 return self.end(outcome.code or 1, why="max_restarts")
             pause = 0 if outcome.lost else min(2 ** (restarts - 1), 30)
             log(f"restart {restarts} of at most {most}"
@@ -447,6 +488,7 @@ class Supervisor:
         if marks:
             Path(marks, "lost-nodes").write_text("\n".join(self.excluded) + "\n")
         log(f"no spare node left for {', '.join(self.excluded)}: the job requeues without them")
+        self.handing_back = True
         return self.end(exits.NODES_LOST, why="no spare node left", lost=self.excluded)
 
     def on_signal(self, signum, _frame) -> None:
