@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from toolkit.lab.status import LabStatus, collect
 
 DEFAULT_NODES = 4
 MAX_NODES = 32  # each node is a slurmd in its own namespace; the lab subnet has room for more
+SETTLE_S = 30.0  # the lab's SlurmdTimeout (10 s) and a ping or two: a node heard from again by then
 
 # Files the lab playbook writes outside its state directory: a hand edit to any of them makes the
 # next `ft lab up` run the playbook again instead of trusting the last run.
@@ -99,19 +101,38 @@ def only_nodes_down(status: LabStatus) -> bool:
         all(d.node is not None for d in down)
 
 
+def only_nodes_unheard(status: LabStatus) -> bool:
+    """Every daemon runs, yet slurmctld has not heard from some nodes since a fault (a failed
+    prolog, a slurmd just started again): its next ping, every few seconds, settles them."""
+    unserving = [n for n in status.nodes if not n.serving]
+    return bool(unserving) and len(status.problems) == len(unserving) and status.bridge_up and \
+        all(d.running for d in status.daemons) and all(n.namespace and "NOT_RESPONDING" in n.flags and
+                                                        not {"DRAIN", "DRAINED", "DRAINING"} & set(n.flags)
+                                                        for n in unserving)
+
+
+def settled(manifest: LabManifest, status: LabStatus, timeout: float = SETTLE_S) -> LabStatus:
+    deadline = time.monotonic() + timeout
+    while only_nodes_unheard(status) and time.monotonic() < deadline:
+        time.sleep(1)
+        status = collect(manifest)
+    return status
+
+
 def up(nodes: int | None = None, reprovision: bool = False,
        on_task: Callable[[str], None] | None = None) -> UpOutcome:
     require_root("up")
     manifest = LabManifest.load()
     extra_vars = {"lab_node_count": node_count(nodes, manifest)}
     if not reprovision and as_last_up(extra_vars, manifest):
-        status = collect(manifest)
-        if status.healthy:
-            return UpOutcome(status, None)
+        status, healed = collect(manifest), None
         if only_nodes_down(status):  # heal them; anything still wrong after that: the whole playbook
             healed = run_playbook("lab-heal.yml", extra_vars, on_task=on_task)
-            if healed.ok and (status := collect(manifest)).healthy:
-                return UpOutcome(status, healed)
+            if healed.ok:
+                status = collect(manifest)
+        status = settled(manifest, status)  # the whole playbook would change nothing for these
+        if status.healthy and (healed is None or healed.ok):
+            return UpOutcome(status, healed)
     result = run_playbook("lab.yml", extra_vars, on_task=on_task)
     if not result.ok:
         raise PlaybookFailed(f"the lab playbook failed (full log: {result.log_path})\n{result.error}",
