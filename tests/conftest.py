@@ -39,6 +39,10 @@ def lab() -> LabManifest:
             pytest.fail(problem)
         pytest.skip(problem)
     os.environ["SLURM_CONF"] = manifest.slurm_conf
+    # A run's watchdog waits up to a scrape interval at its end for Prometheus's last look: worth it
+    # to a user, not to a test of something else (seconds for each of some forty runs; jobs inherit
+    # this). The monitoring tests' run keeps it (tiny_baseline).
+    os.environ.setdefault("FT_METRICS_FINAL_WAIT_S", "0")
     return manifest
 
 

@@ -12,7 +12,7 @@ def tiny_baseline(lab) -> dict:
     """One uninterrupted 2-node run of the tiny recipe: what every interrupted run must end equal to."""
     pytest.importorskip("deepspeed", reason="the training stack (ft[train]) is not installed")
     runs = lab_runs(lab, "baseline")
-    run = submit(TINY, runs_dir=runs)
+    run = submit(TINY, runs_dir=runs, env={"FT_METRICS_FINAL_WAIT_S": "20"})  # monitoring's tests read it
     assert wait_done(run["run_id"], runs_dir=runs) == "COMPLETED", \
         ft("logs", run["run_id"], "--rank", "0", runs_dir=runs).stdout[-3000:]
     return run
