@@ -213,3 +213,25 @@ def test_a_new_start_keeps_the_steps_an_earlier_one_recorded(tmp_path):
     path.write_text('{"shared": {"step": "40; rm -rf /"}}')  # torn or forged: carried over as nothing
     StatusBoard(path, None).published(50)
     assert json.loads(path.read_text())["shared"]["step"] == 50
+
+
+def test_the_upload_lag_counts_from_the_oldest_checkpoint_the_mirror_lacks(tmp_path, monkeypatch):
+    """Saves every few minutes while uploads fail must not reset the lag (the alert would never
+    fire): it counts from the first shared checkpoint not mirrored, across a requeue too."""
+    from toolkit.checkpoint import status as status_module
+
+    clock = iter([100.0, 200.0, 300.0, 400.0, 500.0, 600.0, 700.0])
+    monkeypatch.setattr(status_module.time, "time", lambda: next(clock))
+    path = tmp_path / "checkpoints.json"
+    board = StatusBoard(path, "s3://bucket/run")
+    board.published(10)  # 100
+    board.mirrored(10)  # 200: caught up
+    assert json.loads(path.read_text())["remote"]["behind_since"] is None
+    board.published(20)  # 300: behind from here
+    board.published(30)  # 400
+    assert json.loads(path.read_text())["remote"]["behind_since"] == 300.0
+    board.mirrored(20)  # 500: still lacks 30, published at 400
+    assert json.loads(path.read_text())["remote"]["behind_since"] == 400.0
+    later = StatusBoard(path, "s3://bucket/run")  # the job requeued before 30 was uploaded
+    later.failed("down")  # 600
+    assert json.loads(path.read_text())["remote"]["behind_since"] == 400.0

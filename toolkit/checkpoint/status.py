@@ -20,7 +20,8 @@ class StatusBoard:
         self.state: dict = {"shared": {"step": None, "at": None},
                             "remote": {"url": remote_url, "step": None, "at": None, "pending": None,
                                        "error": None, "failing_since": None, "retrying": False,
-                                       "abandoned": None} if remote_url else None}
+                                       "abandoned": None, "behind_since": None} if remote_url else None}
+        self.unmirrored: dict[int, float] = {}  # shared checkpoints not in the mirror yet: step -> published at
         self.carry_over()
 
     def carry_over(self) -> None:
@@ -37,6 +38,8 @@ class StatusBoard:
                     (tier == "shared" or found.get("url") == mine["url"]):
                 mine["step"] = found["step"]
                 mine["at"] = found.get("at") if isinstance(found.get("at"), (int, float)) else None
+                if tier == "remote" and isinstance(found.get("behind_since"), (int, float)):
+                    mine["behind_since"] = found["behind_since"]  # the mirror was behind before this start
 
     def _update(self, tier: str, **values) -> None:
         from toolkit.shared_dirs import write_atomically
@@ -51,15 +54,26 @@ class StatusBoard:
                     write_atomically(self.path, text)
 
     def published(self, step: int) -> None:
-        self._update("shared", step=step, at=time.time())
+        now = time.time()
+        self._update("shared", step=step, at=now)
+        remote = self.state.get("remote")
+        if remote is not None and (remote.get("step") is None or remote["step"] < step):
+            self.unmirrored[step] = now
+            if remote.get("behind_since") is None:
+                self._update("remote", behind_since=now)
 
     def pending(self, step: int) -> None:
         self._update("remote", pending=step)
 
     def mirrored(self, step: int) -> None:
+        """`behind_since`: when the oldest shared checkpoint the mirror still lacks was published
+        (None when it has the newest). The upload lag is counted from it: not reset by each new
+        save while uploads fail or fall further behind."""
         pending = (self.state.get("remote") or {}).get("pending")
+        self.unmirrored = {s: at for s, at in self.unmirrored.items() if s > step}
         self._update("remote", step=step, at=time.time(), error=None, failing_since=None, retrying=False,
-                     pending=None if pending is not None and pending <= step else pending)
+                     pending=None if pending is not None and pending <= step else pending,
+                     behind_since=min(self.unmirrored.values(), default=None))
 
     def failed(self, error: str) -> None:
         since = (self.state.get("remote") or {}).get("failing_since") or time.time()

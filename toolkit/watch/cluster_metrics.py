@@ -10,7 +10,7 @@ runs on the controller (ansible/roles/prometheus starts it); Prometheus scrapes 
     ft_node_drained{node, reason}                      1 when drained or draining
     ft_queue_pending_jobs{partition, tier}             jobs waiting
     ft_queue_running_jobs{partition, tier}             jobs running
-    ft_queue_oldest_pending_seconds{partition, tier}   how long the oldest waiting job has waited
+    ft_queue_oldest_pending_seconds{partition, tier}   the longest wait for nodes, since eligible
     ft_cluster_slurm_up                                1 when Slurm answered the last scrape
 """
 
@@ -47,11 +47,18 @@ class Node:
         return self.state.startswith("drain")
 
 
+# Why a pending job waits, when it is the cluster's doing: the premium tier's promise is about these
+# only (not a job held, waiting on a dependency or a begin time, or on its user's own limits).
+WAITING_ON_THE_CLUSTER = {"Priority", "Resources"}
+COMMAND_TIMEOUT_S = 4.0  # both commands within Prometheus's 10 s scrape timeout: a hung slurmctld reads as down
+
+
 @dataclass(frozen=True)
 class Job:
     partition: str
     state: str
-    submitted: float | None
+    eligible: float | None  # since when it may run (its submit time, or later: a begin time, a release)
+    reason: str = ""
 
 
 def parse_nodes(text: str) -> dict[str, Node]:
@@ -72,13 +79,14 @@ def slurm_time(text: str) -> float | None:
 
 
 def parse_jobs(text: str) -> list[Job]:
-    """`squeue --all --noheader --format=%P|%T|%V`: partition, state, submit time. A job submitted to
-    several partitions counts in each."""
+    """`squeue --all --noheader --Format=Partition:|,State:|,EligibleTime:|,Reason:|`: a job submitted
+    to several partitions counts in each."""
     jobs = []
     for line in text.splitlines():
         parts = line.strip().split("|")
-        if len(parts) == 3:
-            jobs += [Job(partition, parts[1].upper(), slurm_time(parts[2])) for partition in parts[0].split(",")]
+        if len(parts) >= 4:
+            jobs += [Job(partition, parts[1].upper(), slurm_time(parts[2]), parts[3])
+                     for partition in parts[0].split(",") if partition]
     return jobs
 
 
@@ -94,8 +102,11 @@ class ClusterCollector:
             taken, nodes, jobs, answered = self.cached
             if time.monotonic() - taken >= CACHE_S:
                 try:
-                    nodes = parse_nodes(self.run(["sinfo", "--Node", "--noheader", "--format=%N|%T|%E"]).stdout)
-                    jobs = parse_jobs(self.run(["squeue", "--all", "--noheader", "--format=%P|%T|%V"]).stdout)
+                    nodes = parse_nodes(self.run(["sinfo", "--Node", "--noheader", "--format=%N|%T|%E"],
+                                                 timeout=COMMAND_TIMEOUT_S).stdout)
+                    jobs = parse_jobs(self.run(["squeue", "--all", "--noheader",
+                                                "--Format=Partition:|,State:|,EligibleTime:|,Reason:|"],
+                                               timeout=COMMAND_TIMEOUT_S).stdout)
                     answered = True
                 except FtError:  # the controller does not answer: say so, keep no stale numbers
                     nodes, jobs, answered = {}, [], False
@@ -120,16 +131,18 @@ class ClusterCollector:
         labels = ["partition", "tier"]
         pending = GaugeMetricFamily("ft_queue_pending_jobs", "Jobs waiting, per partition", labels=labels)
         running = GaugeMetricFamily("ft_queue_running_jobs", "Jobs running, per partition", labels=labels)
-        oldest = GaugeMetricFamily("ft_queue_oldest_pending_seconds", "The oldest waiting job's wait",
-                                   labels=labels)
+        oldest = GaugeMetricFamily("ft_queue_oldest_pending_seconds",
+                                   "How long the longest-waiting job has waited for nodes (Priority or "
+                                   "Resources), since it became eligible", labels=labels)
         now = self.now()
         for partition in sorted(set(self.tiers) | {job.partition for job in jobs}):
             key = [partition, self.tiers.get(partition, "")]
             waiting = [job for job in jobs if job.partition == partition and job.state == "PENDING"]
             pending.add_metric(key, len(waiting))
             running.add_metric(key, sum(job.partition == partition and job.state == "RUNNING" for job in jobs))
-            submitted = [job.submitted for job in waiting if job.submitted is not None]
-            oldest.add_metric(key, max(now - min(submitted), 0.0) if submitted else 0.0)
+            eligible = [job.eligible for job in waiting if job.eligible is not None
+                        and job.reason in WAITING_ON_THE_CLUSTER]
+            oldest.add_metric(key, max(now - min(eligible), 0.0) if eligible else 0.0)
         yield from (pending, running, oldest)
 
 

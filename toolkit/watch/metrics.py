@@ -19,7 +19,7 @@ collector needs node_exporter on every compute node and a shared clock for fresh
     ft_run_restarts_total                                          starts after the first
     ft_run_goodput_ratio                                           productive time / wall time
     ft_run_checkpoint_step{tier}                                   newest checkpoint per tier
-    ft_run_checkpoint_upload_lag_seconds                           shared checkpoint not yet mirrored
+    ft_run_checkpoint_upload_lag_seconds                           since the oldest one not mirrored
     ft_run_checkpoint_upload_failing                               1 while uploads fail
     ft_node_heartbeat_age_seconds{node}                            since a node's launcher was heard
 """
@@ -31,6 +31,7 @@ import getpass
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -65,6 +66,16 @@ def number(value) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
+def since_last_restart(lines: list[dict]) -> list[dict]:
+    """The lines after the last restart: a start resumes from a checkpoint (the step goes back) and
+    counts its tokens afresh, so a window over a restart would mix two starts (a negative rate)."""
+    for i in range(len(lines) - 1, 0, -1):
+        before, after = lines[i - 1], lines[i]
+        if after["step"] <= before["step"] or (number(after.get("tokens")) or 0) < (number(before.get("tokens")) or 0):
+            return lines[i:]
+    return lines
+
+
 class RunCollector:
     """prometheus_client's custom-collector protocol: `collect()` yields metric families, read at
     scrape time."""
@@ -74,12 +85,11 @@ class RunCollector:
         self.labels = labels
         self.heartbeats = heartbeats  # node -> seconds since heard
         self.goodput: tuple[float, dict | None] = (0.0, None)
-        self.scraped = threading.Event()  # set at each scrape; the exporter's end waits for one
+        self.reported: set[str] = set()  # what a damaged file made us leave out, said once
 
     def collect(self) -> Iterator:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import GaugeMetricFamily
 
-        self.scraped.set()
         names, values = list(self.labels), list(self.labels.values())
 
         def gauge(name: str, documentation: str, value: float | None, extra: dict | None = None):
@@ -92,30 +102,56 @@ class RunCollector:
         info = GaugeMetricFamily("ft_run_info", "The run (value 1), its recipe and where it runs", labels=names)
         info.add_metric(values, 1)
         yield info
-        yield from filter(None, self.step_metrics(gauge))
-        yield from filter(None, self.checkpoint_metrics(gauge))
+        for section in (lambda: self.step_metrics(gauge), lambda: self.checkpoint_metrics(gauge),
+                        lambda: self.goodput_metrics(gauge), self.restart_metrics, self.heartbeat_metrics):
+            # A file damaged by hand (a null where a number was) costs its own metrics, not the scrape.
+            try:
+                families = list(filter(None, section()))
+            except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
+                self.report_once(exc)
+                continue
+            yield from families
+
+    def report_once(self, exc: Exception) -> None:
+        message = f"{type(exc).__name__}: {exc}"
+        if message not in self.reported:
+            self.reported.add(message)
+            print(f"ft metrics: a section of the run's metrics left out: {message}", file=sys.stderr, flush=True)
+
+    def goodput_metrics(self, gauge) -> list:
         accounts = self.timeline()
-        if accounts:
-            yield gauge("ft_run_goodput_ratio", "Productive training time over wall time since the first start",
-                        accounts.get("goodput"))
+        return [gauge("ft_run_goodput_ratio", "Productive training time over wall time since the first start",
+                      number(accounts.get("goodput")))] if accounts else []
+
+    def restart_metrics(self) -> list:
+        from prometheus_client.core import CounterMetricFamily
+
         starts = self.starts()
-        if starts:
-            restarts = CounterMetricFamily("ft_run_restarts", "Starts of the training step after the first",
-                                           labels=names)
-            restarts.add_metric(values, starts - 1)
-            yield restarts
+        if not starts:
+            return []
+        # Counted over the whole run (every job's starts): a requeued run's new series goes on from
+        # the old one's count, which the restart-loop alert compares across jobs.
+        restarts = CounterMetricFamily("ft_run_restarts", "Starts of the training step after the first",
+                                       labels=list(self.labels))
+        restarts.add_metric(list(self.labels.values()), starts - 1)
+        return [restarts]
+
+    def heartbeat_metrics(self) -> list:
+        from prometheus_client.core import GaugeMetricFamily
+
         ages = GaugeMetricFamily("ft_node_heartbeat_age_seconds", "Seconds since the node's launcher was heard",
-                                 labels=[*names, "node"])
+                                 labels=[*self.labels, "node"])
         for node, age in sorted(self.heartbeats().items()):
-            ages.add_metric([*values, node], age)
-        yield ages
+            if number(age) is not None:
+                ages.add_metric([*self.labels.values(), node], age)
+        return [ages]
 
     def step_metrics(self, gauge) -> list:
         lines = [line for line in tail_lines(self.layout.metrics) if number(line.get("step")) is not None
                  and number(line.get("time")) is not None]
         if not lines:
             return []
-        newest, window = lines[-1], lines[-WINDOW:]
+        newest, window = lines[-1], since_last_restart(lines)[-WINDOW:]
         steps = newest["step"] - window[0]["step"]
         seconds = newest["time"] - window[0]["time"]
         tokens = (number(newest.get("tokens")) or 0) - (number(window[0].get("tokens")) or 0)
@@ -146,11 +182,11 @@ class RunCollector:
             if isinstance(place, dict) and number(place.get("step")) is not None:
                 found.append(gauge("ft_run_checkpoint_step", "The newest complete checkpoint's step, per tier",
                                    number(place["step"]), {"tier": tier}))
-        if isinstance(shared, dict) and isinstance(remote, dict) and number(shared.get("at")) is not None:
-            behind = number(remote.get("step")) is None or remote["step"] < shared.get("step", 0)
-            lag = max(time.time() - shared["at"], 0.0) if behind else 0.0
+        if isinstance(shared, dict) and isinstance(remote, dict) and number(shared.get("step")) is not None:
+            behind_since = number(remote.get("behind_since"))
+            lag = max(time.time() - behind_since, 0.0) if behind_since is not None else 0.0
             found.append(gauge("ft_run_checkpoint_upload_lag_seconds",
-                               "Seconds the newest shared checkpoint has waited for its mirror", lag))
+                               "Seconds since the oldest shared checkpoint the mirror lacks was written", lag))
             found.append(gauge("ft_run_checkpoint_upload_failing", "1 while the mirror's uploads fail",
                                1.0 if remote.get("error") or remote.get("failing_since") else 0.0))
         return found
@@ -182,6 +218,69 @@ def run_labels(run_dir: Path) -> dict[str, str]:
             "cluster": os.environ.get("FT_CLUSTER", ""), "slurm_job": os.environ.get("SLURM_JOB_ID", "")}
 
 
+class ScrapeCounter:
+    """A WSGI app around prometheus_client's: counts the scrapes answered (the body written and
+    closed, not merely begun), so the exporter's end can wait for one whole last scrape."""
+
+    def __init__(self, app):
+        self.app = app
+        self.changed = threading.Condition()
+        self.answered = 0
+        self.active = 0
+
+    def __call__(self, environ, start_response):
+        with self.changed:
+            self.active += 1
+        try:
+            body = self.app(environ, start_response)
+        except BaseException:
+            self.done(answered=False)
+            raise
+        return Answer(body, self.done)
+
+    def done(self, answered: bool = True) -> None:
+        with self.changed:
+            self.active -= 1
+            self.answered += answered
+            self.changed.notify_all()
+
+    def wait(self, until: Callable[[], bool], timeout: float) -> bool:
+        with self.changed:
+            return self.changed.wait_for(until, timeout)
+
+
+class Answer:
+    """A response body whose close() (wsgiref calls it once the body is written) is counted."""
+
+    def __init__(self, body, on_close: Callable[[], None]):
+        self.body, self.on_close = body, on_close
+
+    def __iter__(self):
+        return iter(self.body)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            getattr(self.body, "close", lambda: None)()
+        self.on_close()
+
+
+def serve(app, listen: str):
+    """A threaded HTTP server on an ephemeral port, in a daemon thread (as prometheus_client's own)."""
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, *args) -> None:  # a line per scrape would bury the job's log
+            pass
+
+    server = make_server(listen, 0, app, Server, handler_class=Quiet)
+    threading.Thread(target=server.serve_forever, name="ft-metrics", daemon=True).start()
+    return server
+
+
 class RunExporter:
     """Serves a run's metrics on an ephemeral port of the batch host and announces it to Prometheus
     through a targets file on the shared filesystem (FT_MONITORING_TARGETS, when the admins made
@@ -189,12 +288,13 @@ class RunExporter:
 
     def __init__(self, run_dir: Path, heartbeats: Callable[[], dict[str, float]], host: str | None = None,
                  targets: str | None = None, listen: str = "0.0.0.0"):
-        from prometheus_client import CollectorRegistry
+        from prometheus_client import CollectorRegistry, make_wsgi_app
 
         self.labels = run_labels(run_dir)
         self.registry = CollectorRegistry()
         self.collector = RunCollector(run_dir, self.labels, heartbeats)
         self.registry.register(self.collector)
+        self.scrapes = ScrapeCounter(make_wsgi_app(self.registry))
         folder = targets if targets is not None else os.environ.get("FT_MONITORING_TARGETS", "")
         self.target_file = Path(folder) / f"{self.labels['run']}.json" if folder else None
         self.host = host or socket.gethostname()
@@ -202,11 +302,9 @@ class RunExporter:
         self.server = None
 
     def start(self) -> int:
-        from prometheus_client import start_http_server
-
         from toolkit.shared_dirs import write_atomically
 
-        self.server, _ = start_http_server(0, addr=self.listen, registry=self.registry)
+        self.server = serve(self.scrapes, self.listen)
         port = self.server.server_port
         if self.target_file is not None and self.target_file.parent.is_dir():
             # No labels here: the metrics carry their own (a target label would rename them).
@@ -216,18 +314,20 @@ class RunExporter:
         return port
 
     def stop(self, final_wait_s: float | None = None) -> None:
-        """Stop serving, after one more scrape when Prometheus has been scraping: a run's last state
-        (its final loss, the fault that ended it) is what the last scrape would otherwise miss. The
-        wait is at most one scrape interval, `final_wait_s` at most (FT_METRICS_FINAL_WAIT_S, 20 s):
-        nothing is waited for where no Prometheus watches."""
+        """Stop serving, after one more whole scrape when Prometheus has been scraping: a run's last
+        state (its final loss, the fault that ended it) is what the last scrape would otherwise miss.
+        The wait is at most one scrape interval, `final_wait_s` at most (FT_METRICS_FINAL_WAIT_S,
+        20 s): nothing is waited for where no Prometheus watches. A scrape under way is let finish."""
         if final_wait_s is None:
             try:
                 final_wait_s = min(max(float(os.environ.get("FT_METRICS_FINAL_WAIT_S", "20")), 0.0), 60.0)
             except ValueError:
                 final_wait_s = 20.0
-        if self.server is not None and self.collector.scraped.is_set():
-            self.collector.scraped.clear()
-            self.collector.scraped.wait(final_wait_s)
+        if self.server is not None:
+            answered = self.scrapes.answered
+            if answered and final_wait_s > 0:
+                self.scrapes.wait(lambda: self.scrapes.answered > answered, final_wait_s)
+            self.scrapes.wait(lambda: self.scrapes.active == 0, min(final_wait_s, 2.0))
         if self.target_file is not None:
             self.target_file.unlink(missing_ok=True)
         if self.server is not None:
