@@ -11,8 +11,10 @@ free-tier run preempted by a premium job checkpoints within KillWait and resumes
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ import yaml
 
 from tests.support.prometheus import query
 from tests.support.slurm import cancel, sbatch, wait_for, write_script
+from tests.support.tmux import Terminal
 from tests.support.training import TINY, assert_same_weights, ft, lab_runs, submit, wait_done
 from toolkit.lab import chaos, lifecycle
 from toolkit.lab.manifest import state_dir
@@ -233,10 +236,21 @@ def test_a_run_near_its_time_limit_checkpoints_requeues_and_resumes(tiny_baselin
     """Slurm's USR2, pre_timeout_seconds (300) before the time limit: with a 6-minute limit it comes
     about a minute into each start (slurmctld looks every ~30 s), mid-training at these slower
     steps. The ranks checkpoint, the job script requeues the job, lifting Slurm's hold, and it
-    resumes there (a start that gets the signal again goes round once more)."""
+    resumes there (a start that gets the signal again goes round once more).
+
+    Meanwhile a user follows it in a terminal (tmux) with `ft status RUN --watch`: the view is
+    redrawn in place, through the requeue, and ends with the job."""
     run = submit(recipe(runs, "time-limit", resources={"time": "6"}, env={"FT_FAULT_SLOW_STEP_S": "0.3"}),
                  runs_dir=runs)
-    finished(run, runs)
+    view = Terminal([sys.executable, "-m", "toolkit", "status", run["run_id"], "--watch", "--interval", "1"],
+                    runs, env={"FT_RUNS_DIR": str(runs)})
+    try:
+        finished(run, runs)
+        assert view.exit_code(timeout=30) == 0, view.screen()
+        frames, history = [*view.frames, view.screen()], view.history()
+    finally:
+        view.close()
+    assert_watched(run["run_id"], frames, history)
     rank0 = (Path(run["run_dir"]) / "logs" / "rank-0.log").read_text()
     stops = [int(part.split(" ", 1)[0]) for part in rank0.split("stopping at step ")[1:]]  # on USR2, checkpointed
     assert stops, rank0[-2000:]
@@ -250,6 +264,19 @@ def test_a_run_near_its_time_limit_checkpoints_requeues_and_resumes(tiny_baselin
     assert batch_log.count("time limit near: checkpointing, then requeueing") >= len(stops)
     assert [e["job"] for e in events(run) if e["event"] == "requeue_hold_lifted"] == [run["job_id"]] * len(stops)
     assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after the time limit at {stops}")
+
+
+def assert_watched(run_id: str, frames: list[str], history: str) -> None:
+    """What the live view showed: the run training (a step of the 120 with a loss, tokens/s), a
+    restart after the requeue, the end; one frame at a time, redrawn in place (the header never
+    scrolled off into the terminal's history)."""
+    header = f"run {run_id}"
+    training = [f for f in frames if "RUNNING" in f and re.search(r"\b\d+/120\s+\d+\.\d{4}\s+[\d,]+", f)]
+    assert training, "no frame showed the run training:\n" + "\n---\n".join(frames[-3:])
+    assert any(re.search(r"\b[1-9]\d* restarts?\b", f) for f in frames), frames[-1]
+    assert "COMPLETED" in frames[-1] and "120/120" in frames[-1], frames[-1]
+    assert all(f.count(header) == 1 for f in frames if header in f)
+    assert history.count(header) == 1, history[-3000:]
 
 
 def test_a_full_checkpoint_disk_costs_saves_not_the_run(tiny_baseline, runs, shared_tmp):

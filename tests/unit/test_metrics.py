@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.run_specs import run_spec, write_run_spec
-from toolkit.watch.metrics import RunCollector, RunExporter, tail_lines
+from toolkit.runs.progress import tail_lines
+from toolkit.watch.metrics import RunCollector, RunExporter
 
 NAME_RULE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 

@@ -10,12 +10,10 @@ from pathlib import Path
 import typer
 
 from toolkit.checkpoint.status import summary_line as checkpoint_summary
+from toolkit.cli.live import STATE_COLOURS
 from toolkit.cli.output import console, err_console, plain, print_json, task_spinner
 from toolkit.errors import FtError
 from toolkit.runs.layout import RunLayout
-
-STATE_COLOURS = {"RUNNING": "green", "COMPLETED": "green", "PENDING": "yellow", "REQUEUED": "yellow",
-                 "FAILED": "red", "NODE_FAIL": "red", "CANCELLED": "magenta", "TIMEOUT": "red"}
 
 
 def _store(cluster: str | None):
@@ -126,12 +124,27 @@ def ls(cluster: str = typer.Option(None, "--cluster", "-c"), limit: int = typer.
 
 
 def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, "--cluster", "-c"),
-           as_json: bool = typer.Option(False, "--json")) -> None:
+           as_json: bool = typer.Option(False, "--json"),
+           watch: bool = typer.Option(False, "--watch", "-w",
+                                      help="Follow the run live (step, loss, ETA, nodes) until its job ends."),
+           interval: float = typer.Option(2.0, "--interval", min=0.5, max=3600,
+                                          help="Seconds between updates of --watch.")) -> None:
     """Show a run's state (from squeue, then sacct, then the job-completion log), jobs and attempts."""
     from toolkit.runs.status import run_status
     from toolkit.slurm.client import default_client
 
-    current = run_status(_store(cluster), run_id, default_client())
+    if watch and as_json:
+        raise FtError("--watch draws a live view for a terminal; --json prints once",
+                      hint="use one of them (a script polls `ft status RUN --json`)")
+    store, client = _store(cluster), default_client()
+    current = run_status(store, run_id, client)
+    if watch:
+        from toolkit.cli.live import watch as live_view
+
+        try:
+            current = live_view(lambda: run_status(store, run_id, client), interval, console.get())
+        except KeyboardInterrupt:  # leaving the view leaves the run alone
+            return
     if as_json:
         print_json(current.to_dict())
         return

@@ -25,6 +25,7 @@ class Tracker:
         self.layout = layout
         self.wandb = None
         self.queued: list[tuple[int, dict]] = []
+        self.total_steps: int | None = None  # the run's plan, once the data's size is known: each line says it
         self.starting: threading.Thread | None = None
         wandb_spec = recipe.tracking.wandb
         if self.enabled and wandb_spec.mode != "disabled":
@@ -54,7 +55,8 @@ class Tracker:
         metrics = [{"loss": r.loss, "lr": r.lr, "tokens": r.tokens}
                    | ({"reward_accuracy": r.accuracy} if r.accuracy is not None else {}) for r in records]
         with open(self.layout.metrics, "a") as handle:
-            handle.write("".join(json.dumps({"step": r.step, "time": round(r.time, 3), **m}) + "\n"
+            planned = {"of": self.total_steps} if self.total_steps else {}
+            handle.write("".join(json.dumps({"step": r.step, "time": round(r.time, 3), **m, **planned}) + "\n"
                                  for r, m in zip(records, metrics, strict=True)))
         if self.starting is not None:
             self.queued += [(record.step, values) for record, values in zip(records, metrics, strict=True)]

@@ -124,6 +124,7 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     objective = objective_for(recipe.objective)
     units = objective.units(load_examples(recipe, model_path, user_cache, rank, dist, log))
     steps = total_steps(recipe, len(units))
+    tracker.total_steps = steps
     engine, _, _, _ = deepspeed.initialize(model=model, config=deepspeed_config(recipe.training, plan, steps),
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
     progress = Reporter()

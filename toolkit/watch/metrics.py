@@ -38,42 +38,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from toolkit.runs.layout import RunLayout
+from toolkit.runs.progress import WINDOW, number, read_progress
 
-WINDOW = 20  # steps the rates are taken over
-TAIL_BYTES = 16384  # enough for WINDOW metrics lines
 GOODPUT_EVERY_S = 60.0  # the timeline reads whole files: not at every scrape
-
-
-def tail_lines(path: Path, size: int = TAIL_BYTES) -> list[dict]:
-    """The last complete JSON lines of a file, read from its end (a run's file grows for days)."""
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(0, os.SEEK_END)
-            handle.seek(max(handle.tell() - size, 0))
-            data = handle.read()
-    except OSError:
-        return []
-    lines = []
-    for raw in data.splitlines()[1:] if len(data) >= size else data.splitlines():
-        with contextlib.suppress(ValueError):
-            entry = json.loads(raw)
-            if isinstance(entry, dict):
-                lines.append(entry)
-    return lines
-
-
-def number(value) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def since_last_restart(lines: list[dict]) -> list[dict]:
-    """The lines after the last restart: a start resumes from a checkpoint (the step goes back) and
-    counts its tokens afresh, so a window over a restart would mix two starts (a negative rate)."""
-    for i in range(len(lines) - 1, 0, -1):
-        before, after = lines[i - 1], lines[i]
-        if after["step"] <= before["step"] or (number(after.get("tokens")) or 0) < (number(before.get("tokens")) or 0):
-            return lines[i:]
-    return lines
 
 
 class RunCollector:
@@ -147,27 +114,20 @@ class RunCollector:
         return [ages]
 
     def step_metrics(self, gauge) -> list:
-        lines = [line for line in tail_lines(self.layout.metrics) if number(line.get("step")) is not None
-                 and number(line.get("time")) is not None]
-        if not lines:
-            return []
-        newest, window = lines[-1], since_last_restart(lines)[-WINDOW:]
-        steps = newest["step"] - window[0]["step"]
-        seconds = newest["time"] - window[0]["time"]
-        tokens = (number(newest.get("tokens")) or 0) - (number(window[0].get("tokens")) or 0)
-        rate = tokens / seconds if seconds > 0 and steps > 0 else None
         from prometheus_client.core import CounterMetricFamily
 
+        progress = read_progress(self.layout.metrics)
+        if progress is None:
+            return []
         total = CounterMetricFamily("ft_run_tokens", "Tokens trained on", labels=list(self.labels))
-        total.add_metric(list(self.labels.values()), number(newest.get("tokens")) or 0)
-        return [gauge("ft_run_step", "The newest optimizer step", number(newest["step"])),
-                gauge("ft_run_loss", "The newest step's training loss", number(newest.get("loss"))),
-                gauge("ft_run_learning_rate", "The newest step's learning rate", number(newest.get("lr"))),
-                gauge("ft_run_last_step_timestamp_seconds", "When the newest step ended (Unix time)",
-                      number(newest["time"])),
-                gauge("ft_run_tokens_per_second", f"Tokens per second over the last {WINDOW} steps", rate),
-                gauge("ft_run_step_seconds", f"Seconds per step over the last {WINDOW} steps",
-                      seconds / steps if steps > 0 else None),
+        total.add_metric(list(self.labels.values()), progress.tokens)
+        return [gauge("ft_run_step", "The newest optimizer step", progress.step),
+                gauge("ft_run_loss", "The newest step's training loss", progress.loss),
+                gauge("ft_run_learning_rate", "The newest step's learning rate", progress.learning_rate),
+                gauge("ft_run_last_step_timestamp_seconds", "When the newest step ended (Unix time)", progress.time),
+                gauge("ft_run_tokens_per_second", f"Tokens per second over the last {WINDOW} steps",
+                      progress.tokens_per_second),
+                gauge("ft_run_step_seconds", f"Seconds per step over the last {WINDOW} steps", progress.step_seconds),
                 total]
 
     def checkpoint_metrics(self, gauge) -> list:
