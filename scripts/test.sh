@@ -14,6 +14,16 @@ cd "$repo"
 "$repo/scripts/setup.sh"
 ft="$repo/.venv/bin/ft"
 
+# What the lab tests look through, from Debian: a terminal for `ft status --watch` (tmux) and a
+# browser for `ft report`'s page (Chromium's headless shell, no desktop recommended with it).
+missing=()
+command -v tmux >/dev/null || missing+=(tmux)
+command -v chromium-headless-shell >/dev/null || missing+=(chromium-headless-shell)
+if ((${#missing[@]})); then
+    echo "[test] installing ${missing[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
 lab_was_up=false
 if "$ft" lab status >/dev/null 2>&1; then
     lab_was_up=true

@@ -82,3 +82,46 @@ def test_every_dashboard_panel_returns_data_for_a_real_run(lab, prometheus, tiny
                 if not query_range(prometheus, expr, times[0] - 2, times[-1] + 10):
                     empty.append(f"{board.name}: {panel['title']}: {expr}")
     assert empty == []
+
+
+def clusters(rows: list[int], gap: int = 12) -> list[list[int]]:
+    """Runs of rows with no more than `gap` rows between them."""
+    found: list[list[int]] = []
+    for row in rows:
+        if found and row - found[-1][-1] <= gap:
+            found[-1].append(row)
+        else:
+            found.append([row])
+    return found
+
+
+def test_the_run_report_shows_its_plots_in_a_real_browser(tiny_baseline, tmp_path):
+    """`ft report` on the session's real run, rendered by Chromium's headless shell (Debian's; it may
+    reach nothing: every name resolves to nowhere). The screenshot shows the curves and the timeline:
+    rows of the series' colour in separate bands, each curve drawn across its chart."""
+    from PIL import Image
+
+    from tests.support.training import ft
+    from toolkit.report.charts import LINE, MARGIN_LEFT, MARGIN_RIGHT, WIDTH
+
+    page = tmp_path / "report.html"
+    made = ft("report", tiny_baseline["run_id"], "-o", str(page), runs_dir=Path(tiny_baseline["run_dir"]).parent)
+    assert made.returncode == 0, made.stderr
+    shot = tmp_path / "report.png"
+    browser = subprocess.run(["chromium-headless-shell", "--headless", "--no-sandbox", "--disable-gpu",
+                              "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                              "--host-resolver-rules=MAP * ~NOTFOUND", f"--screenshot={shot}",
+                              "--window-size=800,1400", page.as_uri()],
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert shot.exists(), browser.stderr[-2000:]
+    image = Image.open(shot).convert("RGB")
+    colour = tuple(int(LINE[i:i + 2], 16) for i in (1, 3, 5))
+    pixels = image.load()
+    width, height = image.size
+    near = {(x, y) for y in range(height) for x in range(width)
+            if all(abs(pixels[x, y][i] - colour[i]) < 40 for i in range(3))}
+    bands = clusters(sorted({y for _, y in near}))
+    assert len(bands) >= 3, f"expected the loss and throughput curves and the timeline, found {len(bands)} bands"
+    for band in bands[:2]:  # the two curves: each drawn across most of its chart's width
+        xs = [x for x, y in near if band[0] <= y <= band[-1]]
+        assert max(xs) - min(xs) > 0.6 * (WIDTH - MARGIN_LEFT - MARGIN_RIGHT), (band[0], band[-1], min(xs), max(xs))

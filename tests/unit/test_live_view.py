@@ -4,6 +4,7 @@ recording console. The lab test follows a real run through a requeue in tmux
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from pathlib import Path
@@ -55,7 +56,7 @@ def test_the_view_follows_through_a_requeue_and_ends_with_the_job(tmp_path, monk
     states = iter(["RUNNING", "PENDING", "RUNNING", "COMPLETED"])
     monkeypatch.setattr(live.time, "sleep", lambda seconds: None)
     asked = []
-    final = live.watch(lambda: status(tmp_path, next(states)), 1.0, Console(file=open("/dev/null", "w")),
+    final = live.watch(lambda: status(tmp_path, next(states)), 1.0, Console(file=io.StringIO()),
                        read_nodes=lambda nodelist: asked.append(nodelist) or {})
     assert final.state == "COMPLETED"
     assert asked == ["node[1-2]", "node[1-2]"]  # Slurm is asked about the nodes only while they run the job

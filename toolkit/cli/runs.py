@@ -190,6 +190,33 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
         console.print(table)
 
 
+def report(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, "--cluster", "-c"),
+           output: Path = typer.Option(None, "--output", "-o",
+                                       help="Where to write the page (default: in the run folder).")) -> None:
+    """Write one self-contained HTML page of a run: loss and throughput, starts and faults, where the
+    time went, checkpoints, data, cost. Open it in any browser; it fetches nothing."""
+    from toolkit.cluster.profile import ProfileError, load_profile
+    from toolkit.report.page import render
+    from toolkit.runs.status import run_status
+    from toolkit.shared_dirs import write_atomically
+    from toolkit.slurm.client import default_client
+
+    current = run_status(_store(cluster), run_id, default_client())
+    target = output or current.run_dir / "report.html"
+    if not target.parent.is_dir():
+        raise FtError(f"{target.parent} is not a folder", hint="give --output a path in an existing folder")
+    try:
+        price = load_profile(current.run.cluster).price_per_gpu_hour
+    except ProfileError:
+        price = 0.0
+    try:
+        write_atomically(target, render(current, price))
+    except OSError as exc:
+        raise FtError(f"could not write {target}: {exc.strerror or exc}",
+                      hint="give --output a path you can write") from exc
+    console.print(f"report of run [bold]{plain(run_id)}[/]: {plain(target)}", soft_wrap=True)
+
+
 def logs(run_id: str = typer.Argument(...), follow: bool = typer.Option(False, "--follow", "-f"),
          node: str = typer.Option(None, "--node", help="A node's launcher log."),
          rank: int = typer.Option(None, "--rank", help="A rank's log."),
