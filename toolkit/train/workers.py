@@ -131,9 +131,14 @@ def run_workers(run_dir: Path, node_rank: int, nodes: int, beat: Sender | None =
     progress, lock = NodeProgress(list(workers), HangRule.of(watchdog)), threading.Lock()
     threading.Thread(target=read_progress, args=(pipes, progress, lock), name="ft-progress", daemon=True).start()
     if beat:
+        from toolkit.watch.gpus import GpuReader
+
+        gpus = GpuReader.open()  # None without NVML (no GPU, no driver): no GPU metrics
+
         def state() -> dict:
             with lock:
-                return {"ranks": progress.summary()}
+                ranks = progress.summary()
+            return {"ranks": ranks, **({"gpus": gpus.wire()} if gpus else {})}
 
         beat.state = state
 

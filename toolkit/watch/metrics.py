@@ -22,6 +22,7 @@ collector needs node_exporter on every compute node and a shared clock for fresh
     ft_run_checkpoint_upload_lag_seconds                           since the oldest one not mirrored
     ft_run_checkpoint_upload_failing                               1 while uploads fail
     ft_node_heartbeat_age_seconds{node}                            since a node's launcher was heard
+    ft_gpu_*{node, gpu}                                            NVML's readings (toolkit/watch/gpus.py)
 """
 
 from __future__ import annotations
@@ -47,10 +48,12 @@ class RunCollector:
     """prometheus_client's custom-collector protocol: `collect()` yields metric families, read at
     scrape time."""
 
-    def __init__(self, run_dir: Path, labels: dict[str, str], heartbeats: Callable[[], dict[str, float]]):
+    def __init__(self, run_dir: Path, labels: dict[str, str], heartbeats: Callable[[], dict[str, float]],
+                 gpus: Callable[[], dict[str, list]] = dict):
         self.run_dir, self.layout = run_dir, RunLayout(run_dir)
         self.labels = labels
         self.heartbeats = heartbeats  # node -> seconds since heard
+        self.gpus = gpus  # node -> its GpuSamples (toolkit/watch/gpus.py), from its newest heartbeat
         self.goodput: tuple[float, dict | None] = (0.0, None)
         self.reported: set[str] = set()  # what a damaged file made us leave out, said once
 
@@ -70,7 +73,8 @@ class RunCollector:
         info.add_metric(values, 1)
         yield info
         for section in (lambda: self.step_metrics(gauge), lambda: self.checkpoint_metrics(gauge),
-                        lambda: self.goodput_metrics(gauge), self.restart_metrics, self.heartbeat_metrics):
+                        lambda: self.goodput_metrics(gauge), self.restart_metrics, self.heartbeat_metrics,
+                        self.gpu_metrics):
             # A file damaged by hand (a null where a number was) costs its own metrics, not the scrape.
             try:
                 families = list(filter(None, section()))
@@ -102,6 +106,30 @@ class RunCollector:
                                        labels=list(self.labels))
         restarts.add_metric(list(self.labels.values()), starts - 1)
         return [restarts]
+
+    def gpu_metrics(self) -> list:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        names = [*self.labels, "node", "gpu"]
+        families = {
+            "utilization": GaugeMetricFamily("ft_gpu_utilization_ratio", "GPU busy share (NVML)", labels=names),
+            "memory_used": GaugeMetricFamily("ft_gpu_memory_used_bytes", "GPU memory in use", labels=names),
+            "memory_total": GaugeMetricFamily("ft_gpu_memory_total_bytes", "GPU memory", labels=names),
+            "temperature": GaugeMetricFamily("ft_gpu_temperature_celsius", "GPU temperature", labels=names),
+            "ecc_uncorrected": CounterMetricFamily("ft_gpu_ecc_uncorrected_errors",
+                                                   "Uncorrected ECC errors since the driver loaded", labels=names),
+            "xid_count": CounterMetricFamily("ft_gpu_xid_errors", "Critical XID events seen by the node's launcher",
+                                             labels=names),
+            "last_xid": GaugeMetricFamily("ft_gpu_last_xid", "The newest critical XID's code", labels=names),
+        }
+        for node, samples in sorted(self.gpus().items()):
+            for sample in samples:
+                key = [*self.labels.values(), node, str(sample.index)]
+                for field, family in families.items():
+                    value = getattr(sample, field)
+                    if value is not None:
+                        family.add_metric(key, value)
+        return [family for family in families.values() if family.samples]
 
     def heartbeat_metrics(self) -> list:
         from prometheus_client.core import GaugeMetricFamily
@@ -247,12 +275,12 @@ class RunExporter:
     that folder), removed when the exporter stops."""
 
     def __init__(self, run_dir: Path, heartbeats: Callable[[], dict[str, float]], host: str | None = None,
-                 targets: str | None = None, listen: str = "0.0.0.0"):
+                 targets: str | None = None, listen: str = "0.0.0.0", gpus: Callable[[], dict[str, list]] = dict):
         from prometheus_client import CollectorRegistry, make_wsgi_app
 
         self.labels = run_labels(run_dir)
         self.registry = CollectorRegistry()
-        self.collector = RunCollector(run_dir, self.labels, heartbeats)
+        self.collector = RunCollector(run_dir, self.labels, heartbeats, gpus)
         self.registry.register(self.collector)
         self.scrapes = ScrapeCounter(make_wsgi_app(self.registry))
         folder = targets if targets is not None else os.environ.get("FT_MONITORING_TARGETS", "")

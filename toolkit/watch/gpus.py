@@ -1,0 +1,138 @@
+"""A node's GPUs through NVML (nvidia-ml-py's pynvml), read by the node's launcher and carried to the
+supervisor in its heartbeats (a few hundred bytes), which serves them with the run's metrics:
+
+    ft_gpu_utilization_ratio{node, gpu}          busy share of the last sample period (0-1)
+    ft_gpu_memory_used_bytes, _total_bytes        device memory
+    ft_gpu_temperature_celsius                    the GPU die
+    ft_gpu_ecc_uncorrected_errors_total           volatile (since the driver loaded)
+    ft_gpu_xid_errors_total                       critical XID events seen by this launcher
+    ft_gpu_last_xid                               the code of the newest one (79: fallen off the bus)
+
+Where NVML cannot start (no GPU, no driver: this machine) there are no GPU metrics, and nothing else
+changes. What the metrics say is tested against NVML's own answers, recorded in NVML's units
+(tests/unit/test_gpus.py), through the same calls."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+SAMPLE_EVERY_S = 5.0  # NVML calls cost milliseconds each: not at every heartbeat (1 s)
+XID_WAIT_MS = 1000
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    index: int
+    utilization: float | None  # 0-1
+    memory_used: float | None  # bytes
+    memory_total: float | None
+    temperature: float | None  # Celsius
+    ecc_uncorrected: float | None
+    xid_count: int = 0
+    last_xid: int | None = None
+
+    def to_wire(self) -> list:
+        return [self.index, self.utilization, self.memory_used, self.memory_total, self.temperature,
+                self.ecc_uncorrected, self.xid_count, self.last_xid]
+
+    @classmethod
+    def from_wire(cls, fields) -> GpuSample | None:
+        """One GPU from a heartbeat; None for anything that is not what a launcher sends."""
+        if not isinstance(fields, list) or len(fields) != 8 or type(fields[0]) is not int:
+            return None
+        numbers = [f if isinstance(f, int | float) and not isinstance(f, bool) else None for f in fields[1:6]]
+        xids = fields[6] if type(fields[6]) is int and fields[6] >= 0 else 0
+        last = fields[7] if type(fields[7]) is int else None
+        return cls(fields[0], *numbers, xids, last)
+
+
+class GpuReader:
+    """The node's GPUs, sampled at most every SAMPLE_EVERY_S; critical XID events counted by a
+    thread waiting on NVML's event set (where the driver supports it)."""
+
+    def __init__(self, nvml):
+        self.nvml = nvml
+        self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        self.lock = threading.Lock()
+        self.xids: dict[int, tuple[int, int]] = {}  # gpu index -> (count, last code)
+        self.sampled: tuple[float, list[GpuSample]] = (float("-inf"), [])
+        self.stopped = threading.Event()
+        self.events = self._register_xids()
+        if self.events is not None:
+            threading.Thread(target=self._watch_xids, name="ft-gpu-xid", daemon=True).start()
+
+    @classmethod
+    def open(cls, nvml=None) -> GpuReader | None:
+        try:
+            if nvml is None:
+                import pynvml as nvml
+            nvml.nvmlInit()
+            return cls(nvml)
+        except Exception:  # noqa: BLE001 - no pynvml, no driver, no GPU: a node without GPU metrics
+            return None
+
+    def _call(self, function, *args):
+        try:
+            return function(*args)
+        except Exception:  # noqa: BLE001 - NVML_ERROR_NOT_SUPPORTED and the like: that reading is left out
+            return None
+
+    def _register_xids(self):
+        nvml = self.nvml
+        events = self._call(nvml.nvmlEventSetCreate)
+        if events is None:
+            return None
+        registered = 0
+        for handle in self.handles:
+            try:
+                nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, events)
+                registered += 1
+            except Exception:  # noqa: BLE001 - a GPU (or a driver) without XID events
+                continue
+        if not registered:
+            self._call(nvml.nvmlEventSetFree, events)
+            return None
+        return events
+
+    def _watch_xids(self) -> None:
+        nvml = self.nvml
+        while not self.stopped.is_set():
+            try:
+                event = nvml.nvmlEventSetWait_v2(self.events, XID_WAIT_MS)
+            except nvml.NVMLError as exc:
+                if getattr(exc, "value", None) == getattr(nvml, "NVML_ERROR_TIMEOUT", None):
+                    continue
+                return  # the driver stopped answering: the health check's business now
+            index = next((i for i, handle in enumerate(self.handles) if handle == event.device), -1)
+            with self.lock:
+                count, _ = self.xids.get(index, (0, None))
+                self.xids[index] = (count + 1, int(event.eventData))
+
+    def read(self) -> list[GpuSample]:
+        taken, samples = self.sampled
+        if time.monotonic() - taken < SAMPLE_EVERY_S:
+            return samples
+        nvml, samples = self.nvml, []
+        for index, handle in enumerate(self.handles):
+            rates = self._call(nvml.nvmlDeviceGetUtilizationRates, handle)
+            memory = self._call(nvml.nvmlDeviceGetMemoryInfo, handle)
+            temperature = self._call(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)
+            ecc = self._call(nvml.nvmlDeviceGetTotalEccErrors, handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                             nvml.NVML_VOLATILE_ECC)
+            with self.lock:
+                count, last = self.xids.get(index, (0, None))
+            samples.append(GpuSample(index, rates.gpu / 100 if rates is not None else None,
+                                     float(memory.used) if memory is not None else None,
+                                     float(memory.total) if memory is not None else None,
+                                     float(temperature) if temperature is not None else None,
+                                     float(ecc) if ecc is not None else None, count, last))
+        self.sampled = (time.monotonic(), samples)
+        return samples
+
+    def wire(self) -> list[list]:
+        return [sample.to_wire() for sample in self.read()]
+
+    def close(self) -> None:
+        self.stopped.set()
