@@ -128,6 +128,20 @@ def test_wandb_offline_needs_nothing_and_an_unreachable_server_is_a_warning():
     assert finding.level == "warn" and "offline" in finding.fix
 
 
+def test_nodes_without_internet_are_never_made_to_probe_w_and_b(monkeypatch):
+    """The lab's profile says its nodes reach nothing off the machine: no connection is tried (a
+    public name would be looked up), and a recipe logging online is warned of."""
+    def no_connection(*args, **kwargs):
+        raise AssertionError(f"a connection was tried: {args}")
+
+    monkeypatch.setattr(compute.socket, "create_connection", no_connection)
+    finding = compute.check_wandb({}, internet=False)[0]
+    assert finding.level == "warn" and "compute_internet: false" in finding.detail and "offline" in finding.fix
+    from toolkit.cluster.profile import load_profile
+
+    assert load_profile("lab").compute_internet is False
+
+
 def test_a_check_that_fails_to_run_is_a_warning_and_the_others_still_run(tmp_path, monkeypatch):
     args = {"profile": "mine", "token": str(tmp_path / "none"), "token_value": "x", "fabric": "none",
             "gpus_per_node": 0, "cpu_workers": None, "s3_prefix": "", "s3_endpoint": "", "lab": False,

@@ -69,6 +69,9 @@ class ClusterProfile(BaseModel):
     modules: list[str] = []
     srun_extra_args: list[str] = []
     price_per_gpu_hour: float = 0.0
+    # Whether compute nodes reach the internet. Without (the lab, air-gapped sites), W&B logs offline
+    # and is synced from the login node (`wandb sync`), and `ft doctor` probes no public endpoint.
+    compute_internet: bool = True
     # Mean time between failures of one node, for `checkpoint.every_minutes: auto` (the site's own
     # record, if it keeps one; the default follows published large-cluster interruption rates).
     node_mtbf_hours: float = Field(DEFAULT_NODE_MTBF_HOURS, gt=0)

@@ -94,7 +94,8 @@ def compute_checks(profile: ClusterProfile, nodes: int = 2, wait_s: int = 120) -
     args = {"profile": profile.name, "login_build": build_id(), "token": str(token or "/nonexistent"),
             "token_value": token.name if token else "", "fabric": profile.fabric,
             "gpus_per_node": profile.gpus_per_node, "cpu_workers": profile.cpu_workers_per_node,
-            "s3_prefix": profile.s3_prefix, "s3_endpoint": profile.s3_endpoint, "lab": profile.name == "lab"}
+            "s3_prefix": profile.s3_prefix, "s3_endpoint": profile.s3_endpoint, "lab": profile.name == "lab",
+            "compute_internet": profile.compute_internet}
     try:
         done = run_step(srun_argv(profile, nodes, wait_s, python, args), profile, wait_s)
         if isinstance(done, Finding):

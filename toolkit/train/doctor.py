@@ -148,10 +148,15 @@ def check_object_store(args: dict) -> list[Finding]:
     return [ok("object_store", f"{args['s3_prefix']} answers")]
 
 
-def check_wandb(environ: dict[str, str]) -> list[Finding]:
+def check_wandb(environ: dict[str, str], internet: bool = True) -> list[Finding]:
     mode = environ.get("WANDB_MODE", "")
     if mode in ("offline", "disabled", "dryrun"):
         return [ok("wandb", f"WANDB_MODE={mode}: nothing to reach (`wandb sync` an offline run from the login node)")]
+    if not internet:  # said by the profile: nothing public is probed from these nodes
+        return [warn("wandb", "the profile says compute nodes reach no internet (compute_internet: false), and "
+                              "WANDB_MODE is not offline: runs whose recipe logs online cannot start W&B",
+                     "set tracking.wandb.mode: offline in the recipe (or export WANDB_MODE=offline) and "
+                     "`wandb sync` from the login node")]
     url = urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
@@ -170,9 +175,10 @@ CHECKS = ("versions", "gpus", "shared", "fabric", "object_store", "wandb")
 def run_checks(args: dict, node: str) -> list[Finding]:
     """Each check on its own: one that fails to run is a warning naming it, and the others still run."""
     environ = dict(os.environ)
+    internet = bool(args.get("compute_internet", True))
     checks = {"versions": lambda: check_versions(args), "gpus": lambda: check_gpus(args),
               "shared": lambda: check_shared(args, node), "fabric": lambda: check_fabric(args, environ),
-              "object_store": lambda: check_object_store(args), "wandb": lambda: check_wandb(environ)}
+              "object_store": lambda: check_object_store(args), "wandb": lambda: check_wandb(environ, internet)}
     findings: list[Finding] = []
     for name in CHECKS:
         if name == "gpus" and findings and findings[0].level != "ok":
