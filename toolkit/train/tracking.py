@@ -26,6 +26,7 @@ class Tracker:
         self.wandb = None
         self.queued: list[tuple[int, dict]] = []
         self.total_steps: int | None = None  # the run's plan, once the data's size is known: each line says it
+        self.method, self.base = str(recipe.method.kind), recipe.model.base
         self.starting: threading.Thread | None = None
         wandb_spec = recipe.tracking.wandb
         if self.enabled and wandb_spec.mode != "disabled":
@@ -84,7 +85,8 @@ class Tracker:
         if self.wandb:
             import wandb
 
-            artifact = wandb.Artifact(f"{os.environ.get('FT_RUN_ID', 'ft')}-adapter", type="model")
+            artifact = wandb.Artifact(artifact_name(os.environ.get("FT_RUN_ID", "ft"), self.method), type="model",
+                                      metadata={"method": self.method, "base_model": self.base})
             artifact.add_dir(str(folder))
             self.wandb.log_artifact(artifact)
 
@@ -96,6 +98,13 @@ class Tracker:
                 self.wandb.finish()
             except Exception as exc:  # noqa: BLE001 - as in log()
                 print(f"warning: W&B did not finish cleanly ({type(exc).__name__}: {exc})", flush=True)
+
+
+def artifact_name(run_id: str, method: str) -> str:
+    """What the output is: a LoRA/QLoRA run's adapter (it needs its base model), a full fine-tune's
+    whole model. W&B names allow letters, digits, '-', '_' and '.'."""
+    what = "adapter" if method in ("lora", "qlora") else "model"
+    return f"{run_id}-{method}-{what}"
 
 
 def write_summary(layout: RunLayout, recipe: Recipe, step: int, tokens: int, timing: dict) -> None:
