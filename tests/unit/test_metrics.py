@@ -66,7 +66,7 @@ def test_a_scrape_reads_the_runs_files_in_prometheus_format(run_dir, tmp_path, m
         exporter.stop(final_wait_s=0)
     assert announced == [{"targets": [f"node7:{port}"]}]
     assert not (targets / "r1.json").exists()  # gone with the exporter: Prometheus stops scraping
-    assert value(text, "ft_run_step", run="r1", cluster="lab") == 40  # the half-written line is skipped
+    assert value(text, "ft_run_step", run="r1", cluster="lab", tier="standard") == 40  # a half-written line skipped
     assert value(text, "ft_run_loss", run="r1") == pytest.approx(2.6)
     assert value(text, "ft_run_tokens_per_second", run="r1") == pytest.approx(1000.0)  # 19 steps of 1 s
     assert value(text, "ft_run_step_seconds", run="r1") == pytest.approx(1.0)

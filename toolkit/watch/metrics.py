@@ -11,7 +11,7 @@ ansible/roles/prometheus). A pull keeps Prometheus's own `up` and staleness sema
 gateway would keep serving a dead run's last values), and needs no agent beside the job (a textfile
 collector needs node_exporter on every compute node and a shared clock for freshness).
 
-    ft_run_info{run, recipe, method, user, cluster, slurm_job}     1
+    ft_run_info{run, recipe, method, tier, user, cluster, slurm_job}  1
     ft_run_step, ft_run_loss, ft_run_learning_rate                 the newest step's
     ft_run_tokens_per_second, ft_run_step_seconds                  over the last WINDOW steps
     ft_run_last_step_timestamp_seconds                             when the newest step ended
@@ -202,7 +202,7 @@ def run_labels(run_dir: Path) -> dict[str, str]:
     spec = RunLayout(run_dir).read_spec()
     # `slurm_job`, not `job`: Prometheus's own target label `job` (the scrape job) would rename it.
     return {"run": os.environ.get("FT_RUN_ID") or run_dir.name, "recipe": spec.recipe.name,
-            "method": spec.recipe.method.kind, "user": getpass.getuser(),
+            "method": spec.recipe.method.kind, "tier": spec.recipe.resources.tier, "user": getpass.getuser(),
             "cluster": os.environ.get("FT_CLUSTER", ""), "slurm_job": os.environ.get("SLURM_JOB_ID", "")}
 
 
