@@ -125,3 +125,24 @@ def test_the_run_report_shows_its_plots_in_a_real_browser(tiny_baseline, tmp_pat
     for band in bands[:2]:  # the two curves: each drawn across most of its chart's width
         xs = [x for x, y in near if band[0] <= y <= band[-1]]
         assert max(xs) - min(xs) > 0.6 * (WIDTH - MARGIN_LEFT - MARGIN_RIGHT), (band[0], band[-1], min(xs), max(xs))
+
+
+def test_a_planted_targets_file_steers_prometheus_nowhere_but_host_and_port(lab, prometheus):
+    """The targets folder is every user's (like runs/): a file there may name a host and port, and
+    nothing else counts (no path, scheme or URL parameter, no label of its own)."""
+    import uuid
+
+    from tests.support.prometheus import active_targets
+
+    planted = Path(lab.shared_dir) / "monitoring" / "targets" / f"planted-{uuid.uuid4().hex[:8]}.json"
+    planted.write_text(json.dumps([{"targets": ["127.0.0.1:9"], "labels": {
+        "__metrics_path__": "/admin/steal", "__scheme__": "https", "__param_target": "http://192.0.2.1/",
+        "run": "someone-elses-run", "instance": "trusted-host:1", "job": "ft-cluster"}}]))
+    try:
+        target = wait_for("Prometheus to discover the planted file", lambda: next(
+            (t for t in active_targets(prometheus) if t["discoveredLabels"].get("__address__") == "127.0.0.1:9"),
+            None), timeout=60, interval=1)
+    finally:
+        planted.unlink()
+    assert target["scrapeUrl"] == "http://127.0.0.1:9/metrics"
+    assert target["labels"] == {"instance": "127.0.0.1:9", "job": "ft-runs"}

@@ -21,3 +21,11 @@ def _get(url: str) -> list[dict]:
         body = json.loads(answer.read())
     assert body["status"] == "success", body
     return body["data"]["result"]
+
+
+def active_targets(base: str) -> list[dict]:
+    """Prometheus's targets now: each with its labels, its discovered labels and its scrape URL."""
+    with urllib.request.urlopen(f"{base}/api/v1/targets?state=active", timeout=10) as answer:
+        body = json.loads(answer.read())
+    assert body["status"] == "success", body
+    return body["data"]["activeTargets"]
