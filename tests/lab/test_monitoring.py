@@ -31,7 +31,7 @@ def prometheus(lab) -> str:
 
 def test_a_run_was_scraped_while_it_trained(lab, prometheus, tiny_baseline):
     run_id, run_dir = tiny_baseline["run_id"], Path(tiny_baseline["run_dir"])
-    assert not (Path(lab.shared_dir) / "monitoring" / "targets" / f"{run_id}.json").exists()  # gone with the run
+    assert not list((Path(lab.shared_dir) / "monitoring" / "targets").glob(f"{run_id}*.json"))  # gone with the run
     steps = query(prometheus, f'ft_run_step{{run="{run_id}"}}[1h]')
     assert steps, f"Prometheus kept no ft_run_step of {run_id}"
     labels = steps[0]["metric"]

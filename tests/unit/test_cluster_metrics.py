@@ -96,3 +96,26 @@ def test_the_exporter_serves_prometheus_text_over_http(tmp_path):
     finally:
         process.terminate()
         assert process.wait(timeout=10) == 0
+
+
+def test_targets_of_jobs_slurm_no_longer_runs_are_swept(tmp_path):
+    """A watchdog killed with its batch host leaves its targets file: the cluster exporter removes it
+    once Slurm no longer lists the job (and the file is not new); never when Slurm is silent."""
+    import os
+
+    from toolkit.watch.cluster_metrics import STALE_AFTER_S
+
+    old = NOW - STALE_AFTER_S - 60
+    files = {name: tmp_path / name for name in ("gone.41.json", "running.42.json", "young.43.json",
+                                                 "not-ours.json", "array.44.json")}
+    for name, path in files.items():
+        path.write_text("[]")
+        os.utime(path, (old, old) if name != "young.43.json" else (NOW, NOW))
+    squeue = "standard|RUNNING|2026-11-24T10:00:00|None|42|\nfree|PENDING|N/A|Priority|44_3|\n"
+    silent = ClusterCollector(TIERS, runner(fail=True), now=lambda: NOW, targets=tmp_path)
+    samples(silent)
+    assert all(path.exists() for path in files.values())
+    swept = ClusterCollector(TIERS, runner(squeue=squeue), now=lambda: NOW, targets=tmp_path)
+    samples(swept)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["array.44.json", "not-ours.json", "running.42.json",
+                                                                "young.43.json"]

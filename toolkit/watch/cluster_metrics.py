@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 
 from toolkit.errors import FtError
 from toolkit.slurm import commands
@@ -59,6 +60,7 @@ class Job:
     state: str
     eligible: float | None  # since when it may run (its submit time, or later: a begin time, a release)
     reason: str = ""
+    job_id: str = ""
 
 
 def parse_nodes(text: str) -> dict[str, Node]:
@@ -78,21 +80,50 @@ def slurm_time(text: str) -> float | None:
         return None  # N/A, Unknown
 
 
+SQUEUE_FORMAT = "--Format=Partition:|,State:|,EligibleTime:|,Reason:|,JobID:|"
+
+
 def parse_jobs(text: str) -> list[Job]:
-    """`squeue --all --noheader --Format=Partition:|,State:|,EligibleTime:|,Reason:|`: a job submitted
-    to several partitions counts in each."""
+    """squeue's SQUEUE_FORMAT lines: a job submitted to several partitions counts in each."""
     jobs = []
     for line in text.splitlines():
         parts = line.strip().split("|")
         if len(parts) >= 4:
-            jobs += [Job(partition, parts[1].upper(), slurm_time(parts[2]), parts[3])
+            job_id = parts[4].strip() if len(parts) > 4 else ""
+            jobs += [Job(partition, parts[1].upper(), slurm_time(parts[2]), parts[3], job_id)
                      for partition in parts[0].split(",") if partition]
     return jobs
 
 
+STALE_AFTER_S = 120.0  # a targets file this old whose job Slurm does not run any more
+
+
+def sweep_targets(folder: Path | None, jobs: list[Job], now: float) -> list[Path]:
+    """Remove the targets files of runs whose job has ended without its watchdog removing them (a
+    batch host lost, the watchdog killed): Prometheus would scrape a dead address for good. A file
+    names its job (<run>.<job id>.json); one of a job Slurm still lists is kept, as is a young one."""
+    if folder is None or not folder.is_dir():
+        return []
+    alive = {job.job_id.split("_")[0] for job in jobs if job.job_id}
+    removed = []
+    for path in folder.glob("*.json"):
+        job_id = path.name[:-len(".json")].rsplit(".", 1)[-1]
+        if not job_id.isdigit() or job_id in alive:
+            continue
+        try:
+            if now - path.stat().st_mtime > STALE_AFTER_S:
+                path.unlink()
+                removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
 class ClusterCollector:
-    def __init__(self, tiers: dict[str, str], run: Callable = commands.run, now: Callable[[], float] = time.time):
+    def __init__(self, tiers: dict[str, str], run: Callable = commands.run, now: Callable[[], float] = time.time,
+                 targets: Path | None = None):
         self.tiers = tiers  # partition -> tier, from the cluster profile
+        self.targets = targets  # the runs' targets folder: stale files swept (sweep_targets)
         self.run, self.now = run, now
         self.cached: tuple[float, dict[str, Node], list[Job], bool] = (float("-inf"), {}, [], False)
         self.lock = threading.Lock()
@@ -104,10 +135,10 @@ class ClusterCollector:
                 try:
                     nodes = parse_nodes(self.run(["sinfo", "--Node", "--noheader", "--format=%N|%T|%E"],
                                                  timeout=COMMAND_TIMEOUT_S).stdout)
-                    jobs = parse_jobs(self.run(["squeue", "--all", "--noheader",
-                                                "--Format=Partition:|,State:|,EligibleTime:|,Reason:|"],
+                    jobs = parse_jobs(self.run(["squeue", "--all", "--noheader", SQUEUE_FORMAT],
                                                timeout=COMMAND_TIMEOUT_S).stdout)
                     answered = True
+                    sweep_targets(self.targets, jobs, self.now())  # only on Slurm's word: never when it is silent
                 except FtError:  # the controller does not answer: say so, keep no stale numbers
                     nodes, jobs, answered = {}, [], False
                 self.cached = (time.monotonic(), nodes, jobs, answered)
@@ -160,7 +191,8 @@ def main(argv: list[str]) -> int:
     profile = load_profile(options.cluster or None)
     tiers = {target.partition: tier for tier, target in profile.tiers.items()}
     registry = CollectorRegistry()
-    registry.register(ClusterCollector(tiers))
+    targets = Path(profile.shared_root) / "monitoring" / "targets" if profile.shared_root else None
+    registry.register(ClusterCollector(tiers, targets=targets))
     server, _ = start_http_server(options.port, addr=options.listen, registry=registry)
     stopped = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())

@@ -284,7 +284,10 @@ class RunExporter:
         self.registry.register(self.collector)
         self.scrapes = ScrapeCounter(make_wsgi_app(self.registry))
         folder = targets if targets is not None else os.environ.get("FT_MONITORING_TARGETS", "")
-        self.target_file = Path(folder) / f"{self.labels['run']}.json" if folder else None
+        # Named for its job too: the cluster exporter sweeps the file of a job that ended without
+        # its watchdog removing it (toolkit/watch/cluster_metrics.sweep_targets).
+        job = f".{self.labels['slurm_job']}" if self.labels["slurm_job"].isdigit() else ""
+        self.target_file = Path(folder) / f"{self.labels['run']}{job}.json" if folder else None
         self.host = host or socket.gethostname()
         self.listen = listen  # every interface: Prometheus scrapes from another host
         self.server = None
