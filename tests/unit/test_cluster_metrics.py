@@ -53,7 +53,10 @@ TIERS = {"free": "free", "standard": "standard", "premium": "premium"}
 def test_nodes_and_queues_per_tier():
     found = samples(ClusterCollector(TIERS, runner(), now=lambda: NOW))
     assert found[("ft_node_up", ("node", "node1"))] == 1 and found[("ft_node_up", ("node", "node4"))] == 0
-    assert found[("ft_node_drained", ("node", "node2"), ("reason", "ft-health: gpu 2 ECC uncorrectable errors"))] == 1
+    assert found[("ft_node_drained", ("node", "node2"))] == 1 and found[("ft_node_drained", ("node", "node1"))] == 0
+    why = "ft-health: gpu 2 ECC uncorrectable errors"
+    assert found[("ft_node_drain_reason_info", ("node", "node2"), ("reason", why))] == 1
+    assert not any(key[0] == "ft_node_drain_reason_info" and ("node", "node1") in key for key in found)
     assert found[("ft_node_up", ("node", "node2"))] == 0 and found[("ft_node_up", ("node", "node3"))] == 1
     premium = (("partition", "premium"), ("tier", "premium"))
     assert found[("ft_queue_pending_jobs", *premium)] == 4

@@ -7,7 +7,8 @@ at scrape time (at most every CACHE_S seconds: a scrape never floods slurmctld).
 runs on the controller (ansible/roles/prometheus starts it); Prometheus scrapes it as job ft-cluster.
 
     ft_node_up{node}                                   1 when the node can run jobs
-    ft_node_drained{node, reason}                      1 when drained or draining
+    ft_node_drained{node}                              1 when drained or draining
+    ft_node_drain_reason_info{node, reason}            1 while drained, with Slurm's reason
     ft_queue_pending_jobs{partition, tier}             jobs waiting
     ft_queue_running_jobs{partition, tier}             jobs running
     ft_queue_oldest_pending_seconds{partition, tier}   the longest wait for nodes, since eligible
@@ -152,13 +153,19 @@ class ClusterCollector:
         slurm_up.add_metric([], 1.0 if answered else 0.0)
         yield slurm_up
         up = GaugeMetricFamily("ft_node_up", "1 when the node can run jobs", labels=["node"])
-        drained = GaugeMetricFamily("ft_node_drained", "1 when the node is drained or draining",
+        drained = GaugeMetricFamily("ft_node_drained", "1 when the node is drained or draining", labels=["node"])
+        # The reason apart, and only while drained: a reason that changes (a health check's counts)
+        # would otherwise start a new ft_node_drained series, and restart its alert's clock.
+        reasons = GaugeMetricFamily("ft_node_drain_reason_info", "Why a drained node is drained (value 1)",
                                     labels=["node", "reason"])
         for node in sorted(nodes.values(), key=lambda n: n.name):
             up.add_metric([node.name], 1.0 if node.up else 0.0)
-            drained.add_metric([node.name, node.reason if node.drained else ""], 1.0 if node.drained else 0.0)
+            drained.add_metric([node.name], 1.0 if node.drained else 0.0)
+            if node.drained:
+                reasons.add_metric([node.name, node.reason], 1.0)
         yield up
         yield drained
+        yield reasons
         labels = ["partition", "tier"]
         pending = GaugeMetricFamily("ft_queue_pending_jobs", "Jobs waiting, per partition", labels=labels)
         running = GaugeMetricFamily("ft_queue_running_jobs", "Jobs running, per partition", labels=labels)
