@@ -123,8 +123,9 @@ def test_the_heartbeat_wire_round_trips_and_junk_is_dropped():
 
 def test_the_runs_metrics_carry_each_nodes_gpus(tmp_path):
     write_run_spec(tmp_path, run_spec())
-    samples = {"node1": [GpuSample(0, 0.87, 6.5e10, 8.5e10, 64.0, 0.0, 1, 79)], "node2": []}
-    families = {f.name: f for f in RunCollector(tmp_path, {"run": "r1"}, dict, lambda: samples).collect()}
+    heartbeats = {"node1": {"gpus": [GpuSample(0, 0.87, 6.5e10, 8.5e10, 64.0, 0.0, 1, 79).to_wire(), ["junk"]]},
+                  "node2": {"gpus": "junk"}}
+    families = {f.name: f for f in RunCollector(tmp_path, {"run": "r1"}, dict, lambda: heartbeats).collect()}
     value = {name: [(s.labels, s.value) for s in family.samples] for name, family in families.items()}
     assert value["ft_gpu_utilization_ratio"] == [({"run": "r1", "node": "node1", "gpu": "0"}, 0.87)]
     assert value["ft_gpu_xid_errors"][0][1] == 1 and value["ft_gpu_last_xid"][0][1] == 79

@@ -158,3 +158,11 @@ def test_a_damaged_file_costs_its_own_metrics_not_the_scrape(run_dir, capsys, mo
         names = [family.name for family in collector.collect()]
         assert "ft_run_goodput_ratio" not in names and "ft_run_step" in names and "ft_run_restarts" in names
     assert capsys.readouterr().err.count("left out") == 1
+
+
+def test_ranks_per_phase_come_from_the_launchers_heartbeats(run_dir):
+    beats = {"n1": {"ranks": {"0": ["save", 40], "1": ["step", 41]}}, "n2": {"ranks": {"2": ["start", -1]}},
+             "n3": {"ranks": "junk"}, "n4": "junk"}
+    families = {f.name: f for f in RunCollector(run_dir, {"run": "r1"}, dict, lambda: beats).collect()}
+    phases = {s.labels["phase"]: s.value for s in families["ft_run_ranks"].samples}
+    assert phases == {"export": 0, "save": 1, "start": 1, "step": 1}

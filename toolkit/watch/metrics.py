@@ -22,6 +22,7 @@ collector needs node_exporter on every compute node and a shared clock for fresh
     ft_run_checkpoint_upload_lag_seconds                           since the oldest one not mirrored
     ft_run_checkpoint_upload_failing                               1 while uploads fail
     ft_node_heartbeat_age_seconds{node}                            since a node's launcher was heard
+    ft_run_ranks{phase}                                            ranks loading, stepping, saving, exporting
     ft_gpu_*{node, gpu}                                            NVML's readings (toolkit/watch/gpus.py)
 """
 
@@ -41,6 +42,8 @@ from pathlib import Path
 from toolkit.runs.layout import RunLayout
 from toolkit.runs.progress import WINDOW, number, read_progress
 
+PHASES = ("start", "step", "save", "export")  # toolkit/watch/progress.py's, and "start" before them
+
 GOODPUT_EVERY_S = 60.0  # the timeline reads whole files: not at every scrape
 
 
@@ -49,11 +52,11 @@ class RunCollector:
     scrape time."""
 
     def __init__(self, run_dir: Path, labels: dict[str, str], heartbeats: Callable[[], dict[str, float]],
-                 gpus: Callable[[], dict[str, list]] = dict):
+                 messages: Callable[[], dict[str, dict]] = dict):
         self.run_dir, self.layout = run_dir, RunLayout(run_dir)
         self.labels = labels
         self.heartbeats = heartbeats  # node -> seconds since heard
-        self.gpus = gpus  # node -> its GpuSamples (toolkit/watch/gpus.py), from its newest heartbeat
+        self.messages = messages  # node -> its launcher's newest heartbeat (ranks' phases, GPUs)
         self.goodput: tuple[float, dict | None] = (0.0, None)
         self.reported: set[str] = set()  # what a damaged file made us leave out, said once
 
@@ -74,7 +77,7 @@ class RunCollector:
         yield info
         for section in (lambda: self.step_metrics(gauge), lambda: self.checkpoint_metrics(gauge),
                         lambda: self.goodput_metrics(gauge), self.restart_metrics, self.heartbeat_metrics,
-                        self.gpu_metrics):
+                        self.gpu_metrics, self.phase_metrics):
             # A file damaged by hand (a null where a number was) costs its own metrics, not the scrape.
             try:
                 families = list(filter(None, section()))
@@ -122,14 +125,38 @@ class RunCollector:
                                              labels=names),
             "last_xid": GaugeMetricFamily("ft_gpu_last_xid", "The newest critical XID's code", labels=names),
         }
-        for node, samples in sorted(self.gpus().items()):
-            for sample in samples:
+        from toolkit.watch.gpus import GpuSample
+
+        for node, message in sorted(self.messages().items()):
+            wire = message.get("gpus") if isinstance(message, dict) else None
+            for sample in map(GpuSample.from_wire, wire[:64] if isinstance(wire, list) else []):
+                if sample is None:
+                    continue
                 key = [*self.labels.values(), node, str(sample.index)]
                 for field, family in families.items():
                     value = getattr(sample, field)
                     if value is not None:
                         family.add_metric(key, value)
         return [family for family in families.values() if family.samples]
+
+    def phase_metrics(self) -> list:
+        """Ranks per phase (start: loading, before a first step; step; save; export), from the
+        launchers' heartbeats: a run whose steps stop during a long save or load is not hung."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        counts = dict.fromkeys(PHASES, 0)
+        for message in self.messages().values():
+            ranks = message.get("ranks") if isinstance(message, dict) else None
+            for place in (ranks.values() if isinstance(ranks, dict) else []):
+                if isinstance(place, list) and place and place[0] in counts:
+                    counts[place[0]] += 1
+        if not any(counts.values()):
+            return []
+        family = GaugeMetricFamily("ft_run_ranks", "Ranks in each phase (start, step, save, export)",
+                                   labels=[*self.labels, "phase"])
+        for phase, count in sorted(counts.items()):
+            family.add_metric([*self.labels.values(), phase], count)
+        return [family]
 
     def heartbeat_metrics(self) -> list:
         from prometheus_client.core import GaugeMetricFamily
@@ -275,12 +302,13 @@ class RunExporter:
     that folder), removed when the exporter stops."""
 
     def __init__(self, run_dir: Path, heartbeats: Callable[[], dict[str, float]], host: str | None = None,
-                 targets: str | None = None, listen: str = "0.0.0.0", gpus: Callable[[], dict[str, list]] = dict):
+                 targets: str | None = None, listen: str = "0.0.0.0",
+                 messages: Callable[[], dict[str, dict]] = dict):
         from prometheus_client import CollectorRegistry, make_wsgi_app
 
         self.labels = run_labels(run_dir)
         self.registry = CollectorRegistry()
-        self.collector = RunCollector(run_dir, self.labels, heartbeats, gpus)
+        self.collector = RunCollector(run_dir, self.labels, heartbeats, messages)
         self.registry.register(self.collector)
         self.scrapes = ScrapeCounter(make_wsgi_app(self.registry))
         folder = targets if targets is not None else os.environ.get("FT_MONITORING_TARGETS", "")

@@ -415,16 +415,9 @@ class Supervisor:
                 with contextlib.suppress(Exception):  # monitoring never changes the exit code
                     exporter.stop(final_wait_s=None if last else 0)
 
-    def gpu_samples(self) -> dict[str, list]:
-        """The GPUs each node's launcher read through NVML, from its newest heartbeat."""
-        from toolkit.watch.gpus import GpuSample
-
-        found = {}
-        for node, seen in self.receiver.seen().items():
-            wire = seen.message.get("gpus")
-            if isinstance(wire, list):
-                found[node] = [sample for sample in map(GpuSample.from_wire, wire[:64]) if sample is not None]
-        return found
+    def heartbeat_messages(self) -> dict[str, dict]:
+        """Each node's launcher's newest heartbeat: its ranks' phases, its GPUs (metrics.py reads them)."""
+        return {node: seen.message for node, seen in self.receiver.seen().items()}
 
     def heartbeat_ages(self) -> dict[str, float]:
         now = time.monotonic()
@@ -435,7 +428,7 @@ class Supervisor:
         try:
             from toolkit.watch.metrics import RunExporter
 
-            exporter = RunExporter(self.run_dir, self.heartbeat_ages, host=self.node, gpus=self.gpu_samples)
+            exporter = RunExporter(self.run_dir, self.heartbeat_ages, host=self.node, messages=self.heartbeat_messages)
             log(f"metrics for Prometheus on {self.node}:{exporter.start()}/metrics")
             return exporter
         except Exception as exc:  # no prometheus_client, no port: monitoring is not worth a failed run
