@@ -59,8 +59,8 @@ def node_count(requested: int | None, manifest: LabManifest | None) -> int:
 
 
 def fingerprint(extra_vars: dict) -> str:
-    """Hash of what decides the lab: ft's Ansible tree, the node checks it installs, the variables,
-    and the files it manages."""
+    """Hash of what decides the lab: ft's Ansible tree, the node checks and alert rules it installs,
+    the variables, and the files it manages."""
     digest = hashlib.sha256(json.dumps(extra_vars, sort_keys=True).encode())
     root = ansible_dir()
     for path in sorted(root.rglob("*")):
@@ -68,6 +68,8 @@ def fingerprint(extra_vars: dict) -> str:
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
     for path in sorted(Path(__file__).parents[1].joinpath("health").glob("*.py")):  # deployed by the role
+        digest.update(path.read_bytes())
+    for path in sorted((root.parent / "monitoring" / "alerts").glob("*.rules.yml")):  # copied by the role
         digest.update(path.read_bytes())
     for name in MANAGED_FILES:
         digest.update(name.encode())
