@@ -233,7 +233,7 @@ def test_a_preempted_free_run_checkpoints_and_resumes_where_it_stopped(lab, tiny
 
 
 def test_a_run_near_its_time_limit_checkpoints_requeues_and_resumes(tiny_baseline, runs):
-    """Slurm's USR2, pre_timeout_seconds (300) before the time limit: with a 6-minute limit it comes
+    """Slurm's USR2, checkpoint.before_time_limit (300 s) before the time limit: with a 6-minute limit it comes
     about a minute into each start (slurmctld looks every ~30 s), mid-training at these slower
     steps. The ranks checkpoint, the job script requeues the job, lifting Slurm's hold, and it
     resumes there (a start that gets the signal again goes round once more).

@@ -154,3 +154,20 @@ def test_the_out_of_memory_micro_batch_keeps_the_global_batch(micro, global_batc
     assert (global_batch // world) % plan.micro_batch == 0 and plan.micro_batch <= max(1, micro // 2)
     assert plan.micro_batch * plan.gradient_accumulation * world == global_batch  # the same global batch
     assert batch_plan(training, world) == type(plan)(micro, global_batch // (micro * world))
+
+
+@pytest.mark.parametrize("time, lead, seconds", [("90", 600, 5400), ("1-00:00:00", 3600, 86400),
+                                                 ("00:20:00", 300, 1200)])
+def test_the_lead_before_the_time_limit_is_the_recipes(time, lead, seconds):
+    """A large model's save to a slow filesystem takes longer than Slurm's usual 5 minutes."""
+    recipe = Recipe.model_validate({"name": "r", "model": {"base": "tiny-llama"}, "data": {"train": "t.jsonl"},
+                                    "resources": {"time": time}, "checkpoint": {"before_time_limit": lead}})
+    assert recipe.resources.time_limit_seconds() == seconds and recipe.checkpoint.before_time_limit == lead
+
+
+def test_a_lead_that_leaves_no_time_to_train_is_refused_naming_both_fields():
+    with pytest.raises(ValueError) as caught:
+        Recipe.model_validate({"name": "r", "model": {"base": "tiny-llama"}, "data": {"train": "t.jsonl"},
+                               "resources": {"time": "5"}, "checkpoint": {"before_time_limit": 300}})
+    message = str(caught.value)
+    assert "checkpoint.before_time_limit (300 s)" in message and "resources.time (5, 300 s)" in message

@@ -125,7 +125,7 @@ def test_header_asks_slurm_for_what_the_recipe_needs():
     assert options["time"] == "2-00:00:00"
     assert options["partition"] == "urgent"  # tier premium on hyperpod
     assert "requeue" in options
-    assert options["signal"].startswith("B:USR2@")  # to the batch shell, and not USR1
+    assert options["signal"] == "B:USR2@300"  # to the batch shell, not USR1; checkpoint.before_time_limit
     assert options["output"] == "/shared/ft/runs/golden-run/logs/slurm-%j.out"
 
 

@@ -164,6 +164,13 @@ class ResourceSpec(Strict):
             raise ValueError("use Slurm's format: [D-]HH:MM:SS, or minutes (e.g. 04:00:00, 1-12:00:00, 90)")
         return value
 
+    def time_limit_seconds(self) -> int:
+        if ":" not in self.time:
+            return int(self.time) * 60
+        days, _, clock = self.time.rpartition("-")
+        hours, minutes, seconds = (int(part) for part in clock.split(":"))
+        return (int(days or 0) * 24 + hours) * 3600 + minutes * 60 + seconds
+
     @field_validator("account")
     @classmethod
     def account_name(cls, value: str | None) -> str | None:
@@ -183,6 +190,9 @@ class CheckpointSpec(Strict):
     s3_mirror: str | None = Field(None, description="s3:// prefix the checkpoints are mirrored to, shared by "
                                                     "every run of this recipe (a resubmission anywhere continues "
                                                     "from it); default: the cluster's s3_prefix, per run")
+    before_time_limit: Annotated[int, Field(ge=60, le=65535)] = Field(300, description=(
+        "Seconds before the job's time limit when Slurm signals the run to checkpoint and requeue itself: "
+        "room for one save of this model to the shared filesystem (Slurm may signal up to a minute early)"))
     asynchronous: bool = Field(True, description="Training waits only for a copy of the state in host memory; "
                                                  "the write and the upload go on in the background (off: the "
                                                  "save waits for the write, and needs no extra host memory)")
@@ -244,6 +254,15 @@ class Recipe(Strict):
     watchdog: WatchdogSpec = WatchdogSpec()
     tracking: TrackingSpec = TrackingSpec()
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for every rank")
+
+    @model_validator(mode="after")
+    def time_left_to_train(self) -> Recipe:
+        limit = self.resources.time_limit_seconds()
+        if self.checkpoint.before_time_limit >= limit:
+            raise ValueError(f"checkpoint.before_time_limit ({self.checkpoint.before_time_limit} s) leaves no time "
+                             f"to train within resources.time ({self.resources.time}, {limit} s): lengthen the "
+                             "time limit or shorten the lead")
+        return self
 
     @model_validator(mode="after")
     def spares_need_the_watchdog(self) -> Recipe:

@@ -24,8 +24,6 @@ from toolkit.runs import layout
 from toolkit.runs.layout import RUN_ID_PATTERN
 from toolkit.shared_dirs import SharedFolderError, private_dir
 
-# Seconds between the pre-timeout signal and the time limit: room to write a checkpoint.
-PRE_TIMEOUT_SECONDS = 300
 # Names passed from the submitting environment, by name only.
 SECRET_NAMES = ("WANDB_API_KEY", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN")
 
@@ -161,7 +159,7 @@ def render(resolved: ResolvedRecipe, placement: RunPlacement, mode: str = "train
         "gpus_as_gres": slurm_version is not None and slurm_version < GPUS_PER_NODE_SINCE,
         "workers_per_node": resolved.derived.workers_per_node,
         "world_size": resolved.derived.world_size,
-        "pre_timeout_seconds": PRE_TIMEOUT_SECONDS,
+        "pre_timeout_seconds": resolved.recipe.checkpoint.before_time_limit,
         "comment": f"ft-run={placement.run_id}" + (f",ft-key={key}" if key else ""),
         "modules": resolved.profile.modules,
         "environment": environment(resolved),
