@@ -16,3 +16,14 @@ def tiny_baseline(lab) -> dict:
     assert wait_done(run["run_id"], runs_dir=runs) == "COMPLETED", \
         ft("logs", run["run_id"], "--rank", "0", runs_dir=runs).stdout[-3000:]
     return run
+
+
+@pytest.fixture(scope="session", autouse=True)
+def early_wheelhouse(request, lab):
+    """The user-setup test's wheelhouse is a minute of pip that waits on no Slurm job: begun beside
+    the session's first tests when that test is in the session."""
+    if any(item.nodeid.startswith("tests/lab/test_user_setup.py") for item in request.session.items):
+        from tests.support.wheelhouse import begin, folder_of
+
+        begin(folder_of(lab.shared_dir))
+    yield

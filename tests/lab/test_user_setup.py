@@ -12,12 +12,10 @@ real: her own venvs, a real Slurm job building the training environment on a com
 from __future__ import annotations
 
 import json
-import os
 import pwd
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,23 +35,11 @@ def readme_lines() -> str:
 
 @pytest.fixture(scope="module")
 def wheelhouse(lab) -> Path:
-    """Every wheel ft[train] needs, and ft's build backend, gathered as root through the index."""
-    folder = Path(lab.shared_dir) / "tests" / "carol-wheelhouse"
-    folder.mkdir(parents=True, exist_ok=True)
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
-    done = subprocess.run([*pip, "wheel", "--quiet", "-c", str(REPO / "constraints.txt"), "-w", str(folder),
-                           f"{REPO}[train]", "hatchling", "editables", "pip", "setuptools", "wheel"],
-                          capture_output=True, text=True, env={**os.environ, "DS_BUILD_OPS": "0"}, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    for built in [*folder.glob("ft-*.whl"), *folder.glob("deepspeed-*.whl")]:
-        built.unlink()  # carol builds her own ft from her clone, and deepspeed from its source
-    version = next(line for line in (REPO / "constraints.txt").read_text().splitlines()
-                   if line.startswith("deepspeed==")).split("==")[1]
-    done = subprocess.run([*pip, "download", "--quiet", "--no-deps", "--no-binary", "deepspeed", "-d", str(folder),
-                           f"deepspeed=={version}"], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    subprocess.run(["chmod", "-R", "a+rX", str(folder.parent)], check=True)
-    return folder
+    """Every wheel ft[train] needs, and ft's build backend, gathered as root through the index
+    (begun with the lab session when this module is in it: tests/support/wheelhouse.py)."""
+    from tests.support.wheelhouse import folder_of, gathered
+
+    return gathered(folder_of(lab.shared_dir))
 
 
 def checkout_files() -> list[str]:
