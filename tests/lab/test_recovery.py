@@ -268,15 +268,16 @@ def test_a_run_near_its_time_limit_checkpoints_requeues_and_resumes(tiny_baselin
 
 def assert_watched(run_id: str, frames: list[str], history: str) -> None:
     """What the live view showed: the run training (a step of the 120 with a loss, tokens/s), a
-    restart after the requeue, the end; one frame at a time, redrawn in place (the header never
-    scrolled off into the terminal's history)."""
+    restart after the requeue, the end, then `ft status`'s full account below it. One frame at a
+    time, redrawn in place: the terminal holds the view's header once (and the account's), never
+    a header per refresh scrolled off into its history."""
     header = f"run {run_id}"
     training = [f for f in frames if "RUNNING" in f and re.search(r"\b\d+/120\s+\d+\.\d{4}\s+[\d,]+", f)]
     assert training, "no frame showed the run training:\n" + "\n---\n".join(frames[-3:])
     assert any(re.search(r"\b[1-9]\d* restarts?\b", f) for f in frames), frames[-1]
-    assert "COMPLETED" in frames[-1] and "120/120" in frames[-1], frames[-1]
-    assert all(f.count(header) == 1 for f in frames if header in f)
-    assert history.count(header) == 1, history[-3000:]
+    assert "COMPLETED" in frames[-1] and "120/120" in frames[-1] and "run directory" in frames[-1], frames[-1]
+    assert all(f.count(header) == 1 for f in frames if header in f and "run directory" not in f)
+    assert history.count(header) == 2, history[-3000:]
 
 
 def test_a_full_checkpoint_disk_costs_saves_not_the_run(tiny_baseline, runs, shared_tmp):
