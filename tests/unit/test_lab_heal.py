@@ -47,3 +47,25 @@ def test_up_waits_for_the_next_ping_instead_of_running_the_playbook(monkeypatch)
     monkeypatch.setattr(lifecycle, "run_playbook", lambda name, *a, **k: played.append(name))
     outcome = lifecycle.up()
     assert outcome.status.healthy and outcome.playbook is None and played == []
+
+
+def test_a_resize_alone_skips_the_services_and_anything_else_runs_everything(tmp_path, monkeypatch):
+    """`ft lab up --nodes N` on a lab otherwise as the last up left it visits only the nodes and Slurm
+    (lab.yml's roles and tasks tagged `services` know no node count)."""
+    import json
+
+    applied = tmp_path / "applied.json"
+    monkeypatch.setattr(lifecycle, "applied_path", lambda: applied)
+    manifest = object()
+    now = {"lab_node_count": 4}
+    applied.write_text(json.dumps({"lab_node_count": 4, "services": lifecycle.services_fingerprint(now)}))
+    assert lifecycle.resize_only({"lab_node_count": 5}, manifest)
+    assert not lifecycle.resize_only({"lab_node_count": 4}, manifest)  # nothing to resize
+    assert not lifecycle.resize_only({"lab_node_count": 5}, None)  # no lab yet
+    applied.write_text(json.dumps({"lab_node_count": 4, "services": "an older ft's roles"}))
+    assert not lifecycle.resize_only({"lab_node_count": 5}, manifest)
+    applied.write_text(json.dumps({"lab_node_count": 4}))  # written before ft knew services apart
+    assert not lifecycle.resize_only({"lab_node_count": 5}, manifest)
+    tagged = (lifecycle.ansible_dir() / "lab.yml").read_text()
+    for role in ("munge", "slurm_accounting", "ft_profile", "prometheus"):
+        assert f"{{role: {role}, tags: [services]}}" in tagged

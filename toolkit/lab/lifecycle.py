@@ -80,6 +80,12 @@ def fingerprint(extra_vars: dict) -> str:
     return digest.hexdigest()
 
 
+def services_fingerprint(extra_vars: dict) -> str:
+    """The fingerprint whatever the node count: what the lab's services (object store, munge,
+    accounting, Prometheus) depend on. Equal to the last run's, a resize leaves them alone."""
+    return fingerprint({key: value for key, value in extra_vars.items() if key != "lab_node_count"})
+
+
 def applied_path() -> Path:
     return state_dir() / "applied.json"
 
@@ -93,6 +99,18 @@ def as_last_up(extra_vars: dict, manifest: LabManifest | None) -> bool:
     except (OSError, ValueError):
         return False
     return applied.get("fingerprint") == fingerprint(extra_vars)
+
+
+def resize_only(extra_vars: dict, manifest: LabManifest | None) -> bool:
+    """The last `ft lab up` succeeded with everything as now but the node count."""
+    if manifest is None:
+        return False
+    try:
+        applied = json.loads(applied_path().read_text())
+    except (OSError, ValueError):
+        return False
+    return applied.get("lab_node_count") != extra_vars["lab_node_count"] and \
+        applied.get("services") == services_fingerprint(extra_vars)
 
 
 def only_nodes_down(status: LabStatus) -> bool:
@@ -135,11 +153,22 @@ def up(nodes: int | None = None, reprovision: bool = False,
         status = settled(manifest, status)  # the whole playbook would change nothing for these
         if status.healthy and (healed is None or healed.ok):
             return UpOutcome(status, healed)
-    result = run_playbook("lab.yml", extra_vars, on_task=on_task)
+    result = None
+    if not reprovision and resize_only(extra_vars, manifest):
+        # Only the node count changed: nodes, Slurm's configuration and daemons; the services that
+        # know no node count are not visited (`services` in lab.yml). Anything then still wrong:
+        # the whole playbook.
+        resized = run_playbook("lab.yml", extra_vars, skip_tags=("services",), on_task=on_task)
+        manifest = LabManifest.load()
+        if resized.ok and manifest is not None and collect(manifest).healthy:
+            result = resized
+    if result is None:
+        result = run_playbook("lab.yml", extra_vars, on_task=on_task)
     if not result.ok:
         raise PlaybookFailed(f"the lab playbook failed (full log: {result.log_path})\n{result.error}",
                              hint="fix the cause above and run `ft lab up` again; it resumes where it stopped")
-    applied_path().write_text(json.dumps({"fingerprint": fingerprint(extra_vars), **extra_vars}) + "\n")
+    applied_path().write_text(json.dumps({"fingerprint": fingerprint(extra_vars),
+                                          "services": services_fingerprint(extra_vars), **extra_vars}) + "\n")
     manifest = LabManifest.load()
     assert manifest is not None, "the lab playbook always writes lab.json"
     return UpOutcome(collect(manifest), result)
