@@ -217,6 +217,37 @@ def report(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
     console.print(f"report of run [bold]{plain(run_id)}[/]: {plain(target)}", soft_wrap=True)
 
 
+def sync(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, "--cluster", "-c"),
+         project: str = typer.Option(None, "--project", help="W&B project (default: the recipe's, else ft)."),
+         entity: str = typer.Option(None, "--entity", help="W&B entity (default: the recipe's, else yours)."),
+         again: bool = typer.Option(False, "--all", help="Push the folders W&B already synced too.")) -> None:
+    """Push a run's offline W&B logs to W&B from here (compute nodes often reach no internet)."""
+    from toolkit.cluster.profile import ProfileError, load_profile
+    from toolkit.runs import wandb_sync
+
+    store = _store(cluster)
+    record = store.load(run_id)
+    run_dir = store.run_dir(run_id)
+    folders = wandb_sync.offline_runs(run_dir, include_synced=again)
+    if not folders:
+        synced = wandb_sync.offline_runs(run_dir, include_synced=True)
+        console.print(f"run {plain(run_id)}: " + (
+            "every offline W&B log is synced already (--all pushes them again)" if synced
+            else "no offline W&B log (it logged online, or not at all)"))
+        return
+    wandb_spec = RunLayout(run_dir).read_spec().recipe.tracking.wandb
+    try:
+        training_python = load_profile(record.cluster).python  # a prepared venv's, with wandb
+    except ProfileError:
+        training_python = ""
+    done = wandb_sync.sync(folders, project or wandb_spec.project or "ft", entity or wandb_spec.entity,
+                           wandb_sync.client_python(training_python))
+    if done.returncode != 0:
+        raise FtError(f"wandb sync failed (exit {done.returncode}) for run {run_id}",
+                      hint="its messages are above; `wandb login` (or WANDB_API_KEY) and the network to W&B")
+    console.print(f"run [bold]{plain(run_id)}[/]: {len(folders)} offline W&B log{'s' * (len(folders) != 1)} pushed")
+
+
 def logs(run_id: str = typer.Argument(...), follow: bool = typer.Option(False, "--follow", "-f"),
          node: str = typer.Option(None, "--node", help="A node's launcher log."),
          rank: int = typer.Option(None, "--rank", help="A rank's log."),

@@ -1,0 +1,87 @@
+"""A stand-in for W&B's server, on loopback: no W&B server can run here, and the tests may reach
+nothing off the machine. It answers what the real wandb client asks while syncing an offline run
+(GraphQL UpsertBucket and CreateRunFiles, the run's file stream, the files' uploads) with the
+smallest answers the client accepts, and records every request for the test to read."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class FakeWandb:
+    def __init__(self):
+        self.requests: list[dict] = []
+        self.lock = threading.Lock()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def body(self) -> bytes:
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            def answer(self, payload: dict) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self):
+                raw = self.body()
+                try:
+                    body = json.loads(raw or b"{}")
+                except ValueError:
+                    body = {"raw": raw[:2000].decode(errors="replace")}
+                with fake.lock:
+                    fake.requests.append({"method": "POST", "path": self.path, "body": body})
+                self.answer(fake.graphql(body) if self.path.endswith("/graphql") else {"exitcode": None, "limits": {}})
+
+            def do_PUT(self):
+                self.body()
+                with fake.lock:
+                    fake.requests.append({"method": "PUT", "path": self.path, "body": None})
+                self.answer({})
+
+            def do_GET(self):
+                self.answer({})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def graphql(self, body: dict) -> dict:
+        query = body.get("query", "") if isinstance(body, dict) else ""
+        variables = body.get("variables") or {}
+        if "upsertBucket" in query:
+            name = variables.get("name") or "run"
+            return {"data": {"upsertBucket": {"inserted": True, "bucket": {
+                "id": f"id-{name}", "name": name, "displayName": variables.get("displayName") or name,
+                "description": None, "config": variables.get("config"), "sweepName": None,
+                "project": {"id": "p1", "name": variables.get("project") or "ft", "entity": {"id": "e1", "name": "me"}},
+                "historyLineCount": 0}}}}
+        if "createRunFiles" in query:
+            return {"data": {"createRunFiles": {"runID": "id-run", "uploadHeaders": [], "files": [
+                {"name": name, "uploadUrl": f"{self.url}/upload/{name}"} for name in variables.get("files", [])]}}}
+        return {"data": {}}
+
+    def upserts(self) -> list[dict]:
+        return [r["body"].get("variables", {}) for r in self.requests
+                if r["path"].endswith("/graphql") and "upsertBucket" in r["body"].get("query", "")]
+
+    def streamed(self, file: str) -> list[dict]:
+        """The lines the client streamed of one of the run's files (wandb-history.jsonl: the metrics)."""
+        lines = []
+        for request in self.requests:
+            if request["path"].endswith("/file_stream"):
+                content = (request["body"].get("files") or {}).get(file, {}).get("content", [])
+                lines += [json.loads(line) for line in content]
+        return lines
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,78 @@
+"""`ft sync RUN` pushes a run's offline W&B logs (written by ft's own Tracker, as on compute nodes
+without internet) through the real wandb client. No W&B server can run here, and the tests reach
+nothing off the machine: the server is a stand-in on loopback (tests/support/fake_wandb.py) that
+answers the client's requests with the smallest answers it accepts and records them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.support.fake_wandb import FakeWandb
+from tests.support.run_specs import run_spec, write_run_spec
+from toolkit.runs.layout import RunLayout
+from toolkit.train.step_signals import StepRecord
+from toolkit.train.tracking import Tracker
+
+pytest.importorskip("wandb", reason="W&B's client is part of ft[train]")
+
+KEY = "k" * 40
+
+
+def offline_run(runs, run_id: str) -> None:
+    run_dir = runs / run_id
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({
+        "run_id": run_id, "recipe_name": "unit", "recipe_path": "/r.yaml", "cluster": "lab", "mode": "train",
+        "created": time.time(), "idempotency_key": None, "jobs": [{"job_id": "7", "submitted": time.time()}]}))
+    spec = run_spec()
+    recipe = spec.recipe.model_validate(spec.recipe.model_dump(mode="json") | {
+        "tracking": {"wandb": {"mode": "offline", "project": "proj-x"}}})
+    write_run_spec(run_dir, spec.model_copy(update={"recipe": recipe}))
+    tracker = Tracker(RunLayout(run_dir), recipe, rank=0)
+    now = time.time()
+    tracker.log([StepRecord(step, now + step, 1e-4, 100 * step, 3.0 / step, None) for step in range(1, 6)])
+    tracker.finish()
+
+
+def ft(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, **env})
+
+
+def test_an_offline_run_is_pushed_once_with_its_recipe_and_metrics(tmp_path, monkeypatch):
+    monkeypatch.setenv("FT_RUN_ID", "run-1")  # the Tracker names the W&B run after ft's
+    monkeypatch.setenv("WANDB_X_DISABLE_UPDATE_CHECK", "true")
+    offline_run(tmp_path, "run-1")
+    fake = FakeWandb()
+    try:
+        env = {"FT_RUNS_DIR": str(tmp_path), "WANDB_BASE_URL": fake.url, "WANDB_API_KEY": KEY,
+               "WANDB_X_DISABLE_UPDATE_CHECK": "true"}
+        pushed = ft("sync", "run-1", env=env)
+        assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+        assert "1 offline W&B log pushed" in pushed.stdout
+        (upsert, *_) = fake.upserts()
+        assert upsert["name"] == "run-1" and upsert["project"] == "proj-x"  # the recipe's project
+        assert json.loads(upsert["config"])["name"]["value"] == "unit"  # the resolved recipe is the run's config
+        losses = {row["_step"]: row["loss"] for row in fake.streamed("wandb-history.jsonl") if "loss" in row}
+        assert losses == {step: pytest.approx(3.0 / step) for step in range(1, 6)}
+        seen = len(fake.requests)
+        again = ft("sync", "run-1", env=env)
+        assert again.returncode == 0 and "synced already" in again.stdout and len(fake.requests) == seen
+    finally:
+        fake.close()
+    assert KEY not in pushed.stdout + pushed.stderr + again.stdout + again.stderr
+
+
+def test_a_run_that_logged_nothing_offline_says_so(tmp_path):
+    (tmp_path / "r0").mkdir()
+    (tmp_path / "r0" / "run.json").write_text(json.dumps({
+        "run_id": "r0", "recipe_name": "unit", "recipe_path": "/r.yaml", "cluster": "lab", "mode": "train",
+        "created": 1.0, "idempotency_key": None, "jobs": []}))
+    done = ft("sync", "r0", env={"FT_RUNS_DIR": str(tmp_path)})
+    assert done.returncode == 0 and "no offline W&B log" in done.stdout

@@ -1,0 +1,40 @@
+"""`ft sync RUN`: a run's offline W&B logs (compute nodes often reach no internet: the lab, air-gapped
+sites) pushed to W&B from the login node, through W&B's own client (`wandb sync`). A start of the
+run (each requeue, each restart) leaves its own offline folder; wandb marks each one it synced, so
+`ft sync` again pushes only what is new."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+from toolkit.errors import FtError
+
+
+def offline_runs(run_dir: Path, include_synced: bool = False) -> list[Path]:
+    """The run's offline W&B folders, oldest first; those wandb already synced left out."""
+    found = sorted((run_dir / "wandb").glob("offline-run-*"))
+    return [folder for folder in found if folder.is_dir()
+            and (include_synced or not any(folder.glob("*.wandb.synced")))]
+
+
+def client_python(training_python: str) -> str:
+    """An interpreter with W&B's client: this one, else the cluster's training environment
+    (`ft cluster prepare` installs ft[train], wandb with it)."""
+    if importlib.util.find_spec("wandb") is not None:
+        return sys.executable
+    if training_python and Path(training_python).exists():
+        return training_python
+    raise FtError("W&B's client (wandb) is not installed where ft runs, and the cluster has no prepared "
+                  "training environment to borrow it from",
+                  hint="pip install wandb into ft's environment, or run `ft cluster prepare CLUSTER` first")
+
+
+def sync(folders: list[Path], project: str, entity: str | None, python: str) -> subprocess.CompletedProcess:
+    """`wandb sync` of the folders, its output passed through (the run's page). W&B's key comes from
+    the environment (WANDB_API_KEY) or `wandb login`: never from ft."""
+    argv = [python, "-m", "wandb", "sync", "--project", project, *(["--entity", entity] if entity else []),
+            *map(str, folders)]
+    return subprocess.run(argv, stdin=subprocess.DEVNULL, check=False)
