@@ -34,8 +34,12 @@ def offline_run(runs, run_id: str) -> None:
     recipe = spec.recipe.model_validate(spec.recipe.model_dump(mode="json") | {
         "tracking": {"wandb": {"mode": "offline", "project": "proj-x"}}})
     write_run_spec(run_dir, spec.model_copy(update={"recipe": recipe}))
-    tracker = Tracker(RunLayout(run_dir), recipe, rank=0)
     now = time.time()
+    events = [{"time": now - 60, "job": "7", "event": "start", "start": 1, "nodes": ["n1", "n2"]},
+              {"time": now - 30, "job": "7", "event": "node_lost", "node": "n2", "reason": "no heartbeat for 10 s"},
+              {"time": now - 20, "job": "7", "event": "start", "start": 2, "nodes": ["n1", "n3"]}]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    tracker = Tracker(RunLayout(run_dir), recipe, rank=0)
     tracker.log([StepRecord(step, now + step, 1e-4, 100 * step, 3.0 / step, None) for step in range(1, 6)])
     tracker.finish()
 
@@ -61,6 +65,11 @@ def test_an_offline_run_is_pushed_once_with_its_recipe_and_metrics(tmp_path, mon
         assert json.loads(upsert["config"])["name"]["value"] == "unit"  # the resolved recipe is the run's config
         losses = {row["_step"]: row["loss"] for row in fake.streamed("wandb-history.jsonl") if "loss" in row}
         assert losses == {step: pytest.approx(3.0 / step) for step in range(1, 6)}
+        # The restarts and each fault, in the run's summary.
+        summary = fake.streamed("wandb-summary.json")[-1]
+        assert summary["ft/restarts"] == 1
+        assert [(f["event"], f["node"], f["why"]) for f in summary["ft/faults"]] == [
+            ("node_lost", "n2", "no heartbeat for 10 s")]
         seen = len(fake.requests)
         again = ft("sync", "run-1", env=env)
         assert again.returncode == 0 and "synced already" in again.stdout and len(fake.requests) == seen

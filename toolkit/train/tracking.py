@@ -90,11 +90,30 @@ class Tracker:
             artifact.add_dir(str(folder))
             self.wandb.log_artifact(artifact)
 
+    def faults(self) -> None:
+        """The run's restarts and faults so far (the watchdog's timeline), in its W&B summary: the
+        restart count and goodput, and each fault (when, what, which node, why). A summary, not a
+        table: a table is an artifact, which an offline run's sync to a self-hosted W&B may refuse."""
+        from toolkit.runs.timeline import timeline
+
+        try:
+            spent = timeline(self.layout.root)
+        except (OSError, ValueError):
+            return
+        if not spent:
+            return
+        self.wandb.summary["ft/restarts"] = spent["starts"] - 1
+        self.wandb.summary["ft/goodput"] = spent["goodput"]
+        self.wandb.summary["ft/faults"] = [
+            {"time": fault["time"], "event": fault["event"], "node": str(fault.get("node", "")),
+             "why": str(fault.get("reason") or fault.get("after") or "")} for fault in spent["faults"][-100:]]
+
     def finish(self) -> None:
         if self.starting is not None:
             self._to_wandb(wait=self.WANDB_START_WAIT_S)
         if self.wandb:
             try:
+                self.faults()
                 self.wandb.finish()
             except Exception as exc:  # noqa: BLE001 - as in log()
                 print(f"warning: W&B did not finish cleanly ({type(exc).__name__}: {exc})", flush=True)
