@@ -76,6 +76,8 @@ def test_a_silent_controller_is_said_and_no_stale_numbers_are_kept():
 
 def test_parsers_take_slurms_odd_values():
     assert parse_nodes("n1|draining|maintenance\n\nbad line\n")["n1"].drained
+    states = parse_nodes("n2|reserved|none\nn3|planned|none\nn4|down*|Not responding\nn5|mixed-|none\n")
+    assert [states[n].up for n in ("n2", "n3", "n4", "n5")] == [True, True, False, True]
     assert parse_jobs("p|PENDING|Unknown|Priority|\n")[0].eligible is None
 
 

@@ -31,7 +31,9 @@ from toolkit.errors import FtError
 from toolkit.slurm import commands
 
 CACHE_S = 10.0
-SERVING = {"idle", "mixed", "allocated", "completing"}
+# sinfo's long states of a node that runs jobs: in a reservation, or planned by the backfill
+# scheduler for a pending job, it still serves.
+SERVING = {"idle", "mixed", "allocated", "completing", "reserved", "planned"}
 
 
 @dataclass(frozen=True)
