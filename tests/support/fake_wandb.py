@@ -11,7 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class FakeWandb:
-    def __init__(self):
+    def __init__(self, refuse: bool = False):
+        self.refuse = refuse  # every request answered 401, as W&B does a wrong key
         self.requests: list[dict] = []
         self.lock = threading.Lock()
         fake = self
@@ -24,8 +25,10 @@ class FakeWandb:
                 return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
             def answer(self, payload: dict) -> None:
+                if fake.refuse:
+                    payload = {"errors": [{"message": "user is not logged in"}]}
                 data = json.dumps(payload).encode()
-                self.send_response(200)
+                self.send_response(401 if fake.refuse else 200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -44,9 +45,9 @@ def offline_run(runs, run_id: str) -> None:
     tracker.finish()
 
 
-def ft(*args: str, env: dict) -> subprocess.CompletedProcess:
+def ft(*args: str, env: dict, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, timeout=180,
-                          env={**os.environ, **env})
+                          env={**os.environ, **env, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}, cwd=cwd)
 
 
 def test_an_offline_run_is_pushed_once_with_its_recipe_and_metrics(tmp_path, monkeypatch):
@@ -76,6 +77,24 @@ def test_an_offline_run_is_pushed_once_with_its_recipe_and_metrics(tmp_path, mon
     finally:
         fake.close()
     assert KEY not in pushed.stdout + pushed.stderr + again.stdout + again.stderr
+
+
+def test_a_refused_push_is_an_error_and_is_tried_again_next_time(tmp_path, monkeypatch):
+    """wandb exits 0 when the server refuses a run (a wrong key): ft reads wandb's own mark."""
+    monkeypatch.setenv("FT_RUN_ID", "run-2")
+    offline_run(tmp_path, "run-2")
+    fake = FakeWandb(refuse=True)
+    try:
+        env = {"FT_RUNS_DIR": str(tmp_path), "WANDB_BASE_URL": fake.url, "WANDB_API_KEY": KEY,
+               "WANDB_X_DISABLE_UPDATE_CHECK": "true"}
+        here = tmp_path / "here"
+        here.mkdir()
+        refused = ft("sync", "run-2", env=env, cwd=here)
+    finally:
+        fake.close()
+    assert refused.returncode != 0 and "W&B did not take 1 of run run-2's 1 offline logs" in refused.stderr
+    assert "pushed" not in refused.stdout
+    assert list(here.iterdir()) == []  # wandb's own logs go to the run's folder, not where ft was run
 
 
 def test_a_run_that_logged_nothing_offline_says_so(tmp_path):

@@ -240,11 +240,12 @@ def sync(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, "-
         training_python = load_profile(record.cluster).python  # a prepared venv's, with wandb
     except ProfileError:
         training_python = ""
-    done = wandb_sync.sync(folders, project or wandb_spec.project or "ft", entity or wandb_spec.entity,
-                           wandb_sync.client_python(training_python))
-    if done.returncode != 0:
-        raise FtError(f"wandb sync failed (exit {done.returncode}) for run {run_id}",
-                      hint="its messages are above; `wandb login` (or WANDB_API_KEY) and the network to W&B")
+    failed = wandb_sync.sync(folders, project or wandb_spec.project or "ft", entity or wandb_spec.entity,
+                             wandb_sync.client_python(training_python), run_dir)
+    if failed:
+        raise FtError(f"W&B did not take {len(failed)} of run {run_id}'s {len(folders)} offline logs "
+                      f"({', '.join(folder.name for folder in failed)})",
+                      hint="wandb's messages are above: `wandb login` (or WANDB_API_KEY), and the network to W&B")
     console.print(f"run [bold]{plain(run_id)}[/]: {len(folders)} offline W&B log{'s' * (len(folders) != 1)} pushed")
 
 

@@ -32,9 +32,19 @@ def client_python(training_python: str) -> str:
                   hint="pip install wandb into ft's environment, or run `ft cluster prepare CLUSTER` first")
 
 
-def sync(folders: list[Path], project: str, entity: str | None, python: str) -> subprocess.CompletedProcess:
-    """`wandb sync` of the folders, its output passed through (the run's page). W&B's key comes from
-    the environment (WANDB_API_KEY) or `wandb login`: never from ft."""
+SYNC_TIMEOUT_S = 3600  # wandb retries an unreachable server without end
+
+
+def sync(folders: list[Path], project: str, entity: str | None, python: str, run_dir: Path) -> list[Path]:
+    """`wandb sync` of the folders, its output passed through (the run's page); the folders it did
+    not mark synced are returned. wandb exits 0 when a folder failed (a refused key, a server
+    error): its own mark is the verdict. W&B's key comes from the environment (WANDB_API_KEY) or
+    `wandb login`: never from ft. Run in the run's folder: wandb writes its logs where it runs."""
     argv = [python, "-m", "wandb", "sync", "--project", project, *(["--entity", entity] if entity else []),
             *map(str, folders)]
-    return subprocess.run(argv, stdin=subprocess.DEVNULL, check=False)
+    try:
+        subprocess.run(argv, stdin=subprocess.DEVNULL, check=False, cwd=run_dir, timeout=SYNC_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        raise FtError(f"wandb sync did not finish within {SYNC_TIMEOUT_S // 60} minutes",
+                      hint="is W&B reachable from here (WANDB_BASE_URL)? `ft sync` again resumes") from exc
+    return [folder for folder in folders if not any(folder.glob("*.wandb.synced"))]
