@@ -112,15 +112,24 @@ def test_targets_of_jobs_slurm_no_longer_runs_are_swept(tmp_path):
 
     old = NOW - STALE_AFTER_S - 60
     files = {name: tmp_path / name for name in ("gone.41.json", "running.42.json", "young.43.json",
-                                                 "not-ours.json", "array.44.json")}
+                                                 "not-ours.json", "array.45.json", "link.46.json")}
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()
+    (outside / "precious").write_text("keep")
     for name, path in files.items():
+        if name == "link.46.json":  # planted by someone: a link to what the (root) exporter must not delete
+            path.symlink_to(outside / "precious")
+            os.utime(path, (old, old), follow_symlinks=False)
+            continue
         path.write_text("[]")
         os.utime(path, (old, old) if name != "young.43.json" else (NOW, NOW))
-    squeue = "standard|RUNNING|2026-11-24T10:00:00|None|42|\nfree|PENDING|N/A|Priority|44_3|\n"
+    # squeue --Format JobID: an array element's own id (45), as its watchdog's SLURM_JOB_ID names its file
+    squeue = "standard|RUNNING|2026-11-24T10:00:00|None|42|\nfree|RUNNING|2026-11-24T10:00:00|None|45|\n"
     silent = ClusterCollector(TIERS, runner(fail=True), now=lambda: NOW, targets=tmp_path)
     samples(silent)
     assert all(path.exists() for path in files.values())
     swept = ClusterCollector(TIERS, runner(squeue=squeue), now=lambda: NOW, targets=tmp_path)
     samples(swept)
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["array.44.json", "not-ours.json", "running.42.json",
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["array.45.json", "not-ours.json", "running.42.json",
                                                                 "young.43.json"]
+    assert (outside / "precious").read_text() == "keep"  # the link went, not what it points to

@@ -116,6 +116,8 @@ def test_no_nvml_means_no_gpu_metrics_and_nothing_else():
 def test_the_heartbeat_wire_round_trips_and_junk_is_dropped():
     sample = GpuSample(2, 0.5, 1e9, 8e10, 70.0, 0.0, 3, 48)
     assert GpuSample.from_wire(sample.to_wire()) == sample
+    huge = [0, 10**400, 1e300, float("nan"), 2.0, 3.0, 10**30, 2**40]  # past any reading: dropped
+    assert GpuSample.from_wire(huge) == GpuSample(0, None, None, None, 2.0, 3.0, 0, None)
     for junk in ([], "x", [None] * 8, ["0", 1, 2, 3, 4, 5, 6, 7], [1, "hot", 2, 3, 4, 5, -2, "79"]):
         parsed = GpuSample.from_wire(junk)
         assert parsed is None or (parsed.utilization is None and parsed.xid_count == 0 and parsed.last_xid is None)

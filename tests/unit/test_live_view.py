@@ -60,3 +60,18 @@ def test_the_view_follows_through_a_requeue_and_ends_with_the_job(tmp_path, monk
                        read_nodes=lambda nodelist: asked.append(nodelist) or {})
     assert final.state == "COMPLETED"
     assert asked == ["node[1-2]", "node[1-2]"]  # Slurm is asked about the nodes only while they run the job
+
+
+def test_escape_sequences_from_the_runs_files_never_reach_the_terminal(tmp_path):
+    now = time.time()
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 3, "time": float("nan"), "loss": 1.0}) + "\n"
+                                            + json.dumps({"step": 4, "time": now, "loss": 1.0, "of": 10**400}) + "\n")
+    hostile = "\x1b]0;pwned\x07\x1b[2J"
+    timeline = {"starts": 1, "goodput": 0.5, "wall_s": float("inf"),
+                "faults": [{"time": now, "event": "node_lost", "node": f"n{hostile}", "reason": hostile}]}
+    current = status(tmp_path, "RUNNING", timeline)
+    current.checkpoints = {"shared": {"step": 3}, "remote": {"url": f"s3://b{hostile}", "step": None,
+                                                             "error": hostile, "retrying": True}}
+    text = drawn(live.frame(current, parse_nodes(f"n1|drained|{hostile}\n"), now, now))
+    assert "\x1b]" not in text and "\x1b[2J" not in text and "pwned" in text  # shown, made harmless
+    assert "4/" not in text  # an absurd plan (a 400-digit "of") is no plan

@@ -166,3 +166,13 @@ def test_ranks_per_phase_come_from_the_launchers_heartbeats(run_dir):
     families = {f.name: f for f in RunCollector(run_dir, {"run": "r1"}, dict, lambda: beats).collect()}
     phases = {s.labels["phase"]: s.value for s in families["ft_run_ranks"].samples}
     assert phases == {"export": 0, "save": 1, "start": 1, "step": 1}
+
+
+def test_values_no_number_can_hold_or_a_file_nested_without_end_cost_only_themselves(run_dir):
+    with open(run_dir / "metrics.jsonl", "a") as metrics:
+        metrics.write("\n" + json.dumps({"step": 41, "time": time.time(), "loss": 10**400, "tokens": float("inf")})
+                      + "\n" + "[" * 5000 + "\n")
+    (run_dir / "checkpoints.json").write_text("[" * 100_000)
+    families = {f.name: f for f in RunCollector(run_dir, {"run": "r1"}, dict).collect()}
+    assert families["ft_run_step"].samples[0].value == 41
+    assert "ft_run_loss" not in families and "ft_run_checkpoint_step" not in families

@@ -79,3 +79,38 @@ def test_throughput_never_spans_a_restart(tmp_path):
 def test_ticks_are_round_and_inside(low, high):
     found = ticks(low, high)
     assert 2 <= len(found) <= 11 and all(low - 1e-9 <= t <= high + 1e-9 for t in found)
+
+
+def test_damaged_or_hostile_files_still_give_a_page(tmp_path):
+    """What other users of a shared filesystem, or a crash, can leave in a run's files."""
+    now = time.time() - 100
+    lines = [{"step": 1, "time": now, "loss": 1e308, "tokens": 10**400}, {"step": 2, "time": now + 1, "loss": -1e308},
+             {"step": 3, "time": now + 2, "loss": 0.0}, {"step": 4, "time": now + 3, "loss": 5e-324},
+             {"step": 5, "time": float("nan")}, "[" * 5000]
+    (tmp_path / "metrics.jsonl").write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n"
+                                                    for line in lines))
+    (tmp_path / "events.jsonl").write_text(json.dumps({"time": now, "event": "start", "nodes": 5}) + "\n")
+    (tmp_path / "data-report.json").write_text(json.dumps(["a string", {"errors": ["x"], "warnings": {"dup": 3},
+                                                                        "tokens": [1]}]))
+    (tmp_path / "summary.json").write_text("[1]")
+    record = RunRecord("r-damaged", "tiny", "/r.yaml", "lab", "train", 1e300)
+    page = render(RunStatus(record, tmp_path, JobInfo("9", "RUNNING", "squeue"),
+                            [{"job_id": "9", "restart": 0, "nodes": ["n1"], "started": float("nan")}],
+                            timeline=timeline(tmp_path)))
+    assert "r-damaged" in page and "<svg" in page and "built-in method" not in page
+    from toolkit.runs.status import read_json
+
+    assert read_json(tmp_path / "summary.json") is None  # what ft status reads: a list is no summary
+
+
+def test_a_very_long_run_is_thinned_to_its_whole_curve(tmp_path):
+    from toolkit.report.page import step_lines
+    from toolkit.runs.layout import RunLayout
+
+    now = time.time() - 10_000
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time": now + s, "loss": 1.0}) + "\n"
+                                                    for s in range(1, 5001)))
+    kept = step_lines(RunLayout(tmp_path), most=100)
+    assert kept[0]["step"] == 1 and kept[-1]["step"] == 5000 and len(kept) <= 101
+    steps = [line["step"] for line in kept]
+    assert steps == sorted(steps) and max(b - a for a, b in zip(steps, steps[1:], strict=False)) <= 64  # evenly

@@ -7,6 +7,7 @@ nothing reaches into the job, and nothing here imports the training stack."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -27,7 +28,7 @@ def following(current: RunStatus) -> bool:
 
 
 def duration(seconds: float | None) -> str:
-    if seconds is None:
+    if seconds is None or not math.isfinite(seconds) or abs(seconds) > 1e9:
         return "-"
     seconds = int(max(seconds, 0))
     hours, rest = divmod(seconds, 3600)
@@ -77,7 +78,7 @@ def frame(current: RunStatus, nodes: dict, now: float, updated: float):
         + (f"  ({plain(job.reason)})" if job and job.reason and job.reason != "None" else ""))
     parts = [header, progress_table(read_progress(RunLayout(current.run_dir).metrics), now)]
     if current.checkpoints and (where := checkpoint_summary(current.checkpoints, now)):
-        parts.append(Text(f"checkpoints: {where}"))
+        parts.append(Text.from_markup(f"checkpoints: {plain(where)}"))
     if current.timeline:
         spent = current.timeline
         restarts = max(spent["starts"] - 1, 0)
@@ -85,9 +86,10 @@ def frame(current: RunStatus, nodes: dict, now: float, updated: float):
                           f"{restarts} restart{'s' * (restarts != 1)}, {len(spent['faults'])} "
                           f"fault{'s' * (len(spent['faults']) != 1)}"))
         for fault in spent["faults"][-3:]:  # the newest: `ft status RUN` lists them all
-            when = datetime.fromtimestamp(fault["time"]).strftime("%H:%M:%S")
+            when = datetime.fromtimestamp(fault["time"]).strftime("%H:%M:%S")  # a plausible time (timeline.py)
             what = fault.get("reason") or fault.get("after") or ""
-            parts.append(Text(f"  {when} {fault['event']} {fault.get('node', '')} {what}".rstrip()))
+            parts.append(Text.from_markup(f"  {when} {plain(fault['event'])} {plain(fault.get('node', ''))} "
+                                          f"{plain(what)}".rstrip()))
     if nodes:
         parts.append(nodes_table(nodes))
     parts.append(Text.from_markup(f"[dim]updated {datetime.fromtimestamp(updated).strftime('%H:%M:%S')}; "

@@ -25,9 +25,11 @@ class Marker:
 
 def ticks(low: float, high: float, count: int = 5) -> list[float]:
     """Round tick values covering [low, high]."""
-    if high <= low:
-        return [low]
+    if not high > low or not math.isfinite(high - low):
+        return [low] if math.isfinite(low) else []
     raw = (high - low) / count
+    if raw < 1e-300:  # a span too small to divide (subnormal): one tick
+        return [low]
     step = 10 ** math.floor(math.log10(raw))
     step *= next(m for m in (1, 2, 5, 10) if raw <= m * step)
     first = math.ceil(low / step) * step

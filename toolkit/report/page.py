@@ -13,7 +13,7 @@ from toolkit.report.charts import Marker, Span, breakdown_bar, line_chart, timel
 from toolkit.runs.layout import RunLayout
 from toolkit.runs.progress import number
 from toolkit.runs.status import RunStatus
-from toolkit.runs.timeline import read_lines
+from toolkit.runs.timeline import plausible_time, read_lines
 
 SMOOTH = 10  # steps the throughput curve is averaged over
 MAX_POINTS = 2000  # a week-long run's curve, thinned to what a page can draw
@@ -26,8 +26,36 @@ def thinned(points: list, most: int = MAX_POINTS) -> list:
     return [points[int(i * every)] for i in range(most)] + [points[-1]]
 
 
-def step_lines(layout: RunLayout) -> list[dict]:
-    return [m for m in read_lines(layout.metrics, {"time": (int, float), "step": int}) if 0 <= m["step"] < 10**12]
+def metrics_entries(path: Path):
+    """Each sound line of a metrics file, read a line at a time."""
+    try:
+        with open(path, errors="replace") as handle:
+            for raw in handle:
+                try:
+                    entry = json.loads(raw)
+                except (ValueError, RecursionError):
+                    continue
+                if isinstance(entry, dict) and type(entry.get("step")) is int and 0 <= entry["step"] < 10**12 \
+                        and plausible_time(entry.get("time")):
+                    yield entry
+    except OSError:
+        return
+
+
+def step_lines(layout: RunLayout, most: int = 2 * MAX_POINTS) -> list[dict]:
+    """The metrics lines, read whole however long the run (a line at a time), thinned as they come
+    to at most `most` (every 2nd, 4th, ... line: a curve keeps its shape), the newest always kept."""
+    kept: list[dict] = []
+    stride, newest = 1, None
+    for index, entry in enumerate(metrics_entries(layout.metrics)):
+        newest = entry
+        if index % stride == 0:
+            kept.append(entry)
+            if len(kept) > most:
+                kept, stride = kept[::2], stride * 2
+    if newest is not None and (not kept or kept[-1] is not newest):
+        kept.append(newest)
+    return kept
 
 
 def by_start(lines: list[dict]) -> list[list[dict]]:
@@ -68,7 +96,7 @@ def starts_and_faults(layout: RunLayout) -> tuple[list[Span], list[Marker], floa
     for start in starts:
         following = [e for e in events if e["time"] > start["time"] and e["event"] in ("start", "end")]
         end = following[0]["time"] if following else time.time()
-        nodes = ", ".join(map(str, start.get("nodes") or []))
+        nodes = ", ".join(map(str, start["nodes"])) if isinstance(start.get("nodes"), list) else ""
         spans.append(Span(f"job {start.get('job', '?')}", start["time"], end,
                           f"start {start.get('start', '?')} on {nodes}"))
     faults = [Marker(e["time"], f"{e['event']}: {e.get('node', '')} {e.get('reason') or e.get('after') or ''}".strip())
@@ -76,11 +104,17 @@ def starts_and_faults(layout: RunLayout) -> tuple[list[Span], list[Marker], floa
     return spans, faults, starts[0]["time"]
 
 
-def read_json(path: Path):
+def data_report(path: Path) -> list[dict]:
+    """`ft submit`'s data checks, one entry per file; what is not such an entry is left out."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+        found = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return []
+    return [entry for entry in found if isinstance(entry, dict)] if isinstance(found, list) else []
+
+
+def when(stamp) -> str:
+    return datetime.fromtimestamp(stamp).strftime("%Y-%m-%d %H:%M:%S") if plausible_time(stamp) else "-"
 
 
 def context(current: RunStatus, price_per_gpu_hour: float = 0.0) -> dict:
@@ -94,7 +128,6 @@ def context(current: RunStatus, price_per_gpu_hour: float = 0.0) -> dict:
     shares = {"training": spent["productive_s"], "redone after faults": spent["redone_s"],
               "starting": spent["starting_s"], "recovering": spent["recovering_s"],
               "other": spent["other_s"]} if spent else {}
-    data = read_json(layout.data_report)
     return {
         "run": current.run, "state": current.state, "job": current.job, "run_dir": str(current.run_dir),
         "generated": datetime.now().strftime("%Y-%m-%d %H:%M"),
@@ -109,10 +142,10 @@ def context(current: RunStatus, price_per_gpu_hour: float = 0.0) -> dict:
         "attempts": current.attempts, "summary": summary,
         "cost": gpu_hours * price_per_gpu_hour if gpu_hours is not None and price_per_gpu_hour else None,
         "price": price_per_gpu_hour, "gpu_hours": gpu_hours,
-        "data": data if isinstance(data, list) else [],
+        "data": data_report(layout.data_report),
         "checkpoints": current.checkpoints,
         "smooth": SMOOTH,
-        "when": lambda stamp: datetime.fromtimestamp(stamp).strftime("%Y-%m-%d %H:%M:%S"),
+        "when": when,
     }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,14 @@ TAIL_BYTES = 16384  # enough for WINDOW metrics lines
 
 
 def number(value) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+    """A finite number, or None (a file's null, NaN, a string, a 400-digit integer)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def tail_lines(path: Path, size: int = TAIL_BYTES) -> list[dict]:
@@ -29,7 +37,7 @@ def tail_lines(path: Path, size: int = TAIL_BYTES) -> list[dict]:
         return []
     lines = []
     for raw in data.splitlines()[1:] if len(data) >= size else data.splitlines():
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, RecursionError):  # a torn line, or one nested without end
             entry = json.loads(raw)
             if isinstance(entry, dict):
                 lines.append(entry)

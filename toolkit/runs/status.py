@@ -48,10 +48,12 @@ def read_attempts(run_dir: Path) -> list[dict]:
 
 
 def read_json(path: Path) -> dict | None:
+    """A JSON object from a run's file; None for anything else (missing, torn, a list, nested without end)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        value = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
         return None
+    return value if isinstance(value, dict) else None
 
 
 def queued_runs(client: SlurmClient) -> dict[str, str]:

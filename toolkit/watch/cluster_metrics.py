@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import stat
 import sys
 import threading
 import time
@@ -83,6 +84,7 @@ def slurm_time(text: str) -> float | None:
         return None  # N/A, Unknown
 
 
+# JobID in --Format is each array element's own id (SLURM_JOB_ID), not "<array>_<index>" as %i.
 SQUEUE_FORMAT = "--Format=Partition:|,State:|,EligibleTime:|,Reason:|,JobID:|"
 
 
@@ -107,14 +109,15 @@ def sweep_targets(folder: Path | None, jobs: list[Job], now: float) -> list[Path
     names its job (<run>.<job id>.json); one of a job Slurm still lists is kept, as is a young one."""
     if folder is None or not folder.is_dir():
         return []
-    alive = {job.job_id.split("_")[0] for job in jobs if job.job_id}
+    alive = {job.job_id for job in jobs if job.job_id}
     removed = []
     for path in folder.glob("*.json"):
         job_id = path.name[:-len(".json")].rsplit(".", 1)[-1]
         if not job_id.isdigit() or job_id in alive:
             continue
         try:
-            if now - path.stat().st_mtime > STALE_AFTER_S:
+            info = path.lstat()  # a link's own age; unlinking it never touches what it points to
+            if not stat.S_ISDIR(info.st_mode) and now - info.st_mtime > STALE_AFTER_S:
                 path.unlink()
                 removed.append(path)
         except OSError:

@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+MAX_READING = 1e18  # beyond any GPU's bytes or counts: a heartbeat's value past it is not a reading
 SAMPLE_EVERY_S = 5.0  # NVML calls cost milliseconds each: not at every heartbeat (1 s)
 XID_WAIT_MS = 1000
 
@@ -42,9 +43,11 @@ class GpuSample:
         """One GPU from a heartbeat; None for anything that is not what a launcher sends."""
         if not isinstance(fields, list) or len(fields) != 8 or type(fields[0]) is not int:
             return None
-        numbers = [f if isinstance(f, int | float) and not isinstance(f, bool) else None for f in fields[1:6]]
-        xids = fields[6] if type(fields[6]) is int and fields[6] >= 0 else 0
-        last = fields[7] if type(fields[7]) is int else None
+        numbers = [f if isinstance(f, int | float) and not isinstance(f, bool) and abs(f) < MAX_READING else None
+                   for f in fields[1:6]]
+        numbers = [f if f is None or f == f else None for f in numbers]  # NaN
+        xids = fields[6] if type(fields[6]) is int and 0 <= fields[6] < MAX_READING else 0
+        last = fields[7] if type(fields[7]) is int and 0 <= fields[7] < 1 << 32 else None
         return cls(fields[0], *numbers, xids, last)
 
 

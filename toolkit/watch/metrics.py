@@ -81,7 +81,7 @@ class RunCollector:
             # A file damaged by hand (a null where a number was) costs its own metrics, not the scrape.
             try:
                 families = list(filter(None, section()))
-            except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
+            except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as exc:
                 self.report_once(exc)
                 continue
             yield from families
@@ -188,7 +188,7 @@ class RunCollector:
     def checkpoint_metrics(self, gauge) -> list:
         try:
             status = json.loads(self.layout.checkpoint_status.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             return []
         shared = status.get("shared") if isinstance(status, dict) else None
         remote = status.get("remote") if isinstance(status, dict) else None
