@@ -172,3 +172,14 @@ def write_atomically(path: Path, text: str, mode: int = 0o600) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def write_output(path: Path, text: str, mode: int = 0o600) -> None:
+    """What a user's -o names: a device, a FIFO or /dev/stdout is written to, never replaced (as
+    root, a rename over /dev/null puts a file in its place); a link's file is written through it;
+    anything else atomically."""
+    if path.exists() and not path.is_file():
+        with open(path, "w") as out:
+            out.write(text)
+        return
+    write_atomically(path.resolve(), text, mode)

@@ -33,8 +33,14 @@ RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "llama3-8b-lora-s
                                   ["recipe", "explain", RECIPE, "--cluster", "oci"],
                                   ["render", RECIPE, "--cluster", "hyperpod"], ["ls", "--json"],
                                   ["status", "no-such-run"], ["cluster", "ls"], ["cluster", "show", "lab"],
-                                  ["doctor", "--cluster", "hyperpod", "--login-only"]])
+                                  ["doctor", "--cluster", "hyperpod", "--login-only"],
+                                  ["report", "r1"], ["sync", "r1"]])
 def test_login_node_commands_never_import_the_training_stack(argv, tmp_path):
+    (tmp_path / "r1").mkdir()
+    (tmp_path / "r1" / "run.json").write_text(json.dumps({
+        "run_id": "r1", "recipe_name": "r", "recipe_path": "/r.yaml", "cluster": "lab", "mode": "train",
+        "created": 1.0, "idempotency_key": None, "jobs": []}))
+    (tmp_path / "r1" / "metrics.jsonl").write_text('{"step": 1, "time": 1795000000, "loss": 2.0}\n')
     probe = (
         "import sys\n"
         "from toolkit.cli.app import app\n"

@@ -236,3 +236,26 @@ def test_a_run_id_someone_else_took_is_skipped_and_a_flood_is_a_clear_error(tmp_
     monkeypatch.setattr(run_store, "new_run_id", lambda name: "r-1")
     with pytest.raises(FtError, match="were all taken"):
         store.claim_run_dir("r")
+
+
+def test_an_output_that_is_no_plain_file_is_written_to_never_replaced(tmp_path):
+    """`ft render -o` / `ft report -o` as root: a rename over /dev/null would leave a file there. A
+    FIFO stands in for the device here (the same rule: exists, and is not a regular file)."""
+    import threading
+
+    from toolkit.shared_dirs import write_output
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_text()))
+    reader.start()
+    write_output(fifo, "page\n")
+    reader.join(timeout=10)
+    assert received == ["page\n"] and stat.S_ISFIFO(fifo.lstat().st_mode)
+    real = tmp_path / "real.html"
+    real.write_text("old")
+    link = tmp_path / "link.html"
+    link.symlink_to(real)
+    write_output(link, "new", mode=0o644)
+    assert link.is_symlink() and real.read_text() == "new" and real.stat().st_mode & 0o777 == 0o644

@@ -67,7 +67,7 @@ def render_command(
     from toolkit.recipe.resolve import resolve
     from toolkit.render.sbatch import RunPlacement, render
     from toolkit.runs.store import RunRecord, RunStore
-    from toolkit.shared_dirs import private_dir, write_atomically
+    from toolkit.shared_dirs import private_dir, write_output
 
     resolved = resolve(recipe, cluster)
     run_id = run_id or resolved.recipe.name
@@ -81,7 +81,7 @@ def render_command(
         typer.echo(script, nl=False)
         return
     store.create_run_dir(run_id, exist_ok=True)  # the script's log folder must exist at sbatch time
-    write_atomically(output, script, mode=0o700)
+    write_output(output, script, mode=0o700)
     # `ft ls` shows the run now; its job adds itself as it starts.
     store.placeholder(RunRecord(run_id, resolved.recipe.name, str(recipe.resolve()), resolved.profile.name,
                                 "preflight" if preflight else "train", time.time()))

@@ -198,7 +198,7 @@ def report(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
     from toolkit.cluster.profile import ProfileError, load_profile
     from toolkit.report.page import render
     from toolkit.runs.status import run_status
-    from toolkit.shared_dirs import write_atomically
+    from toolkit.shared_dirs import write_output
     from toolkit.slurm.client import default_client
 
     current = run_status(_store(cluster), run_id, default_client())
@@ -210,7 +210,7 @@ def report(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
     except ProfileError:
         price = 0.0
     try:
-        write_atomically(target, render(current, price))
+        write_output(target, render(current, price))
     except OSError as exc:
         raise FtError(f"could not write {target}: {exc.strerror or exc}",
                       hint="give --output a path you can write") from exc
