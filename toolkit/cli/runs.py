@@ -137,7 +137,6 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
         raise FtError("--watch draws a live view for a terminal; --json prints once",
                       hint="use one of them (a script polls `ft status RUN --json`)")
     store, client = _store(cluster), default_client()
-    current = run_status(store, run_id, client)
     if watch:
         from toolkit.cli.live import watch as live_view
 
@@ -145,6 +144,8 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
             current = live_view(lambda: run_status(store, run_id, client), interval, console.get())
         except KeyboardInterrupt:  # leaving the view leaves the run alone
             return
+    else:
+        current = run_status(store, run_id, client)
     if as_json:
         print_json(current.to_dict())
         return

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from toolkit.report.charts import Marker, Span, breakdown_bar, line_chart, timeline_chart
 from toolkit.runs.layout import RunLayout
-from toolkit.runs.progress import number
+from toolkit.runs.progress import number, restarted
 from toolkit.runs.status import RunStatus
 from toolkit.runs.timeline import plausible_time, read_lines
 
@@ -59,13 +59,10 @@ def step_lines(layout: RunLayout, most: int = 2 * MAX_POINTS) -> list[dict]:
 
 
 def by_start(lines: list[dict]) -> list[list[dict]]:
-    """The lines of each start: a start resumes from a checkpoint (the step goes back) and counts
-    its tokens afresh."""
+    """The lines of each start (progress.restarted tells where one begins)."""
     starts: list[list[dict]] = []
     for line in lines:
-        previous = starts[-1][-1] if starts else None
-        if previous is None or line["step"] <= previous["step"] \
-                or (number(line.get("tokens")) or 0) < (number(previous.get("tokens")) or 0):
+        if not starts or restarted(starts[-1][-1], line):
             starts.append([])
         starts[-1].append(line)
     return starts

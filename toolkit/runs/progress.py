@@ -44,12 +44,16 @@ def tail_lines(path: Path, size: int = TAIL_BYTES) -> list[dict]:
     return lines
 
 
+def restarted(before: dict, after: dict) -> bool:
+    """Whether a new start began between two metrics lines: a start resumes from a checkpoint (the
+    step goes back) and counts its tokens afresh."""
+    return after["step"] <= before["step"] or (number(after.get("tokens")) or 0) < (number(before.get("tokens")) or 0)
+
+
 def since_last_restart(lines: list[dict]) -> list[dict]:
-    """The lines after the last restart: a start resumes from a checkpoint (the step goes back) and
-    counts its tokens afresh, so a window over a restart would mix two starts (a negative rate)."""
+    """The lines after the last restart: a window over a restart would mix two starts (a negative rate)."""
     for i in range(len(lines) - 1, 0, -1):
-        before, after = lines[i - 1], lines[i]
-        if after["step"] <= before["step"] or (number(after.get("tokens")) or 0) < (number(before.get("tokens")) or 0):
+        if restarted(lines[i - 1], lines[i]):
             return lines[i:]
     return lines
 
