@@ -44,14 +44,18 @@ teardown() {
 }
 trap teardown EXIT
 
+# The lab tests run as two streams (pytest-xdist workers), each in its own slice of the lab: four
+# nodes with their own free/standard/premium partitions and ft profile (tests/conftest.py). A lab
+# that was up keeps this shape afterwards (`ft lab up --nodes 4 --slices 1` gives it back its own).
+lab_shape=(--nodes 8 --slices 2)
 if [[ "${FT_TEST_KEEP_LAB:-0}" != 1 && -e "${FT_LAB_STATE_DIR:-/var/lib/ft-lab}" ]]; then
     echo "[test] purging the lab's state (FT_TEST_KEEP_LAB=1 keeps it)"
     purge_started=$SECONDS
     "$ft" lab down --purge
-    "$ft" lab up
+    "$ft" lab up "${lab_shape[@]}"
     echo "[test] lab purged and up again in $((SECONDS - purge_started)) s"
 else
-    "$ft" lab up
+    "$ft" lab up "${lab_shape[@]}"
 fi
 # Lab tests fail (not skip) when the lab is missing: CI must never pass by skipping them.
 export FT_REQUIRE_LAB=1
@@ -60,15 +64,16 @@ if [[ $# -gt 0 ]]; then
     "$py" -m pytest "$@"
     exit
 fi
-# The whole suite. The unit tests (no lab) run beside the lab tests, which spend most of their time
-# waiting on jobs, Slurm and the watchdog's clocks: the suite takes about as long as the lab tests.
-# (The lab tests passed with the unit tests and more beside them on this 2-core machine.)
+# The whole suite. The lab tests spend most of their time waiting on jobs, Slurm and the watchdog's
+# clocks, so they run as two streams, one per lab slice, and the unit tests (no lab) beside them.
+# First, alone, the tests that change the lab itself (its size, its playbook: marked whole_lab).
 unit_log="$(mktemp /tmp/ft-unit-tests.XXXXXX)"
 "$py" -m pytest -p no:cacheprovider tests/unit --basetemp="$(mktemp -d /tmp/ft-unit-basetemp.XXXXXX)" \
     >"$unit_log" 2>&1 &
 unit_pid=$!
 lab_status=0
-"$py" -m pytest tests/lab || lab_status=$?
+"$py" -m pytest -m whole_lab tests/lab || lab_status=$?
+"$py" -m pytest -m "not whole_lab" --numprocesses 2 --dist loadfile tests/lab || lab_status=$?
 unit_status=0
 wait "$unit_pid" || unit_status=$?
 unit_pid=""

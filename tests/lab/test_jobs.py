@@ -8,7 +8,7 @@ from toolkit.slurm import commands
 
 
 def test_two_node_job_runs_on_two_hosts_with_distinct_names_and_addresses(lab):
-    result = run_smoke(nodes=2, gpus_per_node=1)
+    result = run_smoke(nodes=2, gpus_per_node=1, partition=lab.tiers["standard"])
 
     assert result.state == "COMPLETED"
     assert [task["rank"] for task in result.tasks] == [0, 1]

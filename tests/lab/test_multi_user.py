@@ -27,7 +27,8 @@ pytest.importorskip("deepspeed", reason="the training stack (ft[train]) is not i
 def as_user(user: str, *argv: str, timeout: float = 180) -> subprocess.CompletedProcess:
     account = pwd.getpwnam(user)
     env = {"PATH": os.environ["PATH"], "HOME": account.pw_dir, "USER": user, "LOGNAME": user, "LANG": "C.UTF-8",
-           "AWS_ENDPOINT_URL": os.environ.get("AWS_ENDPOINT_URL", "http://127.0.0.1:8333"), "HF_HUB_OFFLINE": "1"}
+           "AWS_ENDPOINT_URL": os.environ.get("AWS_ENDPOINT_URL", "http://127.0.0.1:8333"), "HF_HUB_OFFLINE": "1",
+           **({"FT_SITE_PROFILE": os.environ["FT_SITE_PROFILE"]} if "FT_SITE_PROFILE" in os.environ else {})}
     return subprocess.run(["runuser", "-u", user, "--", *argv], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=REPO)
 

@@ -8,27 +8,32 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from toolkit.lab import lifecycle
 from toolkit.lab.provision import run_playbook
+from toolkit.slurm import commands
+
+pytestmark = pytest.mark.whole_lab  # its playbooks and `ft lab up` act on every node
 
 
 def ft(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_second_playbook_run_changes_nothing(lab):
-    result = run_playbook("lab.yml", {"lab_node_count": len(lab.nodes)})
+def test_second_playbook_run_changes_nothing(whole_lab):
+    result = run_playbook("lab.yml", lifecycle.lab_vars(None, None, whole_lab))
 
     assert result.ok, result.error
     assert result.changed == 0, f"tasks that changed on a provisioned lab: {result.changed_tasks}"
 
 
-def test_check_mode_shows_a_config_change_as_a_diff_and_changes_nothing(lab):
-    conf = Path(lab.slurm_conf)
+def test_check_mode_shows_a_config_change_as_a_diff_and_changes_nothing(whole_lab):
+    conf = Path(whole_lab.slurm_conf)
     before = conf.read_bytes()
     log = []
 
-    result = run_playbook("lab.yml", {"lab_node_count": len(lab.nodes), "slurm_slurmd_timeout": 42},
+    result = run_playbook("lab.yml", {**lifecycle.lab_vars(None, None, whole_lab), "slurm_slurmd_timeout": 42},
                           check=True, diff=True, on_task=log.append)
 
     assert result.ok, result.error
@@ -39,34 +44,34 @@ def test_check_mode_shows_a_config_change_as_a_diff_and_changes_nothing(lab):
     assert log, "the progress callback heard no task"
 
 
-def test_lab_up_on_a_lab_that_is_up_says_so_and_changes_nothing(lab):
-    before = Path(lab.slurm_conf).stat().st_mtime_ns
+def test_lab_up_on_a_lab_that_is_up_says_so_and_changes_nothing(whole_lab):
+    before = Path(whole_lab.slurm_conf).stat().st_mtime_ns
     outcome = lifecycle.up()
 
     assert outcome.playbook is None
     assert outcome.status.healthy
-    assert Path(lab.slurm_conf).stat().st_mtime_ns == before
+    assert Path(whole_lab.slurm_conf).stat().st_mtime_ns == before
 
     shown = ft("lab", "up")
     assert shown.returncode == 0, shown.stderr
     assert "already up" in shown.stdout and "nothing changed" in shown.stdout
 
 
-def test_lab_up_after_a_node_crash_heals_the_node_without_the_whole_playbook(lab):
-    before = Path(lab.slurm_conf).stat().st_mtime_ns
-    crashed = lab.nodes[-1].name
+def test_lab_up_after_a_node_crash_heals_the_node_without_the_whole_playbook(whole_lab):
+    before = Path(whole_lab.slurm_conf).stat().st_mtime_ns
+    crashed = whole_lab.nodes[-1].name
     assert lifecycle.crash(crashed), "nothing ran in the node's namespace"
-    assert not lifecycle.collect(lab).healthy
+    assert not lifecycle.collect(whole_lab).healthy
 
     outcome = lifecycle.up()
 
     assert outcome.status.healthy, outcome.status.problems
     assert outcome.playbook is not None and "lab-heal" in outcome.playbook.log_path.name
-    assert Path(lab.slurm_conf).stat().st_mtime_ns == before
+    assert Path(whole_lab.slurm_conf).stat().st_mtime_ns == before
     assert lifecycle.up().playbook is None  # healed: the next `ft lab up` has nothing to do
 
 
-def test_lab_status_json_lists_every_daemon_and_node(lab):
+def test_lab_status_json_lists_every_daemon_and_node(whole_lab):
     shown = ft("lab", "status", "--json")
 
     assert shown.returncode == 0, shown.stderr
@@ -74,18 +79,18 @@ def test_lab_status_json_lists_every_daemon_and_node(lab):
     assert status["up"] and status["healthy"] and status["problems"] == []
     assert {d["name"] for d in status["daemons"]} >= {"munged", "slurmdbd", "slurmctld", "mariadb"}
     assert all(d["running"] and d["pid"] for d in status["daemons"])
-    assert [n["name"] for n in status["nodes"]] == [n.name for n in lab.nodes]
+    assert [n["name"] for n in status["nodes"]] == [n.name for n in whole_lab.nodes]
     assert all(n["serving"] for n in status["nodes"])
     store = status["object_store"]  # on the bridge, so every node namespace reaches it
-    assert store["answering"] and store["url"] == f"http://{lab.controller_address}:8333"
+    assert store["answering"] and store["url"] == f"http://{whole_lab.controller_address}:8333"
     assert set(store["buckets"].values()) == {"ft-checkpoints", "ft-models"}
 
 
-def test_the_lab_object_store_serves_every_node_with_the_credentials_ft_lab_env_prints(lab):
+def test_the_lab_object_store_serves_every_node_with_the_credentials_ft_lab_env_prints(whole_lab):
     exports = ft("lab", "env").stdout
     env = dict(line.removeprefix("export ").split("=", 1) for line in exports.splitlines())
-    assert env["AWS_ENDPOINT_URL"] == lab.object_store.url
-    node = lab.nodes[-1]
+    assert env["AWS_ENDPOINT_URL"] == whole_lab.object_store.url
+    node = whole_lab.nodes[-1]
     listed = subprocess.run(["nsenter", f"--net=/run/netns/{node.netns}", sys.executable, "-c",
                              "import s3fs; print(s3fs.S3FileSystem().ls('ft-checkpoints') is not None)"],
                             capture_output=True, text=True, timeout=60, env={**os.environ, **env})
@@ -96,11 +101,31 @@ def test_the_lab_object_store_serves_every_node_with_the_credentials_ft_lab_env_
     assert refused.returncode != 0 and ("SignatureDoesNotMatch" in refused.stderr or "denied" in refused.stderr.lower())
 
 
-def test_lab_publishes_ft_cluster_profile(lab):
+def test_lab_publishes_ft_cluster_profile(whole_lab):
     import yaml
 
     profile = yaml.safe_load(Path("/etc/ft/cluster.yaml").read_text())
     assert profile["name"] == "lab"
-    assert profile["gpus_per_node"] == lab.gpus_per_node
+    assert profile["gpus_per_node"] == whole_lab.gpus_per_node
     assert set(profile["tiers"]) == {"free", "standard", "premium"}
-    assert {tier["partition"] for tier in profile["tiers"].values()} <= set(lab.partitions)
+    assert {tier["partition"] for tier in profile["tiers"].values()} <= set(whole_lab.partitions)
+
+
+def test_each_slice_has_partitions_on_its_own_nodes_and_a_profile_naming_them(whole_lab):
+    import yaml
+
+    if len(whole_lab.slices) < 2:
+        pytest.skip("a lab of one slice (scripts/test.sh brings it up in two: `ft lab up --nodes 8 --slices 2`)")
+    seen = {}
+    for line in commands.run(["sinfo", "--noheader", "--Node", "--format=%N %P"]).stdout.splitlines():
+        node, partition = line.split()
+        seen.setdefault(partition.rstrip("*"), set()).add(node)
+    owned = set()
+    for part in whole_lab.slices:
+        profile = yaml.safe_load(Path(part.profile).read_text())
+        assert {tier: target["partition"] for tier, target in profile["tiers"].items()} == part.tiers
+        for partition in part.tiers.values():
+            assert seen[partition] == set(part.nodes), partition
+        assert not owned & set(part.nodes)
+        owned |= set(part.nodes)
+    assert owned == {node.name for node in whole_lab.nodes}

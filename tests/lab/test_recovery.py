@@ -21,10 +21,10 @@ import pytest
 import yaml
 
 from tests.support.prometheus import query
-from tests.support.slurm import cancel, sbatch, wait_for, write_script
+from tests.support.slurm import cancel, heal, sbatch, wait_for, write_script
 from tests.support.tmux import Terminal
 from tests.support.training import TINY, assert_same_weights, ft, lab_runs, submit, wait_done
-from toolkit.lab import chaos, lifecycle
+from toolkit.lab import chaos
 from toolkit.lab.manifest import state_dir
 
 pytest.importorskip("deepspeed", reason="the training stack (ft[train]) is not installed")
@@ -80,7 +80,7 @@ def reasons(*nodes: str) -> dict[str, str]:
                                  text=True).stdout.strip() for node in nodes}
 
 
-def test_a_lost_node_is_replaced_by_a_spare_and_a_bad_gpu_with_no_spare_left_requeues(tiny_baseline, runs,
+def test_a_lost_node_is_replaced_by_a_spare_and_a_bad_gpu_with_no_spare_left_requeues(lab, tiny_baseline, runs,
                                                                                       heal_lab):
     # Slower steps: training on the spare must outlast the wait for its checkpoint and the health check.
     run = submit(recipe(runs, "spare", resources={"spare_nodes": 1}, watchdog={"heartbeat_timeout": 5},
@@ -102,7 +102,7 @@ def test_a_lost_node_is_replaced_by_a_spare_and_a_bad_gpu_with_no_spare_left_req
     out_of_service = reasons(first, second)
     wait_for("Slurm's requeue hold lifted", lambda: any(e["event"] == "requeue_hold_lifted" for e in events(run)),
              timeout=60, interval=0.5)
-    lifecycle.up()  # the requeued job wants three nodes again: the crashed node and the GPU come back
+    heal(lab)  # the requeued job wants three nodes again: the crashed node and the GPU come back
 
     finished(run, runs)
     timeline = events(run)
@@ -219,7 +219,8 @@ def test_a_preempted_free_run_checkpoints_and_resumes_where_it_stopped(lab, tiny
     run = submit(recipe(runs, "free", resources={"tier": "free"}), runs_dir=runs)
     checkpoint_after(run, 0)  # the first one
     script = write_script(shared_tmp / "premium.sh", "srun sleep 5\n")
-    premium = sbatch(script, "--partition=premium", f"--nodes={len(lab.nodes)}", f"--output={shared_tmp}/p-%j")
+    premium = sbatch(script, f"--partition={lab.tiers['premium']}", f"--nodes={len(lab.nodes)}",
+                     f"--output={shared_tmp}/p-%j")
     try:
         finished(run, runs)
     finally:

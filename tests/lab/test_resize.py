@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+
 from toolkit.lab import lifecycle
 from toolkit.lab.manifest import LabManifest
 from toolkit.slurm import commands
 
+pytestmark = pytest.mark.whole_lab
+
 
 def slurm_node_names() -> list[str]:
-    out = commands.run(["sinfo", "--noheader", "--Node", "--partition=standard", "--format=%N"]).stdout
-    return sorted(out.split())
+    out = commands.run(["sinfo", "--noheader", "--Node", "--format=%N"]).stdout
+    return sorted(set(out.split()))  # a node in several partitions is listed once for each
 
 
 def netns_names() -> set[str]:
@@ -19,8 +23,8 @@ def netns_names() -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line.startswith("ftlab-")}
 
 
-def test_grow_then_shrink(lab):
-    original = len(lab.nodes)
+def test_grow_then_shrink(whole_lab):
+    original, slices = len(whole_lab.nodes), len(whole_lab.slices)
     try:
         grown = lifecycle.up(nodes=original + 1)
         assert grown.status.healthy, grown.status.problems
@@ -33,5 +37,5 @@ def test_grow_then_shrink(lab):
         shrunk = lifecycle.up(nodes=original)
     assert shrunk.status.healthy, shrunk.status.problems
     assert len(slurm_node_names()) == original
-    assert netns_names() == {node.netns for node in lab.nodes}
-    assert len(LabManifest.load().nodes) == original
+    assert netns_names() == {node.netns for node in whole_lab.nodes}
+    assert len(LabManifest.load().nodes) == original and len(LabManifest.load().slices) == slices

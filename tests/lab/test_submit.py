@@ -193,14 +193,15 @@ def test_submit_refuses_data_that_would_fail_and_submits_nothing(lab, runs_dir, 
     recipe["data"]["train"] = str(data)
     path = shared_tmp / "bad-data.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    queued_before = commands.run(["squeue", "--noheader", "--format=%i"]).stdout.split()
+    queue = ["squeue", "--noheader", "--format=%i", f"--partition={','.join(lab.partitions)}"]  # this slice's
+    queued_before = commands.run(queue).stdout.split()
 
     refused = ft("submit", str(path))
 
     assert refused.returncode == 1
     assert f"unparseable x1: {data}:41" in refused.stderr and "nothing was submitted" in refused.stderr
     assert not list(runs_dir.glob("*/run.json"))
-    assert commands.run(["squeue", "--noheader", "--format=%i"]).stdout.split() == queued_before
+    assert commands.run(queue).stdout.split() == queued_before
     forced = submit(str(path), "--skip-validation", "--preflight")
     assert forced["created"]
     wait_finished(forced["run_id"])

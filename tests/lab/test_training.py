@@ -318,6 +318,7 @@ def test_the_prolog_gate_keeps_a_run_off_a_node_that_fails_a_check(lab, runs_env
         commands.run(["scontrol", "update", f"nodename={victim}", "state=resume"], check=False)
 
 
+@pytest.mark.whole_lab  # the model cache it poisons is every run's, the other stream's too
 def test_a_poisoned_model_cache_entry_is_rebuilt_and_the_run_completes(lab, runs_env, shared_tmp):
     """What once broke every run on a machine: the tiny model's folder marked complete, its
     config and weights missing. The run rebuilds it (saying so) instead of failing to load it."""

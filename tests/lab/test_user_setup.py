@@ -42,6 +42,11 @@ def wheelhouse(lab) -> Path:
     return gathered(folder_of(lab.shared_dir))
 
 
+def site_profile(lab) -> dict[str, str]:
+    """Her login's site profile is the test's lab slice's (the first slice's is the default)."""
+    return {"FT_SITE_PROFILE": lab.slices[0].profile} if lab.slices else {}
+
+
 def checkout_files() -> list[str]:
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                             capture_output=True, text=True, check=True).stdout
@@ -69,7 +74,7 @@ def carol(lab, wheelhouse) -> dict:
     subprocess.run(["chown", "-R", f"{CAROL}:{CAROL}", str(home)], check=True)
     env = {"HOME": str(home), "USER": CAROL, "LOGNAME": CAROL, "LANG": "C.UTF-8", "SHELL": "/bin/bash",
            "PATH": "/usr/local/bin:/usr/bin:/bin", "SLURM_CONF": lab.slurm_conf, "HF_HUB_OFFLINE": "1",
-           "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(wheelhouse)}
+           "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(wheelhouse), **site_profile(lab)}
     return {"home": home, "clone": clone, "uid": account.pw_uid, "env": env}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -14,8 +15,21 @@ T = TypeVar("T")
 
 
 def sbatch(script: Path, *options: str) -> str:
+    """Submit to the test's lab slice (its standard partition, set by the `lab` fixture) unless the
+    options name a partition."""
+    partition = os.environ.get("FT_TEST_PARTITION")
+    if partition and not any(option.startswith(("--partition", "-p")) for option in options):
+        options = (f"--partition={partition}", *options)
     result = commands.run(["sbatch", "--parsable", *options, str(script)])
     return result.stdout.strip().split(";")[0]
+
+
+def heal(lab) -> None:
+    """`ft lab up` for the test's share of the lab: its crashed nodes back, another slice's left to it."""
+    from toolkit.lab import lifecycle
+
+    outcome = lifecycle.up(only=[node.name for node in lab.nodes])
+    assert outcome.status.healthy, outcome.status.problems
 
 
 def job_fields(job_id: str) -> dict[str, str]:

@@ -11,13 +11,25 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from tests.support import streams
+
 REPO = Path(__file__).resolve().parents[2]
 _gathering: dict[str, Future] = {}
 _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-test-wheelhouse")
 
 
 def gather(folder: Path) -> Path:
+    """Once per test run, whichever lab stream asks first (tests/support/streams.py)."""
     folder.mkdir(parents=True, exist_ok=True)
+    with streams.locked(folder.parent / f"{folder.name}.lock"):
+        mark = folder / f".gathered-{streams.run_id()}"
+        if not (streams.run_id() and mark.exists()):
+            pip_gather(folder)
+            mark.touch()
+    return folder
+
+
+def pip_gather(folder: Path) -> None:
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
     done = subprocess.run([*pip, "wheel", "--quiet", "-c", str(REPO / "constraints.txt"), "-w", str(folder),
                            f"{REPO}[train]", "hatchling", "editables", "pip", "setuptools", "wheel"],
@@ -33,7 +45,6 @@ def gather(folder: Path) -> Path:
     if done.returncode != 0:
         raise RuntimeError(f"pip download failed:\n{done.stderr[-3000:]}")
     subprocess.run(["chmod", "-R", "a+rX", str(folder.parent)], check=True)
-    return folder
 
 
 def begin(folder: Path) -> Future:

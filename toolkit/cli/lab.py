@@ -64,6 +64,9 @@ def print_status(status: LabStatus) -> None:
 @app.command()
 def up(
     nodes: int = typer.Option(None, "--nodes", "-n", help="Compute nodes (default: the current lab's, else 4)."),
+    slices: int = typer.Option(None, "--slices",
+                               help="Split the nodes into this many slices, each with its own partitions and "
+                                    "ft profile (default: the current lab's, else 1; the test suite uses 2)."),
     reprovision: bool = typer.Option(False, "--reprovision",
                                      help="Run the playbook even when the lab is already up as configured."),
 ) -> None:
@@ -71,7 +74,7 @@ def up(
     from toolkit.lab import lifecycle
 
     with task_spinner("lab up") as on_task:
-        outcome = lifecycle.up(nodes=nodes, reprovision=reprovision, on_task=on_task)
+        outcome = lifecycle.up(nodes=nodes, slices=slices, reprovision=reprovision, on_task=on_task)
     if outcome.playbook is None:
         console.print("lab is already up as configured: nothing changed "
                       "([dim]--reprovision runs the playbook anyway[/])")

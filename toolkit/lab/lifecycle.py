@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +14,7 @@ from toolkit.errors import FtError, UsageError
 from toolkit.lab.manifest import LabManifest, state_dir
 from toolkit.lab.processes import kill_netns
 from toolkit.lab.provision import PlaybookFailed, PlaybookResult, ansible_dir, run_playbook
-from toolkit.lab.status import LabStatus, collect
+from toolkit.lab.status import LabStatus, NodeStatus, collect
 
 DEFAULT_NODES = 4
 MAX_NODES = 32  # each node is a slurmd in its own namespace; the lab subnet has room for more
@@ -58,6 +58,18 @@ def node_count(requested: int | None, manifest: LabManifest | None) -> int:
     return requested
 
 
+def lab_vars(nodes: int | None, slices: int | None, manifest: LabManifest | None) -> dict:
+    """What the lab playbook is given: the node count and the slices, each as asked, else the
+    current lab's, else the default (4 nodes, one slice)."""
+    count = node_count(nodes, manifest)
+    if slices is None:
+        slices = len(manifest.slices) if manifest and manifest.slices else 1
+    if not 1 <= slices <= count:
+        raise UsageError(f"--slices {slices} does not fit {count} lab nodes",
+                         hint="each slice needs a node: ask for fewer slices or more --nodes")
+    return {"lab_node_count": count, "lab_slices": slices}
+
+
 def fingerprint(extra_vars: dict) -> str:
     """Hash of what decides the lab: ft's Ansible tree, the node checks and alert rules it installs,
     the variables, and the files it manages."""
@@ -80,10 +92,13 @@ def fingerprint(extra_vars: dict) -> str:
     return digest.hexdigest()
 
 
+SHAPE = ("lab_node_count", "lab_slices")  # what a resize changes: the nodes, Slurm's configuration
+
+
 def services_fingerprint(extra_vars: dict) -> str:
-    """The fingerprint whatever the node count: what the lab's services (object store, munge,
-    accounting, Prometheus) depend on. Equal to the last run's, a resize leaves them alone."""
-    return fingerprint({key: value for key, value in extra_vars.items() if key != "lab_node_count"})
+    """The fingerprint whatever the lab's shape (nodes, slices): what the lab's services (object
+    store, munge, accounting, Prometheus) depend on. Equal to the last run's, a resize leaves them alone."""
+    return fingerprint({key: value for key, value in extra_vars.items() if key not in SHAPE})
 
 
 def applied_path() -> Path:
@@ -92,7 +107,8 @@ def applied_path() -> Path:
 
 def as_last_up(extra_vars: dict, manifest: LabManifest | None) -> bool:
     """The lab is configured exactly as the last successful `ft lab up` left it."""
-    if manifest is None or len(manifest.nodes) != extra_vars["lab_node_count"]:
+    if manifest is None or len(manifest.nodes) != extra_vars["lab_node_count"] or \
+            len(manifest.slices) != extra_vars["lab_slices"]:
         return False
     try:
         applied = json.loads(applied_path().read_text())
@@ -109,48 +125,67 @@ def resize_only(extra_vars: dict, manifest: LabManifest | None) -> bool:
         applied = json.loads(applied_path().read_text())
     except (OSError, ValueError):
         return False
-    return applied.get("lab_node_count") != extra_vars["lab_node_count"] and \
+    return any(applied.get(key, 1) != extra_vars[key] for key in SHAPE) and \
         applied.get("services") == services_fingerprint(extra_vars)
 
 
-def only_nodes_down(status: LabStatus) -> bool:
-    """What a crashed node leaves (`ft lab crash`, a test's power loss): its slurmd gone, the bridge,
-    the namespaces and the controller's daemons all still there."""
-    down = [d for d in status.daemons if not d.running]
-    return bool(down) and status.bridge_up and all(n.namespace for n in status.nodes) and \
-        all(d.node is not None for d in down)
+HEALTHCHECK_DRAIN = "ft-healthcheck:"  # the reason the node health check drains with, and resumes from
 
 
-def only_nodes_unheard(status: LabStatus) -> bool:
-    """Every daemon runs, yet slurmctld has not heard from some nodes since a fault (a failed
-    prolog, a slurmd just started again): its next ping, every few seconds, settles them."""
+def nodes_to_heal(status: LabStatus) -> list[str]:
+    """The nodes lab-heal.yml would bring back (their namespace, fake GPUs, slurmd) when nothing but
+    nodes is wrong: a crash (`ft lab crash`), a GPU taken away (`ft chaos gpu-bad`). Empty when
+    anything beyond the nodes is wrong (the bridge, the controller's daemons, a service): that is
+    the whole playbook's."""
+    down = {d.node for d in status.daemons if not d.running and d.node is not None}
+    if not status.bridge_up or any(not d.running for d in status.daemons if d.node is None):
+        return []
+    unwell = [n.name for n in status.nodes if not n.namespace or not n.serving]  # a problem each (collect)
+    if len(status.problems) > len(down) + len(unwell):
+        return []
+    return sorted(down | set(unwell))
+
+
+def unheard(node: NodeStatus, after_heal: bool) -> bool:
+    """A node that serves again by itself within seconds: one slurmctld has not heard from since a
+    fault (its next ping settles it) or, once healed, one ft's health check drained (its next
+    check, a few seconds away, resumes it)."""
+    drained = {"DRAIN", "DRAINED", "DRAINING"} & set(node.flags)
+    if node.namespace and "NOT_RESPONDING" in node.flags and not drained:
+        return True
+    return after_heal and bool(drained) and node.reason.startswith(HEALTHCHECK_DRAIN)
+
+
+def only_nodes_unheard(status: LabStatus, after_heal: bool = False) -> bool:
+    """Every daemon runs, and every problem is a node that will serve again by itself (`unheard`)."""
     unserving = [n for n in status.nodes if not n.serving]
     return bool(unserving) and len(status.problems) == len(unserving) and status.bridge_up and \
-        all(d.running for d in status.daemons) and all(n.namespace and "NOT_RESPONDING" in n.flags and
-                                                        not {"DRAIN", "DRAINED", "DRAINING"} & set(n.flags)
-                                                        for n in unserving)
+        all(d.running for d in status.daemons) and all(unheard(n, after_heal) for n in unserving)
 
 
-def settled(manifest: LabManifest, status: LabStatus, timeout: float = SETTLE_S) -> LabStatus:
+def settled(manifest: LabManifest, status: LabStatus, after_heal: bool = False,
+            timeout: float = SETTLE_S) -> LabStatus:
     deadline = time.monotonic() + timeout
-    while only_nodes_unheard(status) and time.monotonic() < deadline:
+    while only_nodes_unheard(status, after_heal) and time.monotonic() < deadline:
         time.sleep(1)
         status = collect(manifest)
     return status
 
 
-def up(nodes: int | None = None, reprovision: bool = False,
-       on_task: Callable[[str], None] | None = None) -> UpOutcome:
+def up(nodes: int | None = None, slices: int | None = None, reprovision: bool = False,
+       on_task: Callable[[str], None] | None = None, only: Collection[str] | None = None) -> UpOutcome:
+    """Bring the lab up as asked. `only`: a lab that is up as configured is checked and healed on
+    these nodes alone (a slice's user heals no node another slice crashed on purpose)."""
     require_root("up")
     manifest = LabManifest.load()
-    extra_vars = {"lab_node_count": node_count(nodes, manifest)}
+    extra_vars = lab_vars(nodes, slices, manifest)
     if not reprovision and as_last_up(extra_vars, manifest):
-        status, healed = collect(manifest), None
-        if only_nodes_down(status):  # heal them; anything still wrong after that: the whole playbook
-            healed = run_playbook("lab-heal.yml", extra_vars, on_task=on_task)
+        scope = manifest.only(only) if manifest and only is not None else manifest
+        status, healed = settled(scope, collect(scope)), None  # the whole playbook would change nothing for these
+        if not status.healthy and (wrong := nodes_to_heal(status)):  # still wrong after that: the whole playbook
+            healed = run_playbook("lab-heal.yml", {**extra_vars, "lab_heal_nodes": wrong}, on_task=on_task)
             if healed.ok:
-                status = collect(manifest)
-        status = settled(manifest, status)  # the whole playbook would change nothing for these
+                status = settled(scope, collect(scope), after_heal=True)
         if status.healthy and (healed is None or healed.ok):
             return UpOutcome(status, healed)
     result = None
@@ -178,7 +213,7 @@ def down(purge: bool = False, on_task: Callable[[str], None] | None = None) -> P
     require_root("down")
     manifest = LabManifest.load()
     applied_path().unlink(missing_ok=True)
-    extra_vars = {"lab_node_count": node_count(None, manifest), "lab_purge": purge}
+    extra_vars = {**lab_vars(None, None, manifest), "lab_purge": purge}
     result = run_playbook("lab-down.yml", extra_vars, on_task=on_task)
     if not result.ok:
         raise PlaybookFailed(f"the lab teardown failed (full log: {result.log_path})\n{result.error}")

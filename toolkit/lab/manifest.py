@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 
@@ -46,6 +47,17 @@ class LabObjectStore:
 
 
 @dataclass(frozen=True)
+class LabSlice:
+    """A share of the lab's nodes with partitions of its own (`ft lab up --slices K`): people, or the
+    test suite's streams, use one lab without taking each other's nodes."""
+
+    index: int
+    nodes: tuple[str, ...]
+    tiers: dict[str, str]  # tier -> its partition in this slice
+    profile: str  # the ft profile (a site profile file) whose tiers are these partitions
+
+
+@dataclass(frozen=True)
 class LabManifest:
     cluster: str
     subnet: str
@@ -62,6 +74,7 @@ class LabManifest:
     users: tuple[str, ...] = ()  # unprivileged accounts, for trying ft without root
     object_store: LabObjectStore | None = None
     prometheus: str | None = None  # its URL: every run's metrics (ansible/roles/prometheus)
+    slices: tuple[LabSlice, ...] = ()
 
     @classmethod
     def load(cls, path: Path | None = None) -> LabManifest | None:
@@ -90,7 +103,31 @@ class LabManifest:
             object_store=LabObjectStore(store["url"], dict(store["buckets"]), store["access_key"],
                                         store["secret_key"]) if (store := raw.get("object_store")) else None,
             prometheus=raw.get("prometheus"),
+            slices=tuple(LabSlice(int(s["index"]), tuple(s["nodes"]), dict(s["tiers"]), s["profile"])
+                         for s in raw.get("slices", ())),
         )
+
+    @property
+    def tiers(self) -> dict[str, str]:
+        """Each tier's partition (in the first slice, the only one a slice's view holds)."""
+        return dict(self.slices[0].tiers) if self.slices else {name: name for name in self.partitions}
+
+    def slice(self, index: int) -> LabManifest:
+        """The lab as one of its slices sees it: that slice's nodes, their daemons and partitions
+        (the controller's daemons are everyone's)."""
+        chosen = next((s for s in self.slices if s.index == index), None)
+        if chosen is None:
+            from toolkit.errors import UsageError
+
+            raise UsageError(f"the lab has no slice {index}",
+                             hint=f"bring it up in slices: `ft lab up --nodes N --slices {index}`")
+        view = self.only(chosen.nodes)
+        return replace(view, partitions=tuple(chosen.tiers.values()), slices=(chosen,))
+
+    def only(self, names: Collection[str]) -> LabManifest:
+        """The lab with only these nodes (and their daemons) in view."""
+        return replace(self, nodes=tuple(n for n in self.nodes if n.name in names),
+                       daemons=tuple(d for d in self.daemons if d.node is None or d.node in names))
 
     def node(self, name: str) -> LabNode:
         for node in self.nodes:

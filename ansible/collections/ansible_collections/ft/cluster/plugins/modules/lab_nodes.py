@@ -47,6 +47,10 @@ options:
     description: Fake GPU devices per node.
     type: int
     default: 0
+  prune:
+    description: Remove the lab's namespaces not in nodes. False when healing some nodes of a larger lab.
+    type: bool
+    default: true
 author: ft
 """
 
@@ -242,7 +246,8 @@ class Lab:
         self.bridge()
         existing = self.existing_netns()
         wanted = {self.netns_name(n["name"]) for n in self.params["nodes"]}
-        self.remove_nodes(sorted(n for n in existing - wanted if n.startswith(self.params["netns_prefix"])))
+        if self.params["prune"]:
+            self.remove_nodes(sorted(n for n in existing - wanted if n.startswith(self.params["netns_prefix"])))
         for node in self.params["nodes"]:
             self.node(node, existing)
 
@@ -264,6 +269,7 @@ def main():
             "nodes": {"type": "list", "elements": "dict", "default": []},
             "gpu_dir": {"type": "path"},
             "gpus_per_node": {"type": "int", "default": 0},
+            "prune": {"type": "bool", "default": True},
         },
         supports_check_mode=True,
     )
