@@ -132,3 +132,31 @@ def test_the_runs_metrics_carry_each_nodes_gpus(tmp_path):
     assert value["ft_gpu_utilization_ratio"] == [({"run": "r1", "node": "node1", "gpu": "0"}, 0.87)]
     assert value["ft_gpu_xid_errors"][0][1] == 1 and value["ft_gpu_last_xid"][0][1] == 79
     assert value["ft_gpu_temperature_celsius"][0][1] == 64
+
+
+def test_a_nodes_recorded_nvml_readings_are_replayed_through_the_same_reader(tmp_path, monkeypatch):
+    """The lab's nodes have no GPU: each replays NVML's readings from a file (FT_NVML_RECORDED), which
+    the reader samples as it would NVML, a changed reading showing at the next sample."""
+    import json
+    import socket
+
+    node = socket.gethostname().split(".")[0]
+    (tmp_path / node).mkdir()
+    recorded = tmp_path / node / "nvml.json"
+    h100 = {"utilization": 87, "memory_total": 85_520_809_984, "memory_used": 65_520_809_984, "temperature": 64,
+            "ecc_uncorrected": 0}
+    recorded.write_text(json.dumps({"gpus": [h100, {**h100, "temperature": "hot"}]}))
+    monkeypatch.setenv("FT_NVML_RECORDED", str(tmp_path / "{node}" / "nvml.json"))
+    monkeypatch.setattr(gpus_module, "SAMPLE_EVERY_S", 0.0)
+    reader = GpuReader.open()
+    assert reader is not None and reader.events is None  # no XID events from a recording
+    first, second = reader.read()
+    assert first == GpuSample(0, 0.87, 65_520_809_984.0, 85_520_809_984.0, 64.0, 0.0)
+    assert second.temperature is None and second.utilization == 0.87  # a reading NVML would not give: left out
+    recorded.write_text(json.dumps({"gpus": [{**h100, "temperature": 91}]}))
+    assert [s.temperature for s in reader.read()] == [91.0, None]  # the GPUs are counted once, as NVML does
+    recorded.write_text("{not json")
+    assert reader.read() == [GpuSample(i, None, None, None, None, None) for i in (0, 1)]  # no readings, no crash
+    recorded.unlink()
+    monkeypatch.setenv("FT_NVML_RECORDED", str(recorded))
+    assert gpus_module.RecordedNvml.for_node() is None  # nothing recorded: NVML itself, where there is one

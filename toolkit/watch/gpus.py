@@ -10,13 +10,20 @@ supervisor in its heartbeats (a few hundred bytes), which serves them with the r
 
 Where NVML cannot start (no GPU, no driver: this machine) there are no GPU metrics, and nothing else
 changes. What the metrics say is tested against NVML's own answers, recorded in NVML's units
-(tests/unit/test_gpus.py), through the same calls."""
+(tests/unit/test_gpus.py), through the same calls. A node may also replay NVML's answers recorded
+in a file (FT_NVML_RECORDED, `{node}` standing for the node's name; `RecordedNvml`): the lab does,
+so that GPU metrics, dashboards and alerts run end to end on a machine without a GPU."""
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 
 MAX_READING = 1e18  # beyond any GPU's bytes or counts: a heartbeat's value past it is not a reading
 SAMPLE_EVERY_S = 5.0  # NVML calls cost milliseconds each: not at every heartbeat (1 s)
@@ -69,6 +76,8 @@ class GpuReader:
     @classmethod
     def open(cls, nvml=None) -> GpuReader | None:
         try:
+            if nvml is None:
+                nvml = RecordedNvml.for_node()
             if nvml is None:
                 import pynvml as nvml
             nvml.nvmlInit()
@@ -139,3 +148,74 @@ class GpuReader:
 
     def close(self) -> None:
         self.stopped.set()
+
+
+class RecordedNvml:
+    """pynvml's calls answered from NVML's readings recorded in a file, in NVML's units:
+
+        {"gpus": [{"utilization": 87, "memory_total": 85520809984, "memory_used": 65520809984,
+                   "temperature": 64, "ecc_uncorrected": 0}, ...]}
+
+    read again at every sample (a reading changed in the file shows at the next one). No XID events:
+    the node's health check reads those from its kernel log."""
+
+    class NVMLError(Exception):
+        def __init__(self, value: int):
+            super().__init__(f"NVML error {value}")
+            self.value = value
+
+    NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_TIMEOUT = 3, 10
+    NVML_TEMPERATURE_GPU, NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC = 0, 1, 0
+    nvmlEventTypeXidCriticalError = 8
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    @classmethod
+    def for_node(cls) -> RecordedNvml | None:
+        """The node's recording, where FT_NVML_RECORDED names one that exists."""
+        pattern = os.environ.get("FT_NVML_RECORDED", "")
+        path = Path(pattern.replace("{node}", socket.gethostname().split(".")[0])) if pattern else None
+        return cls(path) if path is not None and path.is_file() else None
+
+    def _gpu(self, handle: int) -> dict:
+        try:
+            gpus = json.loads(self.path.read_text())["gpus"]
+            return gpus[handle] if isinstance(gpus[handle], dict) else {}
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED) from None
+
+    def _reading(self, handle: int, name: str) -> float:
+        value = self._gpu(handle).get(name)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+        return value
+
+    def nvmlInit(self) -> None:
+        self.nvmlDeviceGetCount()
+
+    def nvmlDeviceGetCount(self) -> int:
+        try:
+            gpus = json.loads(self.path.read_text())["gpus"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED) from None
+        return len(gpus) if isinstance(gpus, list) else 0
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        return index
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int):
+        return SimpleNamespace(gpu=self._reading(handle, "utilization"), memory=0)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int):
+        total, used = self._reading(handle, "memory_total"), self._reading(handle, "memory_used")
+        return SimpleNamespace(total=total, used=used, free=total - used)
+
+    def nvmlDeviceGetTemperature(self, handle: int, sensor: int) -> float:
+        return self._reading(handle, "temperature")
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: int, error_type: int, counter: int) -> float:
+        return self._reading(handle, "ecc_uncorrected")
+
+    def nvmlEventSetCreate(self):
+        raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
