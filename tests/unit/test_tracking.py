@@ -31,3 +31,41 @@ def test_the_artifact_is_named_for_what_it_holds():
     assert artifact_name("run-1", "lora") == "run-1-lora-adapter"
     assert artifact_name("run-1", "qlora") == "run-1-qlora-adapter"
     assert artifact_name("run-1", "full") == "run-1-full-model"  # a whole model, not an adapter
+
+
+class RecordingRun:
+    """What a started W&B run is told (no W&B server here; tests/unit/test_wandb_sync.py takes the
+    real client through `ft sync`)."""
+
+    def __init__(self):
+        self.defined: list[tuple[str, dict]] = []
+        self.logged: list[dict] = []
+
+    def define_metric(self, name, **options):
+        self.defined.append((name, options))
+
+    def log(self, values, **options):
+        assert options == {}, "a step= below W&B's last one is dropped: ft never passes one"
+        self.logged.append(values)
+
+
+def test_steps_redone_after_a_restart_reach_wb_along_the_training_step(tmp_path, monkeypatch):
+    """A start after a fault resumes from its checkpoint and redoes the steps since: W&B keeps them,
+    charted along train/step (W&B drops a `step=` below the highest it has seen)."""
+    import sys
+    import types
+
+    run = RecordingRun()
+    run.url, run.dir = "https://wandb.example/run", str(tmp_path / "wandb" / "files")
+    fake = types.SimpleNamespace(init=lambda **options: run)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    base = run_spec().recipe
+    recipe = base.model_validate(base.model_dump(mode="json") | {"tracking": {"wandb": {"mode": "offline"}}})
+    now = time.time()
+    for steps in ((1, 2, 3, 4, 5), (4, 5, 6)):  # the second start resumed from step 3's checkpoint
+        tracker = Tracker(RunLayout(tmp_path), recipe, rank=0)
+        tracker.starting.join()
+        tracker.log([StepRecord(step, now + step, 1e-4, 100 * step, 3.0 / step, None) for step in steps])
+    assert ("train/*", {"step_metric": "train/step"}) in run.defined
+    assert [values["train/step"] for values in run.logged] == [1, 2, 3, 4, 5, 4, 5, 6]
+    assert run.logged[-1] == {"train/step": 6, "train/loss": 0.5, "train/lr": 1e-4, "train/tokens": 600}

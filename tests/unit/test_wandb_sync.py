@@ -64,7 +64,8 @@ def test_an_offline_run_is_pushed_once_with_its_recipe_and_metrics(tmp_path, mon
         (upsert, *_) = fake.upserts()
         assert upsert["name"] == "run-1" and upsert["project"] == "proj-x"  # the recipe's project
         assert json.loads(upsert["config"])["name"]["value"] == "unit"  # the resolved recipe is the run's config
-        losses = {row["_step"]: row["loss"] for row in fake.streamed("wandb-history.jsonl") if "loss" in row}
+        losses = {row["train/step"]: row["train/loss"] for row in fake.streamed("wandb-history.jsonl")
+                  if "train/loss" in row}
         assert losses == {step: pytest.approx(3.0 / step) for step in range(1, 6)}
         # The restarts and each fault, in the run's summary.
         summary = fake.streamed("wandb-summary.json")[-1]

@@ -12,6 +12,8 @@ from toolkit.recipe.schema import Recipe
 from toolkit.runs.layout import RunLayout
 from toolkit.train.step_signals import StepRecord
 
+STEP_AXIS = "train/step"  # the x-axis of every train/ chart in W&B
+
 
 class Tracker:
     """Rank 0's metrics: every step in metrics.jsonl at once; W&B as soon as it has started. W&B's
@@ -24,7 +26,7 @@ class Tracker:
         self.enabled = rank == 0
         self.layout = layout
         self.wandb = None
-        self.queued: list[tuple[int, dict]] = []
+        self.queued: list[dict] = []
         self.total_steps: int | None = None  # the run's plan, once the data's size is known: each line says it
         self.method, self.base = str(recipe.method.kind), recipe.model.base
         self.starting: threading.Thread | None = None
@@ -42,6 +44,11 @@ class Tracker:
             run = wandb.init(project=wandb_spec.project or "ft", entity=wandb_spec.entity, mode=wandb_spec.mode,
                              dir=str(self.layout.root), tags=wandb_spec.tags, name=run_id, id=run_id,
                              resume="allow", config=recipe.model_dump(mode="json"))
+            # Charts run along the training step, not W&B's own counter: a start after a fault redoes
+            # the steps since its checkpoint, and W&B drops a `step=` lower than one it has seen.
+            # Logged along `train/step`, the redone steps are kept, drawn over the first attempt's.
+            run.define_metric(STEP_AXIS)
+            run.define_metric("train/*", step_metric=STEP_AXIS)
             link = getattr(run, "url", None) or str(Path(run.dir).parent)
             self.layout.tracking.write_text(json.dumps({"wandb": link, "mode": wandb_spec.mode}) + "\n")
             self.wandb = run
@@ -60,7 +67,8 @@ class Tracker:
             handle.write("".join(json.dumps({"step": r.step, "time": round(r.time, 3), **m, **planned}) + "\n"
                                  for r, m in zip(records, metrics, strict=True)))
         if self.starting is not None:
-            self.queued += [(record.step, values) for record, values in zip(records, metrics, strict=True)]
+            self.queued += [{STEP_AXIS: record.step, **{f"train/{key}": value for key, value in values.items()}}
+                            for record, values in zip(records, metrics, strict=True)]
             self._to_wandb(wait=0)
 
     def _to_wandb(self, wait: float) -> None:
@@ -72,8 +80,8 @@ class Tracker:
         if not self.wandb:
             return
         try:
-            for step, values in queued:
-                self.wandb.log(values, step=step)
+            for values in queued:
+                self.wandb.log(values)
         except Exception as exc:  # noqa: BLE001 - W&B failing (its service killed, say) never stops training
             print(f"warning: W&B stopped taking metrics ({type(exc).__name__}: {exc}); they go on in "
                   f"{self.layout.metrics} only", flush=True)
