@@ -34,11 +34,11 @@ print(socket.create_connection(("10.213.99.12", 7777), timeout=5).recv(100).deco
 """
 
 
-def apply(tmp_path, state="present", nodes=(), check=False):
+def apply(tmp_path, state="present", nodes=(), check=False, prune=True):
     task = {"name": "lab nodes", "ft.cluster.lab_nodes": {
         "state": state, "bridge": BRIDGE, "bridge_address": "10.213.99.1/24", "subnet": SUBNET,
-        "netns_prefix": PREFIX, "gpu_dir": str(tmp_path / "dev"), "gpus_per_node": 2,
-        "nodes": [{"name": name, "address": f"10.213.99.{10 + i}"} for i, name in enumerate(nodes, 1)]}}
+        "netns_prefix": PREFIX, "gpu_dir": str(tmp_path / "dev"), "gpus_per_node": 2, "prune": prune,
+        "nodes": [{"name": name, "address": f"10.213.99.{10 + 'abcdefgh'.index(name) + 1}"} for name in nodes]}}
     playbook = tmp_path / "play.yml"
     playbook.write_text(yaml.safe_dump([{"name": "t", "hosts": "localhost", "gather_facts": False,
                                          "tasks": [task]}]))
@@ -99,6 +99,15 @@ def test_shrinking_prunes_surplus_nodes(tmp_path, clean):
     finally:
         if sleeper.poll() is None:
             sleeper.kill()
+
+
+def test_healing_some_nodes_rebuilds_their_gpus_and_leaves_the_others_alone(tmp_path, clean):
+    """`ft lab up` on a lab of slices heals only the nodes it was asked for (lab-heal.yml: prune off)."""
+    apply(tmp_path, nodes=["a", "b", "c"])
+    (tmp_path / "dev" / "b" / "nvidia1").unlink()  # `ft chaos gpu-bad`
+    assert apply(tmp_path, nodes=["b"], prune=False).changed == 1
+    assert namespaces() == {PREFIX + "a", PREFIX + "b", PREFIX + "c"}
+    assert (tmp_path / "dev" / "b" / "nvidia1").is_char_device()
 
 
 def test_guard_route_stays_when_the_bridge_is_gone(tmp_path):
