@@ -84,7 +84,7 @@ def shared_tmp(lab) -> Path:
 @pytest.fixture
 def whole_lab(lab) -> LabManifest:
     """Every node and slice: for the tests that change the lab itself (marked `whole_lab`, run alone
-    by scripts/test.sh after the lab tests' streams)."""
+    by scripts/test.sh before the lab tests' streams)."""
     return LabManifest.load()
 
 

@@ -5,6 +5,7 @@ is down costs training nothing and the mirror catches up when it is back."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 
@@ -126,6 +127,24 @@ def test_the_mirror_uploads_in_the_background_and_reports_where_each_tier_is(tmp
     assert any("mirrored to" in line and "MB/s" in line for line in logged)
 
 
+class Held:
+    """A filesystem whose every call waits until `released` is set: a store that answers nothing."""
+
+    def __init__(self, target):
+        self.target, self.released = target, threading.Event()
+
+    def __getattr__(self, name):
+        found = getattr(self.target, name)
+        if not callable(found):
+            return found
+
+        def held(*args, **kwargs):
+            self.released.wait()
+            return found(*args, **kwargs)
+
+        return held
+
+
 def test_a_store_that_is_down_costs_training_nothing_and_the_mirror_catches_up(tmp_path, remote, store):
     import s3fs
 
@@ -135,13 +154,16 @@ def test_a_store_that_is_down_costs_training_nothing_and_the_mirror_catches_up(t
     # Nothing listens on the discard port: every request fails, as with a store that is down.
     remote.filesystem = s3fs.S3FileSystem(endpoint_url="http://127.0.0.1:9", key="k", secret="s",
                                           skip_instance_cache=True, config_kwargs={"retries": {"max_attempts": 1}})
+    held = Held(remote.filesystem)  # every call to the store waits until released
+    remote.filesystem = held
     logged: list[str] = []
     mirror = Mirror(remote, shared, board, logged.append, max_backoff=0.5)
     mirror.start(None)
-    started = time.monotonic()
-    board.published(10)
-    mirror.offer(published(shared, 10))
-    assert time.monotonic() - started < 0.5  # offering never waits for the store
+    offering = threading.Thread(target=lambda: (board.published(10), mirror.offer(published(shared, 10))), daemon=True)
+    offering.start()
+    offering.join(timeout=30)
+    assert not offering.is_alive()  # offered while the store answers nothing: offering never waits for it
+    held.released.set()
     assert not mirror.drain(30)  # gives up at the first failed attempt
     state = json.loads((tmp_path / "checkpoints.json").read_text())
     assert state["remote"]["step"] is None and state["remote"]["pending"] == 10 and state["remote"]["error"]
