@@ -4,29 +4,18 @@ wheelhouse) is made by whichever worker asks first, under a lock, and shared thr
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from toolkit.cache_entries import exclusive
 
 
 def run_id() -> str | None:
     """This test run's id, the same in every worker (None without pytest-xdist)."""
     return os.environ.get("PYTEST_XDIST_TESTRUNUID")
-
-
-@contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """Held by one process at a time (each worker is a process of its own)."""
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def once(folder: Path, name: str, make: Callable[[], Any]) -> Any:
@@ -36,7 +25,7 @@ def once(folder: Path, name: str, make: Callable[[], Any]) -> Any:
         return make()
     folder.mkdir(parents=True, exist_ok=True)
     done = folder / f"{name}.{run_id()}.json"
-    with locked(folder / f"{name}.lock"):
+    with exclusive(folder / f"{name}.lock"):  # each worker is a process of its own
         if done.is_file():
             return json.loads(done.read_text())
         value = make()

@@ -12,6 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from tests.support import streams
+from toolkit.cache_entries import exclusive
 
 REPO = Path(__file__).resolve().parents[2]
 _gathering: dict[str, Future] = {}
@@ -21,7 +22,7 @@ _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-test-wheelhouse
 def gather(folder: Path) -> Path:
     """Once per test run, whichever lab stream asks first (tests/support/streams.py)."""
     folder.mkdir(parents=True, exist_ok=True)
-    with streams.locked(folder.parent / f"{folder.name}.lock"):
+    with exclusive(folder.parent / f"{folder.name}.lock"):
         mark = folder / f".gathered-{streams.run_id()}"
         if not (streams.run_id() and mark.exists()):
             pip_gather(folder)

@@ -156,7 +156,7 @@ class RecordedNvml:
         {"gpus": [{"utilization": 87, "memory_total": 85520809984, "memory_used": 65520809984,
                    "temperature": 64, "ecc_uncorrected": 0}, ...]}
 
-    read again at every sample (a reading changed in the file shows at the next one). No XID events:
+    read again whenever the file changes (a changed reading shows at the next sample). No XID events:
     the node's health check reads those from its kernel log."""
 
     class NVMLError(Exception):
@@ -170,6 +170,7 @@ class RecordedNvml:
 
     def __init__(self, path: Path):
         self.path = path
+        self.parsed: tuple[tuple | None, list] = (None, [])  # (the file's stat, its GPUs)
 
     @classmethod
     def for_node(cls) -> RecordedNvml | None:
@@ -178,12 +179,24 @@ class RecordedNvml:
         path = Path(pattern.replace("{node}", socket.gethostname().split(".")[0])) if pattern else None
         return cls(path) if path is not None and path.is_file() else None
 
-    def _gpu(self, handle: int) -> dict:
+    def _gpus(self) -> list:
+        """The recorded GPUs, parsed again only when the file changed (a sample asks for each
+        reading of each GPU)."""
         try:
-            gpus = json.loads(self.path.read_text())["gpus"]
-            return gpus[handle] if isinstance(gpus[handle], dict) else {}
-        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            info = self.path.stat()
+            seen = (info.st_mtime_ns, info.st_size, info.st_ino)
+            if seen != self.parsed[0]:
+                gpus = json.loads(self.path.read_text())["gpus"]
+                self.parsed = (seen, gpus if isinstance(gpus, list) else [])
+        except (OSError, ValueError, KeyError, TypeError):
             raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED) from None
+        return self.parsed[1]
+
+    def _gpu(self, handle: int) -> dict:
+        gpus = self._gpus()
+        if handle >= len(gpus):
+            raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+        return gpus[handle] if isinstance(gpus[handle], dict) else {}
 
     def _reading(self, handle: int, name: str) -> float:
         value = self._gpu(handle).get(name)
@@ -195,11 +208,7 @@ class RecordedNvml:
         self.nvmlDeviceGetCount()
 
     def nvmlDeviceGetCount(self) -> int:
-        try:
-            gpus = json.loads(self.path.read_text())["gpus"]
-        except (OSError, ValueError, KeyError, TypeError):
-            raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED) from None
-        return len(gpus) if isinstance(gpus, list) else 0
+        return len(self._gpus())
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
         return index
