@@ -5,6 +5,7 @@ back from its own storage once the run has ended."""
 
 from __future__ import annotations
 
+import getpass
 import json
 import subprocess
 import sys
@@ -36,6 +37,7 @@ def test_a_run_was_scraped_while_it_trained(lab, prometheus, tiny_baseline):
     assert steps, f"Prometheus kept no ft_run_step of {run_id}"
     labels = steps[0]["metric"]
     assert labels["job"] == "ft-runs" and labels["cluster"] == "lab" and labels["slurm_job"] == tiny_baseline["job_id"]
+    assert labels["run"] == run_id and labels["user"] == getpass.getuser()  # Slurm's word (run_targets.py)
     assert not any(name.startswith("exported_") for name in labels)  # no label of ours renamed
     samples = [(float(at), float(step)) for at, step in steps[0]["values"]]
     assert all(1 <= step <= 120 for _, step in samples)
@@ -128,22 +130,75 @@ def test_the_run_report_shows_its_plots_in_a_real_browser(tiny_baseline, tmp_pat
         assert max(xs) - min(xs) > 0.6 * (WIDTH - MARGIN_LEFT - MARGIN_RIGHT), (band[0], band[-1], min(xs), max(xs))
 
 
-def test_a_planted_targets_file_steers_prometheus_nowhere_but_host_and_port(lab, prometheus):
-    """The targets folder is every user's (like runs/): a file there may name a host and port, and
-    nothing else counts (no path, scheme or URL parameter, no label of its own)."""
+def published_targets(prometheus: str) -> Path:
+    """The file Prometheus reads the runs from (its ft-runs job's file_sd), as its configuration says."""
+    import yaml
+
+    with urllib.request.urlopen(f"{prometheus}/api/v1/status/config", timeout=10) as answer:
+        config = yaml.safe_load(json.loads(answer.read())["data"]["yaml"])
+    (job,) = [job for job in config["scrape_configs"] if job["job_name"] == "ft-runs"]
+    (files,) = [sd["files"] for sd in job["file_sd_configs"]]
+    return Path(files[0])
+
+
+def test_prometheus_scrapes_a_run_only_under_slurms_word_of_who_it_is(lab, prometheus, tmp_path):
+    """The claims folder is every user's (like runs/). A claim is scraped only when Slurm runs its job
+    for the file's owner at the address's host, and labelled with Slurm's word: a file naming another
+    user's job, another host, a job that does not run, or labels of its own, changes nothing. The
+    exporter that checks them runs as its own unprivileged user."""
+    import os
+    import pwd
     import uuid
 
     from tests.support.prometheus import active_targets
+    from tests.support.slurm import cancel, job_fields
 
-    planted = Path(lab.shared_dir) / "monitoring" / "targets" / f"planted-{uuid.uuid4().hex[:8]}.json"
-    planted.write_text(json.dumps([{"targets": ["127.0.0.1:9"], "labels": {
-        "__metrics_path__": "/admin/steal", "__scheme__": "https", "__param_target": "http://192.0.2.1/",
-        "run": "someone-elses-run", "instance": "trusted-host:1", "job": "ft-cluster"}}]))
+    bob = "ftlab-bob"
+    if bob not in lab.users:
+        pytest.fail(f"the lab has no account {bob}: bring it up again with `ft lab up`")
+    account = pwd.getpwnam(bob)
+    tag = uuid.uuid4().hex[:8]
+    partition = os.environ.get("FT_TEST_PARTITION", "standard")
+    submitted = subprocess.run(["runuser", "-u", bob, "--", "sbatch", "--parsable", f"--partition={partition}",
+                                f"--comment=ft-run=bobs-{tag}", "--output=/dev/null", "--wrap=sleep 300"],
+                               capture_output=True, text=True, cwd="/tmp", timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    claims = Path(lab.shared_dir) / "monitoring" / "targets"
+    made: list[Path] = []
+
+    def claim(name: str, address: str, owner: int) -> None:
+        path = claims / name
+        path.write_text(json.dumps([{"targets": [address], "labels": {
+            "run": "alices-run", "user": "ftlab-alice", "slurm_job": "1", "__metrics_path__": "/admin/steal",
+            "__param_target": "http://192.0.2.1/"}}]))
+        os.chown(path, owner, owner)
+        made.append(path)
+
     try:
-        target = wait_for("Prometheus to discover the planted file", lambda: next(
-            (t for t in active_targets(prometheus) if t["discoveredLabels"].get("__address__") == "127.0.0.1:9"),
-            None), timeout=60, interval=1)
+        host = wait_for(f"bob's job {job} to start", lambda: job_fields(job).get("BatchHost")
+                        if job_fields(job).get("JobState") == "RUNNING" else None, timeout=60)
+        claim(f"bobs-{tag}.{job}.json", f"{host}:9", account.pw_uid)  # his, for his job: scraped, as his
+        claim(f"alices-{tag}.{job}.json", f"{host}:10", 0)  # another user's file naming his job
+        claim(f"elsewhere-{tag}.{job}.json", "127.0.0.1:11", account.pw_uid)  # not his job's host
+        claim(f"nojob-{tag}.999999.json", f"{host}:12", account.pw_uid)  # no such job
+
+        def bobs_target():
+            return next((t for t in active_targets(prometheus) if t["labels"].get("slurm_job") == job), None)
+
+        target = wait_for("Prometheus to scrape bob's claim", bobs_target, timeout=60, interval=1)
+        ours = [t for t in active_targets(prometheus) if t["labels"]["job"] == "ft-runs"
+                and t["discoveredLabels"]["__address__"].rsplit(":", 1)[-1] in {"9", "10", "11", "12"}]
     finally:
-        planted.unlink()
-    assert target["scrapeUrl"] == "http://127.0.0.1:9/metrics"
-    assert target["labels"] == {"instance": "127.0.0.1:9", "job": "ft-runs"}
+        cancel(job)
+        for path in made:
+            path.unlink(missing_ok=True)
+    assert [t["discoveredLabels"]["__address__"] for t in ours] == [f"{host}:9"]
+    assert target["scrapeUrl"] == f"http://{host}:9/metrics"
+    assert target["labels"] == {"instance": f"{host}:9", "job": "ft-runs", "run": f"bobs-{tag}", "user": bob,
+                                "slurm_job": job}
+    published = published_targets(prometheus)
+    exporter = pwd.getpwuid(published.stat().st_uid).pw_name
+    assert exporter not in {"root", bob} and published.parent.stat().st_uid == published.stat().st_uid
+    log = (published.parent.parent / "ft-cluster-metrics.log").read_text()
+    assert f"alices-{tag}.{job}.json: owned by root" in log and f"elsewhere-{tag}.{job}.json: names host" in log

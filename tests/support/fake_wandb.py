@@ -1,7 +1,9 @@
 """A stand-in for W&B's server, on loopback: no W&B server can run here, and the tests may reach
 nothing off the machine. It answers what the real wandb client asks while syncing an offline run
-(GraphQL UpsertBucket and CreateRunFiles, the run's file stream, the files' uploads) with the
-smallest answers the client accepts, and records every request for the test to read."""
+(GraphQL UpsertBucket and CreateRunFiles, the run's file stream, the files' uploads; an artifact's
+CreateArtifact, CreateArtifactFiles, CreateArtifactManifest and CommitArtifact, as wandb 0.31's
+wandb-core sends them) with the smallest answers the client accepts, and records every request and
+every upload's bytes for the test to read."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ class FakeWandb:
     def __init__(self, refuse: bool = False):
         self.refuse = refuse  # every request answered 401, as W&B does a wrong key
         self.requests: list[dict] = []
+        self.uploads: dict[str, bytes] = {}  # what each PUT carried, by path (the newest)
         self.lock = threading.Lock()
         fake = self
 
@@ -45,9 +48,10 @@ class FakeWandb:
                 self.answer(fake.graphql(body) if self.path.endswith("/graphql") else {"exitcode": None, "limits": {}})
 
             def do_PUT(self):
-                self.body()
+                data = self.body()
                 with fake.lock:
                     fake.requests.append({"method": "PUT", "path": self.path, "body": None})
+                    fake.uploads[self.path] = data
                 self.answer({})
 
             def do_GET(self):
@@ -70,6 +74,21 @@ class FakeWandb:
         if "createRunFiles" in query:
             return {"data": {"createRunFiles": {"runID": "id-run", "uploadHeaders": [], "files": [
                 {"name": name, "uploadUrl": f"{self.url}/upload/{name}"} for name in variables.get("files", [])]}}}
+        if "createArtifact(" in query:
+            return {"data": {"createArtifact": {"artifact": {
+                "id": "artifact-1", "state": "PENDING", "artifactSequence": {"latestArtifact": None}}}}}
+        if "createArtifactManifest(" in query:
+            return {"data": {"createArtifactManifest": {"artifactManifest": {
+                "id": "manifest-1", "file": {"id": "manifest-file-1", "uploadUrl": f"{self.url}/upload/manifest",
+                                             "uploadHeaders": []}}}}}
+        if "createArtifactFiles(" in query:
+            files = (variables.get("input") or {}).get("artifactFiles") or []
+            return {"data": {"createArtifactFiles": {"files": {"edges": [{"node": {
+                "storagePath": f"artifacts/{file['name']}", "uploadUrl": f"{self.url}/upload/artifact/{file['name']}",
+                "uploadHeaders": [], "uploadMultipartUrls": None, "artifact": {"id": file["artifactID"]}}}
+                for file in files]}}}}
+        if "commitArtifact(" in query:
+            return {"data": {"commitArtifact": {"artifact": {"id": variables.get("artifactID"), "digest": ""}}}}
         return {"data": {}}
 
     def upserts(self) -> list[dict]:

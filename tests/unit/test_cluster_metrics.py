@@ -8,6 +8,9 @@ import sys
 import time
 import urllib.request
 from datetime import datetime
+from pathlib import Path
+
+import pytest
 
 from toolkit.slurm.commands import CommandResult, SlurmUnavailable
 from toolkit.watch.cluster_metrics import ClusterCollector, parse_jobs, parse_nodes
@@ -82,10 +85,18 @@ def test_parsers_take_slurms_odd_values():
 
 
 def test_the_exporter_serves_prometheus_text_over_http(tmp_path):
+    """Started as root, as its own user once serving (here `nobody`: this venv's Python may sit where
+    only root reads, and everything a scrape needs was loaded before)."""
+    import os
+    import pwd
+
+    if os.geteuid() != 0:
+        pytest.skip("becoming another user needs root")
+    nobody = pwd.getpwnam("nobody")
     port_file = tmp_path / "out"
     with open(port_file, "w") as output:
         process = subprocess.Popen([sys.executable, "-m", "toolkit.watch.cluster_metrics", "--port", "0",
-                                    "--cluster", "lab"], stdout=output, stderr=subprocess.STDOUT,
+                                    "--cluster", "lab", "--user", "nobody"], stdout=output, stderr=subprocess.STDOUT,
                                    env={"PATH": "/usr/bin:/bin", "SLURM_CONF": str(tmp_path / "none.conf")})
     try:
         for _ in range(100):
@@ -97,39 +108,103 @@ def test_the_exporter_serves_prometheus_text_over_http(tmp_path):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
             body = answer.read().decode()
         assert "ft_cluster_slurm_up 0.0" in body  # no Slurm here: said, not crashed
+        uids = next(line for line in Path(f"/proc/{process.pid}/status").read_text().splitlines()
+                    if line.startswith("Uid:")).split()[1:]
+        assert uids == [str(nobody.pw_uid)] * 4  # real, effective, saved, filesystem: no way back to root
         assert 'ft_queue_pending_jobs{partition="premium",tier="premium"} 0.0' in body
     finally:
         process.terminate()
         assert process.wait(timeout=10) == 0
 
 
-def test_targets_of_jobs_slurm_no_longer_runs_are_swept(tmp_path):
-    """A watchdog killed with its batch host leaves its targets file: the cluster exporter removes it
-    once Slurm no longer lists the job (and the file is not new); never when Slurm is silent."""
+# squeue SQUEUE_RUNNING's lines as the lab's Slurm prints them: a run of ft's, a job that is not
+# ft's (no ft-run= comment), a run whose comment names something no run is called.
+RUNNING = """42|alice|node3|ft-run=alice-llama,ft-key=k1|
+43|bob|node5|ft-run=bob-qwen|
+44|bob|node6|hand-written job|
+45|bob|node6|ft-run=../../etc|
+"""
+
+
+def claim(folder, name: str, owner: int, address: str = "node3:40001", body: str | None = None):
+    import json
     import os
 
-    from toolkit.watch.cluster_metrics import STALE_AFTER_S
+    path = folder / name
+    path.write_text(body if body is not None else json.dumps([{"targets": [address], "labels": {
+        "run": "someone-elses", "user": "root", "slurm_job": "1"}}]))
+    os.chown(path, owner, owner)
+    return path
 
-    old = NOW - STALE_AFTER_S - 60
-    files = {name: tmp_path / name for name in ("gone.41.json", "running.42.json", "young.43.json",
-                                                 "not-ours.json", "array.45.json", "link.46.json")}
-    outside = tmp_path.parent / f"{tmp_path.name}-outside"
-    outside.mkdir()
-    (outside / "precious").write_text("keep")
-    for name, path in files.items():
-        if name == "link.46.json":  # planted by someone: a link to what the (root) exporter must not delete
-            path.symlink_to(outside / "precious")
-            os.utime(path, (old, old), follow_symlinks=False)
-            continue
-        path.write_text("[]")
-        os.utime(path, (old, old) if name != "young.43.json" else (NOW, NOW))
-    # squeue --Format JobID: an array element's own id (45), as its watchdog's SLURM_JOB_ID names its file
-    squeue = "standard|RUNNING|2026-11-24T10:00:00|None|42|\nfree|RUNNING|2026-11-24T10:00:00|None|45|\n"
-    silent = ClusterCollector(TIERS, runner(fail=True), now=lambda: NOW, targets=tmp_path)
-    samples(silent)
-    assert all(path.exists() for path in files.values())
-    swept = ClusterCollector(TIERS, runner(squeue=squeue), now=lambda: NOW, targets=tmp_path)
-    samples(swept)
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["array.45.json", "not-ours.json", "running.42.json",
-                                                                "young.43.json"]
-    assert (outside / "precious").read_text() == "keep"  # the link went, not what it points to
+
+def test_only_claims_slurm_vouches_for_are_published_with_slurms_labels(tmp_path, monkeypatch):
+    """A claim is published when Slurm runs its job for the file's owner and the address is the
+    job's batch host; its labels are Slurm's word, never the file's."""
+    import json
+
+    from toolkit.watch import run_targets
+
+    users = {"alice": 5001, "bob": 5002}
+    monkeypatch.setattr(run_targets, "user_name", lambda uid: {v: k for k, v in users.items()}.get(uid, f"uid {uid}"))
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    claim(claims, "alice-llama.42.json", users["alice"])
+    claim(claims, "bob-qwen.43.json", users["bob"], address="node3:40001")  # alice's host, not his job's
+    claim(claims, "alices-run-by-bob.42.json", users["bob"])  # bob's file naming alice's job
+    claim(claims, "ended.41.json", users["alice"])  # its job is not running: ignored, not refused
+    claim(claims, "not-ft.44.json", users["bob"], address="node6:1")
+    claim(claims, "bad-port.42.json", users["alice"], address="node3:99999")
+    claim(claims, "garbage.42.json", users["alice"], body="{not json")
+    claim(claims, "huge.42.json", users["alice"], body=" " * 5000)
+    (claims / "link.42.json").symlink_to(claims / "alice-llama.42.json")
+    jobs = run_targets.parse_running(RUNNING)
+    assert set(jobs) == {"42", "43"}  # 44 is not ft's, 45 names no run
+    groups, refusals = run_targets.verified_targets(claims, jobs)
+    assert groups == [{"targets": ["node3:40001"],
+                       "labels": {"run": "alice-llama", "user": "alice", "slurm_job": "42"}}]
+    why = {refusal.claim: refusal.why for refusal in refusals}
+    assert set(why) == {"bob-qwen.43.json", "alices-run-by-bob.42.json", "bad-port.42.json", "garbage.42.json",
+                        "huge.42.json", "link.42.json"}
+    assert "node5" in why["bob-qwen.43.json"] and "owned by bob" in why["alices-run-by-bob.42.json"]
+    published = tmp_path / "published"
+    published.mkdir()
+    assert run_targets.publish(published, groups) and not run_targets.publish(published, groups)  # unchanged: kept
+    assert json.loads((published / "runs.json").read_text()) == groups
+    assert (published / "runs.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_the_publisher_asks_slurm_when_claims_change_and_keeps_its_word_while_slurm_is_silent(tmp_path):
+    import json
+    import os
+
+    from toolkit.watch.cluster_metrics import RunPublisher
+
+    claims, published = tmp_path / "claims", tmp_path / "published"
+    claims.mkdir()
+    published.mkdir()
+    asked = []
+    answer = {"text": f"42|root|{os.uname().nodename}|ft-run=r1|\n", "fail": False}
+
+    def run(argv, timeout=None):
+        asked.append(argv)
+        if answer["fail"]:
+            raise SlurmUnavailable("the Slurm controller is unreachable")
+        return CommandResult(tuple(argv), 0, answer["text"], "")
+
+    publisher = RunPublisher(claims, published, run)
+    publisher.once()
+    assert json.loads((published / "runs.json").read_text()) == [] and len(asked) == 1
+    publisher.once()
+    assert len(asked) == 1  # nothing changed: Slurm not asked again before CACHE_S
+    (claims / "r1.42.json").write_text(json.dumps([{"targets": [f"{os.uname().nodename}:9100"]}]))
+    publisher.once()
+    assert len(asked) == 2
+    assert json.loads((published / "runs.json").read_text())[0]["labels"] == {"run": "r1", "user": "root",
+                                                                              "slurm_job": "42"}
+    answer["fail"] = True
+    (claims / "r1.42.json").unlink()
+    publisher.once()  # Slurm silent: what was published stays
+    assert json.loads((published / "runs.json").read_text())[0]["labels"]["run"] == "r1"
+    answer["fail"] = False
+    publisher.once()
+    assert json.loads((published / "runs.json").read_text()) == []

@@ -54,6 +54,7 @@ def value(text: str, name: str, **labels: str) -> float:
 
 def test_a_scrape_reads_the_runs_files_in_prometheus_format(run_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("FT_CLUSTER", "lab")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
     targets = tmp_path / "targets"
     targets.mkdir()
     exporter = RunExporter(run_dir, lambda: {"n1": 0.4, "n2": 12.5}, host="node7", targets=str(targets),
@@ -61,17 +62,19 @@ def test_a_scrape_reads_the_runs_files_in_prometheus_format(run_dir, tmp_path, m
     port = exporter.start()
     try:
         text = scrape(port)
-        announced = json.loads((targets / "r1.json").read_text())
+        announced = json.loads((targets / "r1.77.json").read_text())
     finally:
         exporter.stop(final_wait_s=0)
-    assert announced == [{"targets": [f"node7:{port}"]}]
-    assert not (targets / "r1.json").exists()  # gone with the exporter: Prometheus stops scraping
-    assert value(text, "ft_run_step", run="r1", cluster="lab", tier="standard") == 40  # a half-written line skipped
-    assert value(text, "ft_run_loss", run="r1") == pytest.approx(2.6)
-    assert value(text, "ft_run_tokens_per_second", run="r1") == pytest.approx(1000.0)  # 19 steps of 1 s
-    assert value(text, "ft_run_step_seconds", run="r1") == pytest.approx(1.0)
-    assert value(text, "ft_run_tokens_total", run="r1") == 40000
-    assert value(text, "ft_run_restarts_total", run="r1") == 1
+    assert announced == [{"targets": [f"node7:{port}"]}]  # a claim: the address, no label
+    assert not (targets / "r1.77.json").exists()  # gone with the exporter: Prometheus stops scraping
+    assert value(text, "ft_run_step", cluster="lab", tier="standard") == 40  # a half-written line skipped
+    # Who the run is comes from Slurm, as Prometheus's target labels (toolkit/watch/run_targets.py).
+    assert not any(f'{label}="' in text for label in ("run", "user", "slurm_job"))
+    assert value(text, "ft_run_loss") == pytest.approx(2.6)
+    assert value(text, "ft_run_tokens_per_second") == pytest.approx(1000.0)  # 19 steps of 1 s
+    assert value(text, "ft_run_step_seconds") == pytest.approx(1.0)
+    assert value(text, "ft_run_tokens_total") == 40000
+    assert value(text, "ft_run_restarts_total") == 1
     assert value(text, "ft_run_checkpoint_step", tier="remote") == 30
     assert 34 <= value(text, "ft_run_checkpoint_upload_lag_seconds") <= 45
     assert value(text, "ft_run_checkpoint_upload_failing") == 1
@@ -97,7 +100,8 @@ def test_the_tail_is_read_from_the_end_of_a_long_file(tmp_path):
     assert lines[-1]["step"] == 99_999 and 20 <= len(lines) < 1000 and lines[0]["step"] > 99_000
 
 
-def test_the_end_waits_for_one_more_scrape_only_where_prometheus_scrapes(run_dir, tmp_path):
+def test_the_end_waits_for_one_more_scrape_only_where_prometheus_scrapes(run_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
     targets = tmp_path / "targets"
     targets.mkdir()
     unwatched = RunExporter(run_dir, dict, targets=str(targets), listen="127.0.0.1")
@@ -110,7 +114,7 @@ def test_the_end_waits_for_one_more_scrape_only_where_prometheus_scrapes(run_dir
 
     def last_scrape():
         time.sleep(0.5)
-        seen.append(((targets / "r1.json").exists(), "ft_run_step" in scrape(port)))
+        seen.append(((targets / "r1.77.json").exists(), "ft_run_step" in scrape(port)))
 
     scraper = threading.Thread(target=last_scrape)
     scraper.start()

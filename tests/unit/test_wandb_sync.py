@@ -5,6 +5,7 @@ answers the client's requests with the smallest answers it accepts and records t
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -25,7 +26,7 @@ pytest.importorskip("wandb", reason="W&B's client is part of ft[train]")
 KEY = "k" * 40
 
 
-def offline_run(runs, run_id: str) -> None:
+def offline_run(runs, run_id: str, adapter: dict[str, bytes] | None = None) -> None:
     run_dir = runs / run_id
     run_dir.mkdir(parents=True)
     (run_dir / "run.json").write_text(json.dumps({
@@ -42,6 +43,12 @@ def offline_run(runs, run_id: str) -> None:
     (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     tracker = Tracker(RunLayout(run_dir), recipe, rank=0)
     tracker.log([StepRecord(step, now + step, 1e-4, 100 * step, 3.0 / step, None) for step in range(1, 6)])
+    if adapter is not None:  # as the worker does once the output is written
+        output = RunLayout(run_dir).output
+        output.mkdir()
+        for name, content in adapter.items():
+            (output / name).write_bytes(content)
+        tracker.artifact(output)
     tracker.finish()
 
 
@@ -78,6 +85,39 @@ def test_an_offline_run_is_pushed_once_with_its_recipe_and_metrics(tmp_path, mon
     finally:
         fake.close()
     assert KEY not in pushed.stdout + pushed.stderr + again.stdout + again.stderr
+
+
+def test_the_adapter_is_pushed_as_an_artifact_named_for_what_it_is(tmp_path, monkeypatch):
+    """The adapter, logged offline on the compute node, reaches W&B through `ft sync` from the run's
+    output folder (referenced, not copied to a staging folder in the home of whoever trained)."""
+    import hashlib
+
+    monkeypatch.setenv("FT_RUN_ID", "run-3")
+    monkeypatch.setenv("WANDB_X_DISABLE_UPDATE_CHECK", "true")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # where wandb would stage a copy
+    adapter = {"adapter_config.json": b'{"r": 8, "lora_alpha": 16}',
+               "adapter_model.safetensors": bytes(range(256)) * 40}
+    offline_run(tmp_path, "run-3", adapter=adapter)
+    assert not list((tmp_path / "home").rglob("*.safetensors"))  # nothing staged in $HOME
+    fake = FakeWandb()
+    try:
+        pushed = ft("sync", "run-3", env={"FT_RUNS_DIR": str(tmp_path), "WANDB_BASE_URL": fake.url,
+                                          "WANDB_API_KEY": KEY, "WANDB_X_DISABLE_UPDATE_CHECK": "true"})
+    finally:
+        fake.close()
+    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+    (created,) = [r["body"]["variables"]["input"] for r in fake.requests
+                  if r["path"].endswith("/graphql") and "createArtifact(" in r["body"].get("query", "")]
+    assert created["artifactCollectionName"] == "run-3-lora-adapter" and created["artifactTypeName"] == "model"
+    assert json.loads(created["metadata"]) == {"method": "lora", "base_model": run_spec().recipe.model.base}
+    assert {name: fake.uploads[f"/upload/artifact/{name}"] for name in adapter} == adapter  # every byte
+    manifest = json.loads(fake.uploads["/upload/manifest"])["contents"]
+    assert set(manifest) == set(adapter)
+    for name, content in adapter.items():
+        assert manifest[name]["size"] == len(content)
+        assert base64.b64decode(manifest[name]["digest"]) == hashlib.md5(content).digest()
+    assert any(r["path"].endswith("/graphql") and "commitArtifact(" in r["body"].get("query", "")
+               for r in fake.requests)  # the version committed, not left pending
 
 
 def test_a_refused_push_is_an_error_and_is_tried_again_next_time(tmp_path, monkeypatch):

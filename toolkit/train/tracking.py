@@ -95,7 +95,10 @@ class Tracker:
 
             artifact = wandb.Artifact(artifact_name(os.environ.get("FT_RUN_ID", "ft"), self.method), type="model",
                                       metadata={"method": self.method, "base_model": self.base})
-            artifact.add_dir(str(folder))
+            # By reference, not copied to a staging folder in $HOME: the output on the shared filesystem
+            # is final once written, and `ft sync` uploads it from there on the login node (a whole
+            # model's weights are not written twice).
+            artifact.add_dir(str(folder), skip_cache=True, policy="immutable")
             self.wandb.log_artifact(artifact)
 
     def faults(self) -> None:

@@ -18,11 +18,13 @@ runs on the controller (ansible/roles/prometheus starts it); Prometheus scrapes 
 from __future__ import annotations
 
 import argparse
+import os
+import pwd
 import signal
-import stat
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -30,8 +32,10 @@ from pathlib import Path
 
 from toolkit.errors import FtError
 from toolkit.slurm import commands
+from toolkit.watch import run_targets
 
 CACHE_S = 10.0
+PUBLISH_EVERY_S = 1.0  # how often the runs' claims folder is listed (a listing, not a Slurm call)
 # sinfo's long states of a node that runs jobs: in a reservation, or planned by the backfill
 # scheduler for a pending job, it still serves.
 SERVING = {"idle", "mixed", "allocated", "completing", "reserved", "planned"}
@@ -100,36 +104,9 @@ def parse_jobs(text: str) -> list[Job]:
     return jobs
 
 
-STALE_AFTER_S = 120.0  # a targets file this old whose job Slurm does not run any more
-
-
-def sweep_targets(folder: Path | None, jobs: list[Job], now: float) -> list[Path]:
-    """Remove the targets files of runs whose job has ended without its watchdog removing them (a
-    batch host lost, the watchdog killed): Prometheus would scrape a dead address for good. A file
-    names its job (<run>.<job id>.json); one of a job Slurm still lists is kept, as is a young one."""
-    if folder is None or not folder.is_dir():
-        return []
-    alive = {job.job_id for job in jobs if job.job_id}
-    removed = []
-    for path in folder.glob("*.json"):
-        job_id = path.name[:-len(".json")].rsplit(".", 1)[-1]
-        if not job_id.isdigit() or job_id in alive:
-            continue
-        try:
-            info = path.lstat()  # a link's own age; unlinking it never touches what it points to
-            if not stat.S_ISDIR(info.st_mode) and now - info.st_mtime > STALE_AFTER_S:
-                path.unlink()
-                removed.append(path)
-        except OSError:
-            continue
-    return removed
-
-
 class ClusterCollector:
-    def __init__(self, tiers: dict[str, str], run: Callable = commands.run, now: Callable[[], float] = time.time,
-                 targets: Path | None = None):
+    def __init__(self, tiers: dict[str, str], run: Callable = commands.run, now: Callable[[], float] = time.time):
         self.tiers = tiers  # partition -> tier, from the cluster profile
-        self.targets = targets  # the runs' targets folder: stale files swept (sweep_targets)
         self.run, self.now = run, now
         self.cached: tuple[float, dict[str, Node], list[Job], bool] = (float("-inf"), {}, [], False)
         self.lock = threading.Lock()
@@ -144,7 +121,6 @@ class ClusterCollector:
                     jobs = parse_jobs(self.run(["squeue", "--all", "--noheader", SQUEUE_FORMAT],
                                                timeout=COMMAND_TIMEOUT_S).stdout)
                     answered = True
-                    sweep_targets(self.targets, jobs, self.now())  # only on Slurm's word: never when it is silent
                 except FtError:  # the controller does not answer: say so, keep no stale numbers
                     nodes, jobs, answered = {}, [], False
                 self.cached = (time.monotonic(), nodes, jobs, answered)
@@ -189,12 +165,65 @@ class ClusterCollector:
         yield from (pending, running, oldest)
 
 
+class RunPublisher:
+    """Publishes the runs' claims Slurm vouches for (toolkit/watch/run_targets.py), in its own thread:
+    the claims folder is listed every PUBLISH_EVERY_S, Slurm asked when it changed (a run appears
+    within seconds) and at least every CACHE_S (a run that ended goes)."""
+
+    def __init__(self, claims: Path, published: Path, run: Callable = commands.run):
+        self.claims, self.published, self.run = claims, published, run
+        self.seen: tuple = ()
+        self.asked = float("-inf")
+        self.refused: set[tuple[str, str]] = set()  # said once each
+
+    def once(self) -> None:
+        try:
+            listing = tuple(sorted((path.name, path.lstat().st_mtime_ns) for path in self.claims.glob("*.json")))
+        except OSError:
+            listing = ()
+        if listing == self.seen and time.monotonic() - self.asked < CACHE_S:
+            return
+        try:
+            jobs = run_targets.parse_running(self.run(run_targets.SQUEUE_RUNNING, timeout=COMMAND_TIMEOUT_S).stdout)
+        except FtError:
+            return  # Slurm silent: what was published stays until it answers again
+        self.seen, self.asked = listing, time.monotonic()
+        groups, refusals = run_targets.verified_targets(self.claims, jobs)
+        for refusal in refusals:
+            if (refusal.claim, refusal.why) not in self.refused:
+                self.refused.add((refusal.claim, refusal.why))
+                print(f"not published: {self.claims / refusal.claim}: {refusal.why}", flush=True)
+        run_targets.publish(self.published, groups)
+
+    def forever(self, stopped: threading.Event) -> None:
+        while not stopped.wait(PUBLISH_EVERY_S):
+            try:
+                self.once()
+            except Exception as error:  # noqa: BLE001 - a bad turn must not end the publishing for good
+                print(f"publishing the runs' targets failed: {error!r}", flush=True)
+
+
+def drop_privileges(user: str) -> None:
+    """Become `user` for good (started as root: ft's Python may sit where only root reads). Everything
+    the exporter needs is imported and has served once before this (main)."""
+    account = pwd.getpwnam(user)
+    os.setgroups([])
+    os.setgid(account.pw_gid)
+    os.setuid(account.pw_uid)
+    if os.getuid() != account.pw_uid or os.geteuid() != account.pw_uid:
+        raise SystemExit(f"could not become {user}")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m toolkit.watch.cluster_metrics",
-                                     description="Serve the cluster's metrics for Prometheus.")
+                                     description="Serve the cluster's metrics for Prometheus, and publish "
+                                                 "the runs' targets Slurm vouches for.")
     parser.add_argument("--listen", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9797)
     parser.add_argument("--cluster", default=None, help="cluster profile whose tiers name the partitions")
+    parser.add_argument("--publish", type=Path, default=None,
+                        help="folder (the exporter's own) for the runs' targets Prometheus reads")
+    parser.add_argument("--user", default=None, help="started as root: become this user once serving")
     options = parser.parse_args(argv)
     from prometheus_client import CollectorRegistry, start_http_server
 
@@ -203,12 +232,29 @@ def main(argv: list[str]) -> int:
     profile = load_profile(options.cluster or None)
     tiers = {target.partition: tier for tier, target in profile.tiers.items()}
     registry = CollectorRegistry()
-    targets = Path(profile.shared_root) / "monitoring" / "targets" if profile.shared_root else None
-    registry.register(ClusterCollector(tiers, targets=targets))
+    registry.register(ClusterCollector(tiers))
     server, _ = start_http_server(options.port, addr=options.listen, registry=registry)
+    address = f"{options.listen}:{server.server_port}"
+    publisher = None
+    if options.publish is not None and profile.shared_root:
+        publisher = RunPublisher(Path(profile.shared_root) / "monitoring" / "targets", options.publish)
+    # One whole scrape and one publishing turn before dropping root: every module they use is loaded
+    # while ft's Python can still be read.
+    urllib.request.urlopen(f"http://{address}/metrics", timeout=30).read()
+    if options.user:
+        if publisher is not None:
+            options.publish.mkdir(parents=True, exist_ok=True)
+            account = pwd.getpwnam(options.user)
+            os.chown(options.publish, account.pw_uid, account.pw_gid)
+        drop_privileges(options.user)
+    if publisher is not None:
+        publisher.once()
     stopped = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
-    print(f"ft cluster metrics on {options.listen}:{server.server_port}/metrics", flush=True)
+    if publisher is not None:
+        threading.Thread(target=publisher.forever, args=(stopped,), name="ft-run-targets", daemon=True).start()
+    print(f"ft cluster metrics on {address}/metrics" + (f", as {options.user}" if options.user else "")
+          + (f"; runs' targets published in {options.publish}" if publisher else ""), flush=True)
     while not stopped.wait(1.0):
         pass
     server.shutdown()

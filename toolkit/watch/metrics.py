@@ -5,13 +5,18 @@ metrics.jsonl, the checkpoint status, the timeline) and what the supervisor alre
 nodes' heartbeats). A scrape costs the ranks nothing, whatever its interval.
 
 How Prometheus finds a run (jobs come and go, on whichever batch host Slurm picks): file-based
-service discovery. The supervisor writes <shared root>/monitoring/targets/<run>.json when it
-starts serving and removes it when it ends; Prometheus reads every file there (file_sd_configs,
-ansible/roles/prometheus). A pull keeps Prometheus's own `up` and staleness semantics (a push
-gateway would keep serving a dead run's last values), and needs no agent beside the job (a textfile
-collector needs node_exporter on every compute node and a shared clock for freshness).
+service discovery. The supervisor writes a claim, <shared root>/monitoring/targets/<run>.<job>.json,
+when it starts serving and removes it when it ends; the cluster exporter publishes the claims Slurm
+vouches for, labelled with Slurm's word (run, user, slurm_job: toolkit/watch/run_targets.py), and
+Prometheus reads what it published (file_sd_configs, ansible/roles/prometheus). A pull keeps
+Prometheus's own `up` and staleness semantics (a push gateway would keep serving a dead run's last
+values), and needs no agent beside the job (a textfile collector needs node_exporter on every
+compute node and a shared clock for freshness).
 
-    ft_run_info{run, recipe, method, tier, user, cluster, slurm_job}  1
+Every series below also carries the target's labels run, user and slurm_job, which Prometheus adds:
+the exporter serves none of them itself (what a user's process serves is not proof of who it is).
+
+    ft_run_info{recipe, method, tier, cluster}  1
     ft_run_step, ft_run_loss, ft_run_learning_rate                 the newest step's
     ft_run_tokens_per_second, ft_run_step_seconds                  over the last WINDOW steps
     ft_run_last_step_timestamp_seconds                             when the newest step ended
@@ -29,7 +34,6 @@ collector needs node_exporter on every compute node and a shared clock for fresh
 from __future__ import annotations
 
 import contextlib
-import getpass
 import json
 import os
 import socket
@@ -226,11 +230,11 @@ class RunCollector:
 
 
 def run_labels(run_dir: Path) -> dict[str, str]:
+    """What the run serves about itself. Who it is (run, user, slurm_job) is Prometheus's target labels,
+    from Slurm (toolkit/watch/run_targets.py): a label served here under those names would be renamed."""
     spec = RunLayout(run_dir).read_spec()
-    # `slurm_job`, not `job`: Prometheus's own target label `job` (the scrape job) would rename it.
-    return {"run": os.environ.get("FT_RUN_ID") or run_dir.name, "recipe": spec.recipe.name,
-            "method": spec.recipe.method.kind, "tier": spec.recipe.resources.tier, "user": getpass.getuser(),
-            "cluster": os.environ.get("FT_CLUSTER", ""), "slurm_job": os.environ.get("SLURM_JOB_ID", "")}
+    return {"recipe": spec.recipe.name, "method": spec.recipe.method.kind, "tier": spec.recipe.resources.tier,
+            "cluster": os.environ.get("FT_CLUSTER", "")}
 
 
 class ScrapeCounter:
@@ -312,10 +316,11 @@ class RunExporter:
         self.registry.register(self.collector)
         self.scrapes = ScrapeCounter(make_wsgi_app(self.registry))
         folder = targets if targets is not None else os.environ.get("FT_MONITORING_TARGETS", "")
-        # Named for its job too: the cluster exporter sweeps the file of a job that ended without
-        # its watchdog removing it (toolkit/watch/cluster_metrics.sweep_targets).
-        job = f".{self.labels['slurm_job']}" if self.labels["slurm_job"].isdigit() else ""
-        self.target_file = Path(folder) / f"{self.labels['run']}{job}.json" if folder else None
+        # Named for its run and job: the cluster exporter publishes it if Slurm runs that job for the
+        # file's owner (toolkit/watch/run_targets.py). Outside a Slurm job nothing could vouch for it.
+        job = os.environ.get("SLURM_JOB_ID", "")
+        run = os.environ.get("FT_RUN_ID") or run_dir.name
+        self.target_file = Path(folder) / f"{run}.{job}.json" if folder and job.isdigit() else None
         self.host = host or socket.gethostname()
         self.listen = listen  # every interface: Prometheus scrapes from another host
         self.server = None
@@ -326,7 +331,7 @@ class RunExporter:
         self.server = serve(self.scrapes, self.listen)
         port = self.server.server_port
         if self.target_file is not None and self.target_file.parent.is_dir():
-            # No labels here: the metrics carry their own (a target label would rename them).
+            # A claim: the address only. Its labels come from Slurm, not from this file.
             target = [{"targets": [f"{self.host}:{port}"]}]
             # Prometheus (another user) reads it: world-readable, in a folder the admins made common.
             write_atomically(self.target_file, json.dumps(target) + "\n", mode=0o644)
