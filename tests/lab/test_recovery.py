@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,36 @@ def checkpoint_after(run: dict, step: int) -> None:
 
 def latest_step(run: dict) -> int:
     return int((Path(run["run_dir"]) / "checkpoints" / "latest").read_text().strip().split("-")[1])
+
+
+def usage_matches_sacct(run: dict, runs: Path) -> dict:
+    """`ft usage` of the run equals what sacct itself says its job used: every allocation (a requeue
+    ends one and starts another), allocated GPUs x elapsed, once each. slurmdbd takes a job's end
+    a moment after the job: both read again until they agree."""
+    def sacct_sum() -> tuple[int, float]:
+        lines = subprocess.run(["sacct", "-j", run["job_id"], "--duplicates", "-X", "--parsable2", "--noheader",
+                                "--format=ElapsedRaw,AllocTRES,State"], capture_output=True, text=True).stdout
+        records = [line.split("|") for line in lines.splitlines() if line]
+        if any(state.startswith("RUNNING") for *_, state in records):
+            return len(records), -1.0
+        return len(records), sum(int(elapsed) * next((int(t.split("=")[1]) for t in tres.split(",")
+                                                      if t.startswith("gres/gpu=")), 0)
+                                 for elapsed, tres, _ in records) / 3600
+
+    def agreed():
+        since = time.strftime("%Y-%m-%d", time.localtime(time.time() - 86400))
+        shown = ft("usage", "--by", "run", "--json", "--since", since, runs_dir=runs)
+        assert shown.returncode == 0, shown.stderr
+        report = json.loads(shown.stdout)
+        row = next((r for r in report["rows"] if r["key"] == run["run_id"]), None)
+        count, hours = sacct_sum()
+        if row and hours >= 0 and row["allocations"] == count and row["gpu_hours"] == pytest.approx(hours, abs=1e-3):
+            return report | {"row": row}
+        return None
+
+    report = wait_for(f"ft usage of {run['run_id']} to equal sacct's", agreed, timeout=60, interval=2)
+    assert report["source"] == "Slurm accounting (sacct)"
+    return report["row"]
 
 
 def reasons(*nodes: str) -> dict[str, str]:
@@ -192,6 +223,9 @@ def test_a_lost_node_without_a_spare_requeues_the_job_without_slurms_hold(tiny_b
     assert [e["job"] for e in events(run) if e["event"] == "requeue_hold_lifted"] == [run["job_id"]]
     assert run["run_id"] in reasons(crashed)[crashed]
     assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after losing {crashed}, no spare")
+    used = usage_matches_sacct(run, runs)
+    assert used["allocations"] >= 2  # the job's allocation before the requeue, and after
+    assert 0 < used["refundable_gpu_hours"] < used["gpu_hours"] and used["user_error_gpu_hours"] == 0
 
 
 def test_a_lost_batch_host_is_reported_by_the_survivors_and_the_job_requeued(tiny_baseline, runs, heal_lab):
@@ -231,6 +265,9 @@ def test_a_preempted_free_run_checkpoints_and_resumes_where_it_stopped(lab, tiny
     attempts = [json.loads(line) for line in (Path(run["run_dir"]) / "attempts.jsonl").read_text().splitlines()]
     assert [a["restart"] for a in attempts] == [0, 1]
     assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after preemption at step {stopped}")
+    used = usage_matches_sacct(run, runs)
+    assert used["allocations"] == 2  # preempted, requeued: two allocations, each counted
+    assert used["refundable_gpu_hours"] == 0  # a preemption is the free tier's bargain, not a fault
 
 
 def test_a_run_near_its_time_limit_checkpoints_requeues_and_resumes(tiny_baseline, runs):

@@ -114,12 +114,13 @@ def ls(cluster: str = typer.Option(None, "--cluster", "-c"), limit: int = typer.
     from rich.table import Table
 
     table = Table(title=f"runs in {plain(store.root)}", title_justify="left")
-    for column in ("run", "state", "job", "mode", "submitted"):
+    for column in ("run", "state", "job", "tier", "mode", "submitted"):
         table.add_column(column)
     for status in statuses:
         job_id = status.job.job_id if status.job else status.run.latest_job  # a queued rendered run's too
         table.add_row(plain(status.run.run_id), _coloured(status.state), plain(job_id or "-"),
-                      plain(status.run.mode), datetime.fromtimestamp(status.run.created).strftime("%Y-%m-%d %H:%M"))
+                      plain(status.tier or "-"), plain(status.run.mode),
+                      datetime.fromtimestamp(status.run.created).strftime("%Y-%m-%d %H:%M"))
     console.print(table)
 
 

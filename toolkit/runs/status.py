@@ -28,9 +28,17 @@ class RunStatus:
     def state(self) -> str:
         return self.job.state if self.job else "UNKNOWN"
 
+    @property
+    def tier(self) -> str:
+        """The service tier the run asked for (its recipe's resources.tier); '' where unreadable."""
+        try:
+            return str(RunLayout(self.run_dir).read_spec().recipe.resources.tier.value)
+        except Exception:  # noqa: BLE001 - a damaged or foreign spec: the run is still listed
+            return ""
+
     def to_dict(self) -> dict:
         return {"run_id": self.run.run_id, "state": self.state, "run_dir": str(self.run_dir),
-                "cluster": self.run.cluster, "recipe": self.run.recipe_name, "mode": self.run.mode,
+                "cluster": self.run.cluster, "recipe": self.run.recipe_name, "mode": self.run.mode, "tier": self.tier,
                 "idempotency_key": self.run.idempotency_key,
                 "jobs": [asdict(job) for job in self.run.jobs],
                 "job": asdict(self.job) if self.job else None, "attempts": self.attempts,

@@ -4,6 +4,7 @@ fault and decision) and rank 0's metrics (metrics.jsonl: one stamped line per st
     productive  steps done for the first time
     redone      steps trained again after a fault (the work lost since the last checkpoint)
     starting    each start until its first step: model load, data, DeepSpeed init, checkpoint load
+                (restarting: the part of it spent by the starts a fault made)
     recovering  from the last step before a fault to the next start: detection, stopping the
                 step, the requeue, the backoff
     other       the rest: checkpoint saves, the export
@@ -72,18 +73,27 @@ def timeline(run_dir: Path, now: float | None = None) -> dict | None:
     end = max(events[-1]["time"] if ended else (now or time.time()), starts[0])
     wall = max(end - starts[0], 1e-9)
     metrics = [m for m in metrics if starts[0] <= m["time"] <= end]  # clocks of other nodes may disagree
-    productive = redone = starting = 0.0
+    after_fault, faulted = set(), False  # the starts a fault made (not a preemption's, not a time limit's)
+    for event in events:
+        if event["event"] in FAULTS:
+            faulted = True
+        elif event["event"] == "start":
+            if faulted:
+                after_fault.add(event["time"])
+            faulted = False
+    productive = redone = starting = restarting = 0.0
     best, previous = 0, None
     for entry in metrics:
         began = starts[max(bisect.bisect_right(starts, entry["time"]) - 1, 0)]
         if previous is None or began > previous["time"]:  # a start's first step: the wait was starting
             starting += entry["time"] - began
+            restarting += entry["time"] - began if began in after_fault else 0.0
         elif entry["step"] > best:
             productive += entry["time"] - previous["time"]
         else:
             redone += entry["time"] - previous["time"]
         best, previous = max(best, entry["step"]), entry
-    recovering, fault = 0.0, None
+    spans, fault = [], None  # each fault's [from, to]: usage counts only the part an allocation held
     stamps = [m["time"] for m in metrics]
     for event in events:  # from a fault (its last step before: detection counts) to the next start
         if event["event"] in ("node_lost", "restart") and fault is None:
@@ -93,12 +103,16 @@ def timeline(run_dir: Path, now: float | None = None) -> dict | None:
             last = bisect.bisect_right(stamps, event["time"]) - 1
             fault = max(stamps[last], began) if last >= 0 else event["time"]
         elif event["event"] == "start" and fault is not None:
-            recovering, fault = recovering + event["time"] - fault, None
+            spans.append((fault, event["time"]))
+            fault = None
     if fault is not None:
-        recovering += end - fault
+        spans.append((fault, end))
+    recovering = sum(to - since for since, to in spans)
     faults = [{key: value for key, value in e.items() if key != "job"} for e in events if e["event"] in FAULTS]
     accounted = productive + redone + starting + recovering
     return {"wall_s": round(wall, 1), "productive_s": round(productive, 1), "redone_s": round(redone, 1),
-            "starting_s": round(starting, 1), "recovering_s": round(recovering, 1),
+            "starting_s": round(starting, 1), "restarting_s": round(restarting, 1),
+            "recovering_s": round(recovering, 1),
+            "recovering_spans": [[round(since, 3), round(to, 3)] for since, to in spans[-1000:]],
             "other_s": round(max(wall - accounted, 0.0), 1), "goodput": round(min(productive / wall, 1.0), 3),
             "starts": len(starts), "faults": faults, "finished": ended}

@@ -1,0 +1,202 @@
+"""GPU-hours from Slurm's accounting: every allocation of every ft run (a requeue, a preemption and a
+node failure each end one and start another), each counted once, priced at the cluster's rate.
+
+Slurm keeps one record per allocation of a job (`sacct --duplicates`: a requeued job's earlier
+allocations are kept under the same id, in state REQUEUED). An allocation's GPU-hours are its
+allocated GPUs (AllocTRES gres/gpu) times its elapsed time. A restart within an allocation (a rank
+hung or died: ft restarts it on the same nodes) is part of that allocation, never a second count.
+
+Where Slurm keeps no accounting, the run records stand in (attempts.jsonl: each allocation's start and
+nodes, the job's GPUs from its recipe), and `ft usage` says which it used.
+
+What faults cost, from each run's own timeline (toolkit/runs/timeline.py), in the run's GPUs:
+  refundable   lost to the platform: steps redone after a fault, detecting it and starting again
+               (a node lost or silent, a rank died or hung)
+  user error   the allocation a user error ended (a NaN loss, bad data, out of memory): its
+               training is not kept
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from toolkit.errors import FtError
+from toolkit.slurm import commands
+
+SACCT_FIELDS = "JobIDRaw,JobName,User,Account,Partition,QOS,State,ElapsedRaw,AllocTRES,Start,End"
+JOB_NAME = re.compile(r"ft-([A-Za-z0-9][A-Za-z0-9._-]*)")
+GPUS = re.compile(r"(?:^|,)gres/gpu=(\d+)(?:,|$)")
+USER_ERRORS = {4, 5}  # toolkit/watch/exits.py: USER_ERROR, OUT_OF_MEMORY
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One allocation of a run's job: what Slurm (or the run's records) says it held and for how long."""
+    run: str
+    job_id: str
+    user: str
+    account: str
+    partition: str
+    state: str
+    gpus: int
+    seconds: float
+    start: float | None
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.gpus * self.seconds / 3600
+
+
+@dataclass
+class Losses:
+    """A run's GPU-hours lost to faults, by who is to blame (None: its records are not readable here)."""
+    refundable: float | None = None
+    user_error: float | None = None
+
+
+def slurm_time(text: str) -> float | None:
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return None  # Unknown, None
+
+
+def parse_sacct(text: str) -> list[Allocation]:
+    """`sacct -X --duplicates --parsable2 --noheader --format=SACCT_FIELDS`: ft's jobs only (named ft-<run>)."""
+    found = []
+    for line in text.splitlines():
+        parts = line.split("|")
+        if len(parts) != 11:
+            continue
+        job_id, name, user, account, partition, _qos, state, elapsed, tres, start, _end = parts
+        named = JOB_NAME.fullmatch(name)
+        if not named or not elapsed.isdigit():
+            continue
+        gpus = GPUS.search(tres)
+        found.append(Allocation(named.group(1), job_id, user, account, partition, state.split()[0] if state else "",
+                                int(gpus.group(1)) if gpus else 0, float(elapsed), slurm_time(start)))
+    return found
+
+
+def from_slurm(since: float, run: Callable = commands.run) -> list[Allocation]:
+    """Every allocation of ft's jobs since `since`, from slurmdbd; FtError where accounting is off."""
+    start = datetime.fromtimestamp(since).strftime("%Y-%m-%dT%H:%M:%S")
+    result = run(["sacct", "--allusers", "--duplicates", "-X", "--parsable2", "--noheader",
+                  f"--starttime={start}", "--endtime=now", f"--format={SACCT_FIELDS}"], timeout=60)
+    return parse_sacct(result.stdout)
+
+
+def from_records(runs: Iterable[tuple[str, Path]], gpus_of: Callable[[Path], int], now: float,
+                 since: float) -> list[Allocation]:
+    """The allocations the run records describe (attempts.jsonl: a line per start; `restart` 0 opens
+    an allocation), each until the next opened or the job's last event. Less exact than Slurm's (a
+    job whose batch host died says nothing of its end): used only without accounting."""
+    from toolkit.runs.layout import RunLayout
+    from toolkit.runs.timeline import read_lines
+
+    found = []
+    for run_id, run_dir in runs:
+        layout = RunLayout(run_dir)
+        opened = [a for a in read_lines(layout.attempts, {"job_id": str, "started": (int, float)})
+                  if a.get("restart", 0) == 0]
+        events = read_lines(layout.events, {"time": (int, float), "event": str})
+        for index, attempt in enumerate(opened):
+            later = [e["time"] for e in events if e.get("job") == attempt["job_id"] and e["time"] >= attempt["started"]]
+            end = opened[index + 1]["started"] if index + 1 < len(opened) else max(later, default=now)
+            if end < since:
+                continue
+            found.append(Allocation(run_id, attempt["job_id"], "", "", "", "", gpus_of(run_dir),
+                                    max(end - max(attempt["started"], since), 0.0), attempt["started"]))
+    return found
+
+
+def losses(run_dir: Path, allocations: list[Allocation]) -> Losses:
+    """What faults cost the run, in GPU-hours: its timeline's lost time while an allocation held
+    GPUs (a requeued job waiting in the queue holds none), and the time of the allocation a user
+    error ended."""
+    from toolkit.runs.layout import RunLayout
+    from toolkit.runs.timeline import read_lines, timeline
+
+    try:
+        spent = timeline(run_dir)
+        events = read_lines(RunLayout(run_dir).events, {"time": (int, float), "event": str})
+    except OSError:
+        return Losses()
+    if spent is None or not allocations:
+        return Losses(0.0, 0.0)
+    gpus = allocations[-1].gpus
+    held = [(a.start, a.start + a.seconds) for a in allocations if a.start is not None]
+    waited = sum(overlap(span, held) for span in spent["recovering_spans"])
+    refundable = spent["redone_s"] + spent["restarting_s"] + waited  # steps and starts run inside an allocation
+    ends = [e for e in events if e["event"] == "end"]
+    user_error = 0.0
+    if ends and ends[-1].get("code") in USER_ERRORS:
+        began = max((e["time"] for e in events if e["event"] == "start" and e["time"] <= ends[-1]["time"]),
+                    default=ends[-1]["time"])
+        user_error = overlap((began, ends[-1]["time"]), held)
+    return Losses(round(gpus * refundable / 3600, 4), round(gpus * user_error / 3600, 4))
+
+
+def overlap(span: tuple[float, float] | list[float], held: list[tuple[float, float]]) -> float:
+    """Seconds of `span` inside the allocations' intervals (which never overlap one another)."""
+    since, to = span
+    return sum(max(min(to, end) - max(since, start), 0.0) for start, end in held)
+
+
+@dataclass
+class Row:
+    key: str
+    runs: set[str] = field(default_factory=set)
+    allocations: int = 0
+    gpu_hours: float = 0.0
+    refundable_gpu_hours: float | None = 0.0
+    user_error_gpu_hours: float | None = 0.0
+
+    def to_dict(self, price: float) -> dict:
+        row = asdict(self) | {"runs": len(self.runs)}
+        return row | {"gpu_hours": round(self.gpu_hours, 4), "cost": round(self.gpu_hours * price, 2)}
+
+
+def summarise(allocations: list[Allocation], by: str, tiers: dict[str, str],
+              run_losses: dict[str, Losses]) -> list[Row]:
+    """Rows per `by` (run, user, account, tier), largest first. A run's losses count in the row of its
+    latest allocation (a run moves between rows only if requeued to another partition)."""
+    rows: dict[str, Row] = {}
+    latest: dict[str, Allocation] = {}
+    for allocation in allocations:
+        key = {"run": allocation.run, "user": allocation.user, "account": allocation.account,
+               "tier": tiers.get(allocation.partition, allocation.partition)}[by] or "-"
+        row = rows.setdefault(key, Row(key))
+        row.runs.add(allocation.run)
+        row.allocations += 1
+        row.gpu_hours += allocation.gpu_hours
+        if allocation.run not in latest or (allocation.start or 0) >= (latest[allocation.run].start or 0):
+            latest[allocation.run] = allocation
+    for run, allocation in latest.items():
+        key = {"run": run, "user": allocation.user, "account": allocation.account,
+               "tier": tiers.get(allocation.partition, allocation.partition)}[by] or "-"
+        row, lost = rows[key], run_losses.get(run, Losses())
+        row.refundable_gpu_hours = add(row.refundable_gpu_hours, lost.refundable)
+        row.user_error_gpu_hours = add(row.user_error_gpu_hours, lost.user_error)
+    return sorted(rows.values(), key=lambda row: (-row.gpu_hours, row.key))
+
+
+def add(total: float | None, value: float | None) -> float | None:
+    return None if total is None or value is None else round(total + value, 4)
+
+
+def month_start(now: datetime) -> float:
+    return now.replace(day=1, hour=0, minute=0, second=0, microsecond=0).timestamp()
+
+
+def parse_since(text: str | None, now: datetime) -> float:
+    if not text:
+        return month_start(now)
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise FtError(f"--since {text!r} is not a date", hint="give it as YYYY-MM-DD (or YYYY-MM-DDTHH:MM)") from None

@@ -1,0 +1,88 @@
+"""`ft usage`: GPU-hours and cost per run, user, account or tier, with what faults cost (toolkit/account)."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from enum import StrEnum
+from pathlib import Path
+
+import typer
+
+from toolkit.cli.output import console, err_console, plain, print_json
+
+
+class By(StrEnum):
+    run = "run"
+    user = "user"
+    account = "account"
+    tier = "tier"
+
+
+def usage(account: str = typer.Option(None, "--account", "-A", help="only this Slurm account's jobs"),
+          user: str = typer.Option(None, "--user", "-u", help="only this user's jobs"),
+          since: str = typer.Option(None, "--since", help="from this date (YYYY-MM-DD); default: this month's start"),
+          by: By = typer.Option(By.run, "--by", help="one row per run, user, account or tier"),
+          cluster: str = typer.Option(None, "--cluster", "-c"),
+          as_json: bool = typer.Option(False, "--json")) -> None:
+    """GPU-hours of ft's runs (every allocation: requeues and preemptions included), their cost, and the
+    GPU-hours lost to platform faults (refundable) apart from those lost to user errors."""
+    from toolkit.account import usage as accounting
+    from toolkit.cluster.profile import load_profile
+    from toolkit.errors import FtError
+    from toolkit.runs.store import RunStore
+
+    profile = load_profile(cluster)
+    start = accounting.parse_since(since, datetime.now())
+    store = RunStore.for_shared_root(profile.shared_root)
+    readable = {path.name: path for path in (store.root.iterdir() if store.root.is_dir() else [])
+                if (path / "run.json").is_file()}
+    try:
+        allocations, source = accounting.from_slurm(start), "Slurm accounting (sacct)"
+    except FtError as exc:
+        allocations = accounting.from_records(sorted(readable.items()), _gpus_of, time.time(), start)
+        source = f"ft's run records (Slurm accounting did not answer: {exc.message})"
+    allocations = [a for a in allocations if (account is None or a.account == account)
+                   and (user is None or a.user == user)]
+    held: dict[str, list] = {}
+    for allocation in sorted(allocations, key=lambda a: a.start or 0):
+        held.setdefault(allocation.run, []).append(allocation)
+    losses = {run: accounting.losses(readable[run], mine) for run, mine in held.items() if run in readable}
+    tiers = {target.partition: tier for tier, target in profile.tiers.items()}
+    rows = accounting.summarise(allocations, by.value, tiers, losses)
+    price = profile.price_per_gpu_hour
+    if as_json:
+        print_json({"source": source, "since": start, "cluster": profile.name, "price_per_gpu_hour": price,
+                    "by": by.value, "rows": [row.to_dict(price) for row in rows]})
+        return
+    _table(rows, by.value, price, profile.name, start)
+    err_console.print(f"source: {plain(source)}")
+
+
+def _gpus_of(run_dir: Path) -> int:
+    from toolkit.runs.layout import RunLayout
+
+    try:
+        resources = RunLayout(run_dir).read_spec().recipe.resources
+    except Exception:  # noqa: BLE001 - a damaged spec counts no GPUs, and says nothing else
+        return 0
+    return (resources.nodes or 1) * (resources.gpus_per_node or 0)
+
+
+def _table(rows, by: str, price: float, cluster: str, start: float) -> None:
+    from rich.table import Table
+
+    def hours(value: float | None) -> str:
+        return "-" if value is None else f"{value:,.2f}"
+
+    table = Table(title=f"GPU-hours on {plain(cluster)} since {datetime.fromtimestamp(start):%Y-%m-%d %H:%M}",
+                  title_justify="left")
+    for column in (by, "runs", "allocations", "GPU-hours", "cost", "refundable", "user errors"):
+        table.add_column(column, justify="left" if column == by else "right", overflow="fold")
+    for row in rows:
+        table.add_row(plain(row.key), str(len(row.runs)), str(row.allocations), hours(row.gpu_hours),
+                      f"${row.gpu_hours * price:,.2f}" if price else "-", hours(row.refundable_gpu_hours),
+                      hours(row.user_error_gpu_hours))
+    console.print(table)
+    if not price:
+        console.print("no cost: the cluster profile sets no price_per_gpu_hour")
