@@ -159,6 +159,19 @@ def user_name(uid: int) -> str:
         return f"uid {uid}"
 
 
+def open_regular(path: Path, text: bool = False):
+    """A run's file opened for reading only if it is a regular one: a FIFO left in its place would
+    block every reader (ft status, ft report, the scrape) for good, a device would never end."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return os.fdopen(descriptor, "r", errors="replace") if text else os.fdopen(descriptor, "rb")
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
 def write_atomically(path: Path, text: str, mode: int = 0o600) -> None:
     """Write a file so that readers see the old or the new content, never a half-written one. The
     mode is set explicitly, whatever the umask: ft's files are private to their owner by default."""

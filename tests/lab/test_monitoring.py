@@ -81,7 +81,7 @@ def test_every_dashboard_panel_returns_data_for_a_real_run(lab, prometheus, tiny
     for board in sorted(DASHBOARDS.glob("*.json")):
         for panel in json.loads(board.read_text())["panels"]:
             for target in panel["targets"]:
-                expr = target["expr"].replace("$run", run_id)
+                expr = target["expr"].replace("$run", run_id).replace("$user", getpass.getuser())
                 if not query_range(prometheus, expr, times[0] - 2, times[-1] + 10):
                     empty.append(f"{board.name}: {panel['title']}: {expr}")
     assert empty == []

@@ -3,6 +3,7 @@ Slurm 22.05 prints it, served by prometheus_client's real HTTP server."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -117,22 +118,28 @@ def test_the_exporter_serves_prometheus_text_over_http(tmp_path):
         assert process.wait(timeout=10) == 0
 
 
-# squeue SQUEUE_RUNNING's lines as the lab's Slurm prints them: a run of ft's, a job that is not
-# ft's (no ft-run= comment), a run whose comment names something no run is called.
-RUNNING = """42|alice|node3|ft-run=alice-llama,ft-key=k1|
-43|bob|node5|ft-run=bob-qwen|
-44|bob|node6|hand-written job|
-45|bob|node6|ft-run=../../etc|
-"""
+def squeue_json(*jobs: tuple) -> str:
+    """`squeue --all --json` as the lab's Slurm 22.05 answers (the fields the publisher reads)."""
+    return json.dumps({"meta": {}, "errors": [], "jobs": [
+        {"job_id": job_id, "user_name": user, "batch_host": host, "comment": comment, "job_state": state}
+        for job_id, user, host, comment, state in jobs]})
+
+
+# A run of ft's, a job that is not ft's (no ft-run= comment), a run whose comment names something no
+# run is called, one pending, and a comment that tries to forge a second job (a newline in it).
+RUNNING = squeue_json((42, "alice", "node3", "ft-run=alice-llama,ft-key=k1", "RUNNING"),
+                      (43, "bob", "node5", "ft-run=bob-qwen", "RUNNING"),
+                      (44, "bob", "node6", "hand-written job", "RUNNING"),
+                      (45, "bob", "node6", "ft-run=../../etc", "RUNNING"),
+                      (46, "bob", "node6", "ft-run=bob-later", "PENDING"),
+                      (47, "bob", "node6", "ft-run=x\n99999|bob|127.0.0.1|ft-run=alice-llama", "RUNNING"))
 
 
 def claim(folder, name: str, owner: int, address: str = "node3:40001", body: str | None = None):
-    import json
     import os
 
     path = folder / name
-    path.write_text(body if body is not None else json.dumps([{"targets": [address], "labels": {
-        "run": "someone-elses", "user": "root", "slurm_job": "1"}}]))
+    path.write_text(body if body is not None else json.dumps([{"targets": [address]}]))
     os.chown(path, owner, owner)
     return path
 
@@ -140,7 +147,7 @@ def claim(folder, name: str, owner: int, address: str = "node3:40001", body: str
 def test_only_claims_slurm_vouches_for_are_published_with_slurms_labels(tmp_path, monkeypatch):
     """A claim is published when Slurm runs its job for the file's owner and the address is the
     job's batch host; its labels are Slurm's word, never the file's."""
-    import json
+    import os
 
     from toolkit.watch import run_targets
 
@@ -150,22 +157,32 @@ def test_only_claims_slurm_vouches_for_are_published_with_slurms_labels(tmp_path
     claims.mkdir()
     claim(claims, "alice-llama.42.json", users["alice"])
     claim(claims, "bob-qwen.43.json", users["bob"], address="node3:40001")  # alice's host, not his job's
-    claim(claims, "alices-run-by-bob.42.json", users["bob"])  # bob's file naming alice's job
+    claim(claims, "alice-llama.42-0badc0de.json", users["bob"])  # bob's file naming alice's job
     claim(claims, "ended.41.json", users["alice"])  # its job is not running: ignored, not refused
     claim(claims, "not-ft.44.json", users["bob"], address="node6:1")
-    claim(claims, "bad-port.42.json", users["alice"], address="node3:99999")
-    claim(claims, "garbage.42.json", users["alice"], body="{not json")
-    claim(claims, "huge.42.json", users["alice"], body=" " * 5000)
-    (claims / "link.42.json").symlink_to(claims / "alice-llama.42.json")
+    claim(claims, "other-run.42.json", users["alice"])  # a run job 42 does not run
+    claim(claims, "alice-llama.42-00000001.json", users["alice"], address="node3:99999")
+    claim(claims, "alice-llama.42-00000002.json", users["alice"], body="{not json")
+    claim(claims, "alice-llama.42-00000003.json", users["alice"], body="[" * 4000)  # deep enough to exhaust a parser
+    claim(claims, "alice-llama.42-00000004.json", users["alice"], body=" " * 5000)
+    (claims / "alice-llama.42-00000005.json").symlink_to(claims / "alice-llama.42.json")
     jobs = run_targets.parse_running(RUNNING)
-    assert set(jobs) == {"42", "43"}  # 44 is not ft's, 45 names no run
+    assert set(jobs) == {"42", "43"}  # 44 is not ft's, 45 names no run, 46 waits, 47's comment is no run
     groups, refusals = run_targets.verified_targets(claims, jobs)
     assert groups == [{"targets": ["node3:40001"],
                        "labels": {"run": "alice-llama", "user": "alice", "slurm_job": "42"}}]
     why = {refusal.claim: refusal.why for refusal in refusals}
-    assert set(why) == {"bob-qwen.43.json", "alices-run-by-bob.42.json", "bad-port.42.json", "garbage.42.json",
-                        "huge.42.json", "link.42.json"}
-    assert "node5" in why["bob-qwen.43.json"] and "owned by bob" in why["alices-run-by-bob.42.json"]
+    assert set(why) == {"bob-qwen.43.json", "alice-llama.42-0badc0de.json", "other-run.42.json"} | {
+        f"alice-llama.42-0000000{n}.json" for n in range(1, 6)}
+    assert "node5" in why["bob-qwen.43.json"] and "owned by bob" in why["alice-llama.42-0badc0de.json"]
+    assert "runs alice-llama" in why["other-run.42.json"]
+    # Bob took the plain name first: alice's watchdog wrote <run>.<job>-<hex>.json; her newest claim counts.
+    newer = claim(claims, "alice-llama.42-0000000a.json", users["alice"], address="node3:40002")
+    os.utime(newer, (time.time() + 60, time.time() + 60))
+    assert run_targets.verified_targets(claims, jobs)[0][0]["targets"] == ["node3:40002"]
+    doubled = json.loads(RUNNING)
+    doubled["jobs"].append(dict(doubled["jobs"][0], user_name="bob"))  # job 42 twice: no one's
+    assert set(run_targets.parse_running(json.dumps(doubled))) == {"43"}
     published = tmp_path / "published"
     published.mkdir()
     assert run_targets.publish(published, groups) and not run_targets.publish(published, groups)  # unchanged: kept
@@ -174,7 +191,6 @@ def test_only_claims_slurm_vouches_for_are_published_with_slurms_labels(tmp_path
 
 
 def test_the_publisher_asks_slurm_when_claims_change_and_keeps_its_word_while_slurm_is_silent(tmp_path):
-    import json
     import os
 
     from toolkit.watch.cluster_metrics import RunPublisher
@@ -183,7 +199,7 @@ def test_the_publisher_asks_slurm_when_claims_change_and_keeps_its_word_while_sl
     claims.mkdir()
     published.mkdir()
     asked = []
-    answer = {"text": f"42|root|{os.uname().nodename}|ft-run=r1|\n", "fail": False}
+    answer = {"text": squeue_json((42, "root", os.uname().nodename, "ft-run=r1", "RUNNING")), "fail": False}
 
     def run(argv, timeout=None):
         asked.append(argv)

@@ -100,6 +100,35 @@ def test_the_tail_is_read_from_the_end_of_a_long_file(tmp_path):
     assert lines[-1]["step"] == 99_999 and 20 <= len(lines) < 1000 and lines[0]["step"] > 99_000
 
 
+def test_a_claim_name_another_user_took_first_gets_a_name_of_its_own(run_dir, tmp_path, monkeypatch):
+    """The claims folder is sticky and every user's: a file bob made under alice's run's name cannot be
+    replaced by her watchdog, which claims under a name of its own instead (run_targets.CLAIM_NAME)."""
+    from toolkit import shared_dirs
+    from toolkit.watch import run_targets
+
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    targets = tmp_path / "targets"
+    targets.mkdir()
+    written = shared_dirs.write_atomically
+
+    def squatted(path, text, mode=0o600):
+        if path.name == "r1.77.json":
+            raise PermissionError(1, "Operation not permitted")  # what rename over bob's file says
+        written(path, text, mode)
+
+    monkeypatch.setattr(shared_dirs, "write_atomically", squatted)
+    exporter = RunExporter(run_dir, dict, host="node7", targets=str(targets), listen="127.0.0.1")
+    port = exporter.start()
+    try:
+        (made,) = targets.iterdir()
+        named = run_targets.CLAIM_NAME.fullmatch(made.name)
+        assert named and (named["run"], named["job"]) == ("r1", "77") and made.name != "r1.77.json"
+        assert json.loads(made.read_text()) == [{"targets": [f"node7:{port}"]}]
+    finally:
+        exporter.stop(final_wait_s=0)
+    assert not list(targets.iterdir())
+
+
 def test_the_end_waits_for_one_more_scrape_only_where_prometheus_scrapes(run_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     targets = tmp_path / "targets"

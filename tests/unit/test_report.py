@@ -114,3 +114,12 @@ def test_a_very_long_run_is_thinned_to_its_whole_curve(tmp_path):
     assert kept[0]["step"] == 1 and kept[-1]["step"] == 5000 and len(kept) <= 101
     steps = [line["step"] for line in kept]
     assert steps == sorted(steps) and max(b - a for a, b in zip(steps, steps[1:], strict=False)) <= 64  # evenly
+
+
+def test_values_at_floats_edge_draw_no_broken_coordinates():
+    """A loss of +-1e308 (a diverged run's) would make the y range infinite, every coordinate NaN."""
+    from toolkit.report.charts import line_chart
+
+    svg = str(line_chart([[(1, 2.5), (2, 1e308), (3, -1e308), (4, 2.0), (5, float("nan")), (6, 1.5)]],
+                         "step", "loss"))
+    assert "nan" not in svg.lower() and "inf" not in svg.lower() and "<polyline" in svg

@@ -67,3 +67,23 @@ def test_a_spares_start_stamped_with_its_faults_time_still_counts_the_detection(
     spent = timeline(tmp_path)
     assert spent["recovering_s"] == 5  # step 2 at t+15, the loss judged at t+20 (the heartbeat timeout)
     assert spent["starting_s"] == 5 + 3
+
+
+def test_a_fifo_in_place_of_a_runs_file_is_not_waited_on(tmp_path):
+    """A FIFO where events.jsonl or metrics.jsonl should be would block every reader for good (ft
+    status, ft report, the run's scrape): it is no file of the run's, and reads as empty."""
+    import os
+    import threading
+
+    from toolkit.report.page import metrics_entries
+    from toolkit.runs.progress import tail_lines
+
+    for name in ("events.jsonl", "metrics.jsonl"):
+        os.mkfifo(tmp_path / name)
+    answers = []
+    metrics = tmp_path / "metrics.jsonl"
+    reader = threading.Thread(target=lambda: answers.append(
+        (timeline(tmp_path), tail_lines(metrics), list(metrics_entries(metrics)))), daemon=True)
+    reader.start()
+    reader.join(timeout=20)
+    assert answers == [(None, [], [])]

@@ -82,9 +82,13 @@ def test_an_offline_run_is_pushed_once_with_its_recipe_and_metrics(tmp_path, mon
         seen = len(fake.requests)
         again = ft("sync", "run-1", env=env)
         assert again.returncode == 0 and "synced already" in again.stdout and len(fake.requests) == seen
+        upserted = len(fake.upserts())
+        forced = ft("sync", "run-1", "--all", env=env)  # pushed again, and said so only because it was
+        assert forced.returncode == 0 and "1 offline W&B log pushed" in forced.stdout, forced.stdout + forced.stderr
+        assert len(fake.upserts()) > upserted
     finally:
         fake.close()
-    assert KEY not in pushed.stdout + pushed.stderr + again.stdout + again.stderr
+    assert KEY not in pushed.stdout + pushed.stderr + again.stdout + again.stderr + forced.stdout + forced.stderr
 
 
 def test_the_adapter_is_pushed_as_an_artifact_named_for_what_it_is(tmp_path, monkeypatch):

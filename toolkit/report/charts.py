@@ -44,11 +44,15 @@ def label(value: float) -> str:
     return f"{value:.3g}"
 
 
+DRAWABLE = 1e100  # and never NaN: abs(nan) <= anything is False
+
+
 def line_chart(segments: list[list[tuple[float, float]]], x_title: str, y_title: str,
                markers: list[Marker] = (), y_from_zero: bool = False) -> Markup:
     """A polyline per segment of (x, y) points (a start of the run: a restart goes back to its
     checkpoint's step), with axes, round ticks, and dashed vertical markers (the restarts)."""
-    segments = [[(x, y) for x, y in segment if math.isfinite(x) and math.isfinite(y)] for segment in segments]
+    # Beyond DRAWABLE a range overflows (1e308 - -1e308 is inf): no chart of a training run needs it.
+    segments = [[(x, y) for x, y in segment if abs(x) <= DRAWABLE and abs(y) <= DRAWABLE] for segment in segments]
     points = [point for segment in segments for point in segment]
     if len(points) < 2:
         return Markup('<p class="empty">not enough steps to draw</p>')

@@ -14,6 +14,7 @@ from toolkit.runs.layout import RunLayout
 from toolkit.runs.progress import number, restarted
 from toolkit.runs.status import RunStatus
 from toolkit.runs.timeline import plausible_time, read_lines
+from toolkit.shared_dirs import open_regular
 
 SMOOTH = 10  # steps the throughput curve is averaged over
 MAX_POINTS = 2000  # a week-long run's curve, thinned to what a page can draw
@@ -29,7 +30,7 @@ def thinned(points: list, most: int = MAX_POINTS) -> list:
 def metrics_entries(path: Path):
     """Each sound line of a metrics file, read a line at a time."""
     try:
-        with open(path, errors="replace") as handle:
+        with open_regular(path, text=True) as handle:
             for raw in handle:
                 try:
                     entry = json.loads(raw)

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.shared_dirs import open_regular
+
 WINDOW = 20  # steps the rates are taken over
 TAIL_BYTES = 16384  # enough for WINDOW metrics lines
 
@@ -29,7 +31,7 @@ def number(value) -> float | None:
 def tail_lines(path: Path, size: int = TAIL_BYTES) -> list[dict]:
     """The last complete JSON lines of a file, read from its end."""
     try:
-        with open(path, "rb") as handle:
+        with open_regular(path) as handle:
             handle.seek(0, os.SEEK_END)
             handle.seek(max(handle.tell() - size, 0))
             data = handle.read()

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from toolkit.runs.layout import RunLayout
+from toolkit.shared_dirs import open_regular
 
 FAULTS = {"node_lost", "restart", "node_silent"}
 EARLIEST, LATEST = 1e9, 1e11  # plausible Unix times (2001 to the year 5138): anything else is torn or forged
@@ -43,7 +44,8 @@ def plausible_time(value) -> bool:
 def read_lines(path: Path, required: dict[str, type | tuple]) -> list[dict]:
     """JSON lines with the fields required; torn or foreign lines are skipped."""
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        with open_regular(path, text=True) as handle:
+            lines = handle.read().splitlines()
     except OSError:
         return []
     entries = []

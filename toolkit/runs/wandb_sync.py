@@ -35,16 +35,23 @@ def client_python(training_python: str) -> str:
 SYNC_TIMEOUT_S = 3600  # wandb retries an unreachable server without end
 
 
+def synced_at(folder: Path) -> float | None:
+    """When wandb last marked the folder synced (its `.synced` file), None if never."""
+    return max((mark.stat().st_mtime_ns for mark in folder.glob("*.wandb.synced")), default=None)
+
+
 def sync(folders: list[Path], project: str, entity: str | None, python: str, run_dir: Path) -> list[Path]:
-    """`wandb sync` of the folders, its output passed through (the run's page); the folders it did
-    not mark synced are returned. wandb exits 0 when a folder failed (a refused key, a server
-    error): its own mark is the verdict. W&B's key comes from the environment (WANDB_API_KEY) or
-    `wandb login`: never from ft. Run in the run's folder: wandb writes its logs where it runs."""
-    argv = [python, "-m", "wandb", "sync", "--project", project, *(["--entity", entity] if entity else []),
-            *map(str, folders)]
+    """`wandb sync` of the folders (those synced before too), its output passed through (the run's
+    page); the folders it did not mark synced this time are returned. wandb exits 0 when a folder
+    failed (a refused key, a server error): its own mark, made now, is the verdict. W&B's key comes
+    from the environment (WANDB_API_KEY) or `wandb login`: never from ft. Run in the run's folder:
+    wandb writes its logs where it runs."""
+    before = {folder: synced_at(folder) for folder in folders}
+    argv = [python, "-m", "wandb", "sync", "--include-synced", "--project", project,
+            *(["--entity", entity] if entity else []), *map(str, folders)]
     try:
         subprocess.run(argv, stdin=subprocess.DEVNULL, check=False, cwd=run_dir, timeout=SYNC_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
         raise FtError(f"wandb sync did not finish within {SYNC_TIMEOUT_S // 60} minutes",
                       hint="is W&B reachable from here (WANDB_BASE_URL)? `ft sync` again resumes") from exc
-    return [folder for folder in folders if not any(folder.glob("*.wandb.synced"))]
+    return [folder for folder in folders if synced_at(folder) in (None, before[folder])]

@@ -174,7 +174,7 @@ class RunPublisher:
         self.claims, self.published, self.run = claims, published, run
         self.seen: tuple = ()
         self.asked = float("-inf")
-        self.refused: set[tuple[str, str]] = set()  # said once each
+        self.refused: dict[str, str] = {}  # claim -> why, said once (forgotten once the claim is gone)
 
     def once(self) -> None:
         try:
@@ -184,23 +184,26 @@ class RunPublisher:
         if listing == self.seen and time.monotonic() - self.asked < CACHE_S:
             return
         try:
-            jobs = run_targets.parse_running(self.run(run_targets.SQUEUE_RUNNING, timeout=COMMAND_TIMEOUT_S).stdout)
+            jobs = run_targets.parse_running(self.run(run_targets.SQUEUE_JOBS, timeout=COMMAND_TIMEOUT_S).stdout)
         except FtError:
             return  # Slurm silent: what was published stays until it answers again
         self.seen, self.asked = listing, time.monotonic()
         groups, refusals = run_targets.verified_targets(self.claims, jobs)
-        for refusal in refusals:
-            if (refusal.claim, refusal.why) not in self.refused:
-                self.refused.add((refusal.claim, refusal.why))
-                print(f"not published: {self.claims / refusal.claim}: {refusal.why}", flush=True)
+        refused = {refusal.claim: refusal.why for refusal in refusals}
+        for claim, why in refused.items():
+            if self.refused.get(claim) != why:  # names and reasons are the claim maker's: repr, one line
+                print(f"not published: {str(self.claims / claim)!r}: {why!r}", flush=True)
+        self.refused = refused
         run_targets.publish(self.published, groups)
 
     def forever(self, stopped: threading.Event) -> None:
-        while not stopped.wait(PUBLISH_EVERY_S):
+        while True:
             try:
                 self.once()
             except Exception as error:  # noqa: BLE001 - a bad turn must not end the publishing for good
                 print(f"publishing the runs' targets failed: {error!r}", flush=True)
+            if stopped.wait(PUBLISH_EVERY_S):
+                return
 
 
 def drop_privileges(user: str) -> None:
@@ -238,17 +241,15 @@ def main(argv: list[str]) -> int:
     publisher = None
     if options.publish is not None and profile.shared_root:
         publisher = RunPublisher(Path(profile.shared_root) / "monitoring" / "targets", options.publish)
-    # One whole scrape and one publishing turn before dropping root: every module they use is loaded
-    # while ft's Python can still be read.
+    # One whole scrape before dropping root: every module a scrape uses is loaded while ft's Python
+    # can still be read (the publisher's are imported with this module).
     urllib.request.urlopen(f"http://{address}/metrics", timeout=30).read()
     if options.user:
-        if publisher is not None:
-            options.publish.mkdir(parents=True, exist_ok=True)
-            account = pwd.getpwnam(options.user)
-            os.chown(options.publish, account.pw_uid, account.pw_gid)
         drop_privileges(options.user)
-    if publisher is not None:
-        publisher.once()
+    if publisher is not None and not os.access(options.publish, os.W_OK | os.X_OK):
+        raise SystemExit(f"{options.publish} is not a folder this exporter can write (as user "
+                         f"{pwd.getpwuid(os.getuid()).pw_name}): make it (ansible/roles/prometheus does) and "
+                         "give it to that user")
     stopped = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
     if publisher is not None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -332,9 +333,14 @@ class RunExporter:
         port = self.server.server_port
         if self.target_file is not None and self.target_file.parent.is_dir():
             # A claim: the address only. Its labels come from Slurm, not from this file.
-            target = [{"targets": [f"{self.host}:{port}"]}]
+            target = json.dumps([{"targets": [f"{self.host}:{port}"]}]) + "\n"
             # Prometheus (another user) reads it: world-readable, in a folder the admins made common.
-            write_atomically(self.target_file, json.dumps(target) + "\n", mode=0o644)
+            try:
+                write_atomically(self.target_file, target, mode=0o644)
+            except PermissionError:  # another user made a file of this name first (the folder is sticky)
+                self.target_file = self.target_file.with_name(
+                    f"{self.target_file.name[:-len('.json')]}-{secrets.token_hex(4)}.json")
+                write_atomically(self.target_file, target, mode=0o644)
         return port
 
     def stop(self, final_wait_s: float | None = None) -> None:

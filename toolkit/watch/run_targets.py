@@ -5,7 +5,8 @@ A run's watchdog says where it serves its metrics with a claim, <claims>/<run>.<
 Whatever such a file says, anyone could have written it, so Prometheus never reads it. The cluster
 exporter (toolkit/watch/cluster_metrics, as its own unprivileged user) publishes a claim only when
 
-  - Slurm runs the job the file names, a job of ft's (its comment names the run: ft-run=<run>),
+  - Slurm runs the job the file names, a job of ft's whose run the file names too (its comment:
+    ft-run=<run>; `squeue --json`, where a comment cannot forge a line),
   - the file's owner is the job's user (a file is owned by whoever made it; nobody can give theirs away),
   - the address is the job's batch host (where its watchdog runs) and a port,
 
@@ -14,6 +15,8 @@ published file, in a folder only the exporter writes. A run's own metrics carry 
 a user's process may serve anything, but only ever under its own user, job and run.
 
 A claim whose job has ended is not published (a watchdog lost with its batch host leaves its file).
+The run's name is the job's own word (its comment): alerts and dashboards know a run by its run
+and user together, and the user is Slurm's.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ from toolkit.shared_dirs import write_atomically
 
 CLAIM_MAX_BYTES = 4096  # a claim is one address; anything larger is not one of ours
 PUBLISHED_NAME = "runs.json"
-# Slurm's word on its running jobs. JobID in --Format is each array element's own id (SLURM_JOB_ID, as
-# its watchdog names the claim). A field with no size is printed whole (a size would pad it).
-SQUEUE_RUNNING = ["squeue", "--all", "--noheader", "--states=RUNNING",
-                  "--Format=JobID:|,UserName:|,BatchHost:|,Comment:|"]
+# Slurm's word on its jobs, as JSON: a comment (a user's free text) can hold a newline, which would
+# forge a line of squeue's text output. A job element's job_id is its own (SLURM_JOB_ID).
+SQUEUE_JOBS = ["squeue", "--all", "--json"]
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-PORT = re.compile(r"[0-9]{1,5}")
+# <run>.<job id>.json; <run>.<job id>-<8 hex>.json where another user took the plain name first.
+CLAIM_NAME = re.compile(r"(?P<run>[A-Za-z0-9][A-Za-z0-9._-]{0,127})\.(?P<job>[0-9]{1,12})(?:-[0-9a-f]{8})?\.json")
+ADDRESS = re.compile(r'\[\{"targets": ?\["(?P<host>[A-Za-z0-9._-]{1,253}):(?P<port>[0-9]{1,5})"\]\}\]\s*')
+WHY_MAX = 200  # a refusal's reason, as logged
 
 
 @dataclass(frozen=True)
@@ -53,21 +58,31 @@ class Refusal:
 
 
 def parse_running(text: str) -> dict[str, RunningJob]:
-    """ft's running jobs in SQUEUE_RUNNING's lines."""
-    jobs = {}
-    for line in text.splitlines():
-        parts = [part.strip() for part in line.split("|", 3)]
-        if len(parts) < 4 or not parts[0].isdigit():
+    """ft's running jobs in `squeue --json`'s answer. A job id listed twice is no one's (Slurm lists a
+    job once: anything else is not to be trusted)."""
+    try:
+        listed = json.loads(text)["jobs"]
+    except (ValueError, TypeError, KeyError, RecursionError):
+        return {}
+    jobs: dict[str, RunningJob] = {}
+    doubled: set[str] = set()
+    for job in listed if isinstance(listed, list) else []:
+        if not isinstance(job, dict) or job.get("job_state") != "RUNNING":
             continue
-        fields = dict(item.split("=", 1) for item in parts[3].rstrip("|").strip().split(",") if "=" in item)
+        job_id, user, host, comment = (str(job.get(key, ""))
+                                       for key in ("job_id", "user_name", "batch_host", "comment"))
+        fields = dict(item.split("=", 1) for item in comment.split(",") if "=" in item)
         run = fields.get("ft-run", "")
-        if RUN_NAME.fullmatch(run):
-            jobs[parts[0]] = RunningJob(parts[0], parts[1], parts[2], run)
-    return jobs
+        if not job_id.isdigit() or not RUN_NAME.fullmatch(run) or not user or not host:
+            continue
+        if job_id in jobs:
+            doubled.add(job_id)
+        jobs[job_id] = RunningJob(job_id, user, host, run)
+    return {job_id: job for job_id, job in jobs.items() if job_id not in doubled}
 
 
-def read_claim(path: Path, job: RunningJob) -> str:
-    """The claim's address (host:port), or ValueError saying why it is not published."""
+def read_claim(path: Path, job: RunningJob) -> tuple[str, float]:
+    """The claim's address (host:port) and its time, or ValueError saying why it is not published."""
     descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a link or a FIFO: refused
     with os.fdopen(descriptor, "rb") as handle:
         info = os.fstat(handle.fileno())
@@ -79,17 +94,16 @@ def read_claim(path: Path, job: RunningJob) -> str:
         content = handle.read(CLAIM_MAX_BYTES + 1)
     if len(content) > CLAIM_MAX_BYTES:
         raise ValueError(f"larger than {CLAIM_MAX_BYTES} bytes")
-    try:
-        groups = json.loads(content)
-        (address,) = groups[0]["targets"]
-        host, port = address.rsplit(":", 1)
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
-        raise ValueError(f"not one host:port in file_sd's format ({error})") from None
+    # Matched, not parsed: a claim is one address in the one shape ft writes (no parser to exhaust).
+    address = ADDRESS.fullmatch(content.decode("ascii", errors="replace"))
+    if address is None:
+        raise ValueError('not [{"targets": ["host:port"]}], the one shape a claim has')
+    host, port = address.group("host"), int(address.group("port"))
     if host != job.batch_host:
         raise ValueError(f"names host {host!r}; job {job.job_id} runs its watchdog on {job.batch_host}")
-    if not PORT.fullmatch(port) or not 0 < int(port) < 65536:
-        raise ValueError(f"names port {port!r}")
-    return f"{host}:{int(port)}"
+    if not 0 < port < 65536:
+        raise ValueError(f"names port {port}")
+    return f"{host}:{port}", info.st_mtime
 
 
 def user_name(uid: int) -> str:
@@ -100,19 +114,28 @@ def user_name(uid: int) -> str:
 
 
 def verified_targets(claims: Path, jobs: dict[str, RunningJob]) -> tuple[list[dict], list[Refusal]]:
-    """file_sd groups for the claims Slurm vouches for, and why each other claim of a running job is not
-    published (a claim of a job that is not running is ignored: it is the normal end of a lost run)."""
-    groups, refusals = [], []
+    """file_sd groups for the claims Slurm vouches for (one per job: its user's newest), and why each
+    other claim of a running job is not published (a claim of a job that is not running is ignored:
+    it is the normal end of a lost run)."""
+    newest: dict[str, tuple[float, str]] = {}
+    refusals = []
     for path in sorted(claims.glob("*.json")):
-        job = jobs.get(path.name[:-len(".json")].rsplit(".", 1)[-1])
+        named = CLAIM_NAME.fullmatch(path.name)
+        job = jobs.get(named.group("job")) if named else None
         if job is None:
             continue
         try:
-            address = read_claim(path, job)
-        except (OSError, ValueError) as error:
-            refusals.append(Refusal(path.name, str(error)))
+            if named.group("run") != job.run:
+                raise ValueError(f"names run {named.group('run')}; job {job.job_id} runs {job.run}")
+            address, made = read_claim(path, job)
+        except Exception as error:  # noqa: BLE001 - whatever a claim does, it costs only itself
+            refusals.append(Refusal(path.name, (str(error) or type(error).__name__)[:WHY_MAX]))
             continue
-        groups.append({"targets": [address], "labels": {"run": job.run, "user": job.user, "slurm_job": job.job_id}})
+        if made >= newest.get(job.job_id, (float("-inf"), ""))[0]:
+            newest[job.job_id] = (made, address)
+    groups = [{"targets": [address], "labels": {"run": jobs[job_id].run, "user": jobs[job_id].user,
+                                                "slurm_job": job_id}}
+              for job_id, (_, address) in sorted(newest.items())]
     return groups, refusals
 
 
