@@ -30,13 +30,14 @@ def usage(account: str = typer.Option(None, "--account", "-A", help="only this S
     from toolkit.account import usage as accounting
     from toolkit.cluster.profile import load_profile
     from toolkit.errors import FtError
+    from toolkit.runs.layout import RunLayout
     from toolkit.runs.store import RunStore
 
     profile = load_profile(cluster)
     start = accounting.parse_since(since, datetime.now())
     store = RunStore.for_shared_root(profile.shared_root)
     readable = {path.name: path for path in (store.root.iterdir() if store.root.is_dir() else [])
-                if (path / "run.json").is_file()}
+                if RunLayout(path).record.is_file()}
     try:
         allocations, source = accounting.from_slurm(start), "Slurm accounting (sacct)"
     except FtError as exc:
