@@ -115,8 +115,22 @@ def store_for(resolved: ResolvedRecipe) -> RunStore:
 
 
 def submit(recipe_path: Path, cluster: str | None = None, idempotency_key: str | None = None,
-           mode: str = "train", skip_validation: bool = False) -> Submission:
+           mode: str = "train", skip_validation: bool = False, prefer: str = "cheapest",
+           max_wait_s: float | None = None) -> Submission:
+    """Submit the recipe to `cluster` (a profile's name; "auto": where the broker's choice by `prefer`
+    puts it, recorded with why in the run's plan.json)."""
+    plan = None
+    if cluster == "auto":
+        from toolkit.cluster import broker
+        from toolkit.cluster.profile import available_profiles
+
+        found = broker.options(recipe_path, available_profiles())
+        best, why = broker.choose(found, prefer, broker.DEFAULT_MAX_WAIT_S if max_wait_s is None else max_wait_s)
+        cluster, plan = best.cluster, {"chosen": best.to_dict(), "why": why, "prefer": prefer,
+                                       "options": [option.to_dict() for option in found]}
     resolved = resolve(recipe_path, cluster)
+    if plan is not None:
+        resolved = resolved.with_tier(plan["chosen"]["tier"])
     require_training_environment(resolved)
     store = store_for(resolved)
 
@@ -124,19 +138,19 @@ def submit(recipe_path: Path, cluster: str | None = None, idempotency_key: str |
         return [] if skip_validation or mode == "preflight" else check_data(resolved)
 
     if idempotency_key is None:
-        return _submit_new(resolved, store, None, mode, validated())
+        return _submit_new(resolved, store, None, mode, validated(), plan)
     validate_key(idempotency_key)
     with store.key_lock(idempotency_key):
         existing = store.run_for_key(idempotency_key)
         if existing:  # already submitted: nothing to check again
             return Submission(store.load(existing), store.run_dir(existing), created=False)
-        submission = _submit_new(resolved, store, idempotency_key, mode, validated())
+        submission = _submit_new(resolved, store, idempotency_key, mode, validated(), plan)
         store.remember_key(idempotency_key, submission.run.run_id)
         return submission
 
 
 def _submit_new(resolved: ResolvedRecipe, store: RunStore, key: str | None, mode: str,
-                reports: list) -> Submission:
+                reports: list, plan: dict | None = None) -> Submission:
     version = CliSlurmClient().version()  # this cluster's Slurm decides which options the script uses
     run_id = store.claim_run_dir(resolved.recipe.name)
     run_dir = store.run_dir(run_id)
@@ -150,6 +164,8 @@ def _submit_new(resolved: ResolvedRecipe, store: RunStore, key: str | None, mode
     write_atomically(layout.recipe_resolved,
                      yaml.safe_dump(resolved.recipe.model_dump(mode="json"), sort_keys=False))
     write_atomically(layout.script, script, mode=0o700)
+    if plan is not None:
+        write_atomically(layout.plan, json.dumps(plan, indent=1) + "\n")
     if reports:
         write_atomically(layout.data_report,
                          json.dumps([report.to_dict() for report in reports], indent=1) + "\n")

@@ -11,7 +11,7 @@ os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
 import typer  # noqa: E402
 
 from toolkit import __version__  # noqa: E402
-from toolkit.cli import chaos, cluster, data, doctor, lab, model, recipe, runs, usage  # noqa: E402
+from toolkit.cli import chaos, cluster, data, doctor, lab, model, plan, recipe, runs, usage  # noqa: E402
 from toolkit.cli.output import print_error  # noqa: E402
 from toolkit.errors import FtError  # noqa: E402
 
@@ -38,6 +38,7 @@ app.command()(runs.sync)
 app.command()(runs.logs)
 app.command()(runs.cancel)
 app.command()(usage.usage)
+app.command()(plan.plan)
 app.command()(doctor.doctor)
 
 

@@ -53,7 +53,12 @@ def _coloured(state: str) -> str:
 
 def submit(
     recipe: Path = typer.Argument(..., help="Recipe file (YAML)."),
-    cluster: str = typer.Option(None, "--cluster", "-c", help="Cluster profile."),
+    cluster: str = typer.Option(None, "--cluster", "-c",
+                                help="Cluster profile; auto: the broker's choice (ft plan shows the options)."),
+    prefer: str = typer.Option("cheapest", "--prefer", help="With --cluster auto: cheapest (starting within "
+                               "--max-wait) or soonest."),
+    max_wait: float = typer.Option(30.0, "--max-wait", min=0, help="With --cluster auto: minutes the cheapest "
+                                   "may wait to start before the soonest is taken instead."),
     idempotency_key: str = typer.Option(None, "--idempotency-key",
                                         help="Submit at most once per key: a repeat returns the first run."),
     preflight: bool = typer.Option(False, "--preflight",
@@ -67,14 +72,23 @@ def submit(
     from toolkit.submission import submit as submit_run
 
     with task_spinner("submit") as step:
-        step("validating and rendering")
+        if prefer not in ("cheapest", "soonest"):
+            raise FtError(f"--prefer {prefer!r} is not a preference", hint="--prefer cheapest, or --prefer soonest")
+        step("weighing the clusters" if cluster == "auto" else "validating and rendering")
         submission = submit_run(recipe, cluster, idempotency_key, mode="preflight" if preflight else "train",
-                                skip_validation=skip_validation)
+                                skip_validation=skip_validation, prefer=prefer, max_wait_s=max_wait * 60)
     run = submission.run
+    layout = RunLayout(submission.run_dir)
+    plan = json.loads(layout.plan.read_text()) if cluster == "auto" and layout.plan.is_file() else None
     if as_json:
         print_json({"run_id": run.run_id, "job_id": run.latest_job, "run_dir": str(submission.run_dir),
-                    "created": submission.created, "warnings": submission.warnings})
+                    "created": submission.created, "warnings": submission.warnings,
+                    **({"plan": plan} if plan else {})})
         return
+    if plan:
+        chosen = plan["chosen"]
+        console.print(f"placed on [bold]{plain(chosen['cluster'])}[/], tier {plain(chosen['tier'])}: "
+                      f"{plain(plan['why'])}")
     for warning in submission.warnings:
         err_console.print(f"[yellow]warning:[/] {plain(warning)}", soft_wrap=True)
     verb = "submitted" if submission.created else "already submitted (same idempotency key)"

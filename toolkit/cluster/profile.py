@@ -41,6 +41,8 @@ class TierTarget(BaseModel):
     model_config = ConfigDict(extra="forbid")
     partition: str
     qos: str | None = None
+    # The tier's own price per GPU-hour (a free tier's is lower, a premium one's higher); None: the profile's.
+    price_per_gpu_hour: float | None = Field(None, ge=0)
 
     _names = field_validator("partition", "qos")(slurm_name)
 

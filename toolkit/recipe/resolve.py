@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,14 @@ class ResolvedRecipe:
     def values(self) -> dict[str, Any]:
         """Dotted field -> value, for every leaf of the resolved recipe."""
         return dict(_flatten(self.recipe.model_dump(mode="json")))
+
+    def with_tier(self, tier: str) -> ResolvedRecipe:
+        """The same run in another of the profile's tiers (the broker's choice): its partition and QOS."""
+        target = self.profile.tiers[tier]
+        resources = self.recipe.resources.model_copy(update={"tier": tier})
+        return replace(self, recipe=self.recipe.model_copy(update={"resources": resources}),
+                       derived=self.derived.model_copy(update={"partition": target.partition, "qos": target.qos}),
+                       sources=self.sources | {"resources.tier": "ft plan's choice (--cluster auto)"})
 
 
 def _flatten(data: Any, prefix: str = "") -> list[tuple[str, Any]]:

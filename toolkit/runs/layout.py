@@ -15,6 +15,7 @@
     metrics.jsonl     every step's loss, learning rate, tokens (rank 0)
     tracking.json     where else the metrics went (W&B page or offline folder)
     summary.json      what the finished run did and cost
+    plan.json         where `ft submit --cluster auto` put the run, and why (the options it weighed)
     checkpoints/      the checkpoints, unless the recipe stages them elsewhere
     output/           the adapter or the weights, with the tokenizer
     logs/             slurm-<job>.out, node-<host>.log, rank-<n>.log, warm-<host>.log, stacks/
@@ -56,6 +57,7 @@ SUMMARY = "summary.json"
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_STATUS = "checkpoints.json"
 OUTPUT = "output"
+PLAN = "plan.json"
 LOGS = "logs"
 LAUNCH_MARKS = "launch"
 LAUNCH_FAILURES = "launch-failures"
@@ -148,6 +150,11 @@ class RunLayout:
     @property
     def summary(self) -> Path:
         return self.root / SUMMARY
+
+    @property
+    def plan(self) -> Path:
+        """Where `ft submit --cluster auto` put the run, and why (toolkit/cluster/broker.py)."""
+        return self.root / PLAN
 
     @property
     def checkpoints(self) -> Path:
