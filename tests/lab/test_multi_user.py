@@ -128,6 +128,16 @@ def test_bob_lists_none_of_alices_runs(alice_run):
     assert alice_run["run_id"] not in result.stdout
 
 
+def test_bob_sees_alices_gpu_hours_from_slurm_but_nothing_of_her_run_folder(alice_run):
+    """Slurm's accounting is every user's to read (sacct --allusers); her run's records are not: bob's
+    `ft usage` counts her job's allocation and says nothing of its faults."""
+    result = ft_as(BOB, "usage", "--json", "--since", "2000-01-01")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    report = json.loads(result.stdout)
+    (row,) = [row for row in report["rows"] if row["key"] == alice_run["run_id"]]
+    assert row["allocations"] >= 1 and row["refundable_gpu_hours"] is None  # her timeline is hers
+
+
 @pytest.mark.parametrize("attempt", [
     ["cat", "{run_dir}/run.json"], ["ls", "{run_dir}/logs"], ["cat", "{run_dir}/logs/rank-0.log"],
     ["touch", "{run_dir}/recipe.json"],  # what the workers read when the job is requeued

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import datetime
 from enum import StrEnum
@@ -37,7 +38,7 @@ def usage(account: str = typer.Option(None, "--account", "-A", help="only this S
     start = accounting.parse_since(since, datetime.now())
     store = RunStore.for_shared_root(profile.shared_root)
     readable = {path.name: path for path in (store.root.iterdir() if store.root.is_dir() else [])
-                if RunLayout(path).record.is_file()}
+                if _readable(RunLayout(path).record)}
     try:
         allocations, source = accounting.from_slurm(start), "Slurm accounting (sacct)"
     except FtError as exc:
@@ -58,6 +59,14 @@ def usage(account: str = typer.Option(None, "--account", "-A", help="only this S
         return
     _table(rows, by.value, price, profile.name, start)
     err_console.print(f"source: {plain(source)}")
+
+
+def _readable(path: Path) -> bool:
+    """Whether this user may read a run's record (another user's run folder is private to them)."""
+    try:
+        return path.is_file() and os.access(path, os.R_OK)
+    except OSError:
+        return False
 
 
 def _gpus_of(run_dir: Path) -> int:
