@@ -19,13 +19,13 @@ from toolkit.account.usage import Allocation, Losses, from_records, losses, pars
 
 # sacct --allusers --duplicates -X --parsable2 --noheader --format=SACCT_FIELDS: job 48 requeued twice
 # (a node lost, then preempted) then completed; 49 a run of another account on the free tier; a job
-# that is not ft's; one still pending.
-SACCT = """48|ft-run-a|alice|research|standard|normal|REQUEUED|37|billing=2,cpu=2,gres/gpu=2,mem=8G,node=2|2026-11-24T20:18:03|2026-11-24T20:18:40
-48|ft-run-a|alice|research|standard|normal|REQUEUED|61|billing=2,cpu=2,gres/gpu=2,mem=8G,node=2|2026-11-24T20:18:41|2026-11-24T20:19:42
-48|ft-run-a|alice|research|standard|normal|COMPLETED|30|billing=2,cpu=2,gres/gpu=2,mem=8G,node=2|2026-11-24T20:19:43|2026-11-24T20:20:13
-49|ft-run-b|bob|physics|free|normal|CANCELLED by 0|3600|billing=8,cpu=8,gres/gpu=8,mem=32G,node=1|2026-11-24T20:29:52|2026-11-24T21:29:52
-50|hand-made|bob|physics|free|normal|COMPLETED|600|billing=1,cpu=1,gres/gpu=1,node=1|2026-11-24T20:29:52|2026-11-24T20:39:52
-51|ft-run-c|bob|physics|standard|normal|PENDING|0||Unknown|Unknown
+# that is not ft's; one still pending. Run b waited 20 minutes for its nodes.
+SACCT = """48|ft-run-a|alice|research|standard|normal|REQUEUED|37|billing=2,cpu=2,gres/gpu=2,mem=8G,node=2|2026-11-24T20:18:03|2026-11-24T20:18:40|2026-11-24T20:18:03
+48|ft-run-a|alice|research|standard|normal|REQUEUED|61|billing=2,cpu=2,gres/gpu=2,mem=8G,node=2|2026-11-24T20:18:41|2026-11-24T20:19:42|2026-11-24T20:18:41
+48|ft-run-a|alice|research|standard|normal|COMPLETED|30|billing=2,cpu=2,gres/gpu=2,mem=8G,node=2|2026-11-24T20:19:43|2026-11-24T20:20:13|2026-11-24T20:19:43
+49|ft-run-b|bob|physics|free|normal|CANCELLED by 0|3600|billing=8,cpu=8,gres/gpu=8,mem=32G,node=1|2026-11-24T20:29:52|2026-11-24T21:29:52|2026-11-24T20:09:52
+50|hand-made|bob|physics|free|normal|COMPLETED|600|billing=1,cpu=1,gres/gpu=1,node=1|2026-11-24T20:29:52|2026-11-24T20:39:52|2026-11-24T20:29:52
+51|ft-run-c|bob|physics|standard|normal|PENDING|0||Unknown|Unknown|Unknown
 """
 TIERS = {"free": "free", "standard": "standard"}
 
@@ -40,6 +40,7 @@ def test_every_allocation_counts_once_with_its_own_gpus_and_time():
     assert rows["run-b"].gpu_hours == 8.0 and rows["run-c"].gpu_hours == 0
     by_tier = {row.key: row.to_dict(price=2.5) for row in summarise(allocations, "tier", TIERS, {})}
     assert by_tier["free"]["gpu_hours"] == 8.0 and by_tier["free"]["cost"] == 20.0
+    assert by_tier["free"]["longest_wait_s"] == 1200 and by_tier["standard"]["longest_wait_s"] == 0
     assert by_tier["standard"]["runs"] == 2 and by_tier["standard"]["allocations"] == 4
     by_account = [row.key for row in summarise(allocations, "account", TIERS, {})]
     assert by_account == ["physics", "research"]  # the largest first

@@ -9,6 +9,8 @@ hung or died: ft restarts it on the same nodes) is part of that allocation, neve
 Where Slurm keeps no accounting, the run records stand in (attempts.jsonl: each allocation's start and
 nodes, the job's GPUs from its recipe), and `ft usage` says which it used.
 
+Each allocation's wait (eligible to start: a premium tier's promise) is kept beside it.
+
 What faults cost, from each run's own timeline (toolkit/runs/timeline.py), in the run's GPUs:
   refundable   lost to the platform: steps redone after a fault, detecting it and starting again
                (a node lost or silent, a rank died or hung)
@@ -19,6 +21,7 @@ What faults cost, from each run's own timeline (toolkit/runs/timeline.py), in th
 from __future__ import annotations
 
 import re
+import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -27,7 +30,7 @@ from pathlib import Path
 from toolkit.errors import FtError
 from toolkit.slurm import commands
 
-SACCT_FIELDS = "JobIDRaw,JobName,User,Account,Partition,QOS,State,ElapsedRaw,AllocTRES,Start,End"
+SACCT_FIELDS = "JobIDRaw,JobName,User,Account,Partition,QOS,State,ElapsedRaw,AllocTRES,Start,End,Eligible"
 JOB_NAME = re.compile(r"ft-([A-Za-z0-9][A-Za-z0-9._-]*)")
 GPUS = re.compile(r"(?:^|,)gres/gpu=(\d+)(?:,|$)")
 USER_ERRORS = {4, 5}  # toolkit/watch/exits.py: USER_ERROR, OUT_OF_MEMORY
@@ -45,6 +48,7 @@ class Allocation:
     gpus: int
     seconds: float
     start: float | None
+    waited: float | None = None  # from eligible to start: the queue's wait (a requeue's own, too)
 
     @property
     def gpu_hours(self) -> float:
@@ -70,15 +74,17 @@ def parse_sacct(text: str) -> list[Allocation]:
     found = []
     for line in text.splitlines():
         parts = line.split("|")
-        if len(parts) != 11:
+        if len(parts) != 12:
             continue
-        job_id, name, user, account, partition, _qos, state, elapsed, tres, start, _end = parts
+        job_id, name, user, account, partition, _qos, state, elapsed, tres, start, _end, eligible = parts
         named = JOB_NAME.fullmatch(name)
         if not named or not elapsed.isdigit():
             continue
         gpus = GPUS.search(tres)
+        began, ready = slurm_time(start), slurm_time(eligible)
         found.append(Allocation(named.group(1), job_id, user, account, partition, state.split()[0] if state else "",
-                                int(gpus.group(1)) if gpus else 0, float(elapsed), slurm_time(start)))
+                                int(gpus.group(1)) if gpus else 0, float(elapsed), began,
+                                max(began - ready, 0.0) if began is not None and ready is not None else None))
     return found
 
 
@@ -155,10 +161,20 @@ class Row:
     gpu_hours: float = 0.0
     refundable_gpu_hours: float | None = 0.0
     user_error_gpu_hours: float | None = 0.0
+    waits: list[float] = field(default_factory=list)  # each allocation's wait in the queue
+
+    @property
+    def median_wait_s(self) -> float | None:
+        return statistics.median(self.waits) if self.waits else None
+
+    @property
+    def longest_wait_s(self) -> float | None:
+        return max(self.waits) if self.waits else None
 
     def to_dict(self, price: float) -> dict:
-        row = asdict(self) | {"runs": len(self.runs)}
-        return row | {"gpu_hours": round(self.gpu_hours, 4), "cost": round(self.gpu_hours * price, 2)}
+        row = {key: value for key, value in asdict(self).items() if key != "waits"} | {"runs": len(self.runs)}
+        return row | {"gpu_hours": round(self.gpu_hours, 4), "cost": round(self.gpu_hours * price, 2),
+                      "median_wait_s": self.median_wait_s, "longest_wait_s": self.longest_wait_s}
 
 
 def summarise(allocations: list[Allocation], by: str, tiers: dict[str, str],
@@ -174,6 +190,8 @@ def summarise(allocations: list[Allocation], by: str, tiers: dict[str, str],
         row.runs.add(allocation.run)
         row.allocations += 1
         row.gpu_hours += allocation.gpu_hours
+        if allocation.waited is not None:
+            row.waits.append(allocation.waited)
         if allocation.run not in latest or (allocation.start or 0) >= (latest[allocation.run].start or 0):
             latest[allocation.run] = allocation
     for run, allocation in latest.items():

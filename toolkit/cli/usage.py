@@ -87,12 +87,16 @@ def _table(rows, by: str, price: float, cluster: str, start: float) -> None:
 
     table = Table(title=f"GPU-hours on {plain(cluster)} since {datetime.fromtimestamp(start):%Y-%m-%d %H:%M}",
                   title_justify="left")
-    for column in (by, "runs", "allocations", "GPU-hours", "cost", "refundable", "user errors"):
+    def wait(value: float | None) -> str:
+        return "-" if value is None else f"{value / 60:,.1f} min"
+
+    for column in (by, "runs", "allocations", "GPU-hours", "cost", "refundable", "user errors", "wait, median",
+                   "longest"):
         table.add_column(column, justify="left" if column == by else "right", overflow="fold")
     for row in rows:
         table.add_row(plain(row.key), str(len(row.runs)), str(row.allocations), hours(row.gpu_hours),
                       f"${row.gpu_hours * price:,.2f}" if price else "-", hours(row.refundable_gpu_hours),
-                      hours(row.user_error_gpu_hours))
+                      hours(row.user_error_gpu_hours), wait(row.median_wait_s), wait(row.longest_wait_s))
     console.print(table)
     if not price:
         console.print("no cost: the cluster profile sets no price_per_gpu_hour")
