@@ -143,9 +143,10 @@ def published_targets(prometheus: str) -> Path:
 
 def test_prometheus_scrapes_a_run_only_under_slurms_word_of_who_it_is(lab, prometheus, tmp_path):
     """The claims folder is every user's (like runs/). A claim is scraped only when Slurm runs its job
-    for the file's owner at the address's host, and labelled with Slurm's word: a file naming another
-    user's job, another host, a job that does not run, or labels of its own, changes nothing. The
-    exporter that checks them runs as its own unprivileged user."""
+    for the file's owner at the address's host, for the run the file names, and labelled with Slurm's
+    word: a file naming another user's job, another host, another run, a job that does not run, or
+    with labels of its own, changes nothing. The exporter that checks them runs as its own
+    unprivileged user."""
     import os
     import pwd
     import uuid
@@ -167,11 +168,9 @@ def test_prometheus_scrapes_a_run_only_under_slurms_word_of_who_it_is(lab, prome
     claims = Path(lab.shared_dir) / "monitoring" / "targets"
     made: list[Path] = []
 
-    def claim(name: str, address: str, owner: int) -> None:
+    def claim(name: str, address: str, owner: int, labels: dict | None = None) -> None:
         path = claims / name
-        path.write_text(json.dumps([{"targets": [address], "labels": {
-            "run": "alices-run", "user": "ftlab-alice", "slurm_job": "1", "__metrics_path__": "/admin/steal",
-            "__param_target": "http://192.0.2.1/"}}]))
+        path.write_text(json.dumps([{"targets": [address], **({"labels": labels} if labels else {})}]))
         os.chown(path, owner, owner)
         made.append(path)
 
@@ -179,8 +178,11 @@ def test_prometheus_scrapes_a_run_only_under_slurms_word_of_who_it_is(lab, prome
         host = wait_for(f"bob's job {job} to start", lambda: job_fields(job).get("BatchHost")
                         if job_fields(job).get("JobState") == "RUNNING" else None, timeout=60)
         claim(f"bobs-{tag}.{job}.json", f"{host}:9", account.pw_uid)  # his, for his job: scraped, as his
-        claim(f"alices-{tag}.{job}.json", f"{host}:10", 0)  # another user's file naming his job
-        claim(f"elsewhere-{tag}.{job}.json", "127.0.0.1:11", account.pw_uid)  # not his job's host
+        claim(f"bobs-{tag}.{job}-0000000a.json", f"{host}:10", 0)  # another user's file naming his job
+        claim(f"bobs-{tag}.{job}-0000000b.json", "127.0.0.1:11", account.pw_uid)  # not his job's host
+        claim(f"alices-run.{job}.json", f"{host}:13", account.pw_uid)  # not the run his job runs
+        claim(f"bobs-{tag}.{job}-0000000c.json", f"{host}:14", account.pw_uid, labels={  # labels of its own
+            "run": "alices-run", "user": "ftlab-alice", "__metrics_path__": "/admin/steal"})
         claim(f"nojob-{tag}.999999.json", f"{host}:12", account.pw_uid)  # no such job
 
         def bobs_target():
@@ -188,7 +190,7 @@ def test_prometheus_scrapes_a_run_only_under_slurms_word_of_who_it_is(lab, prome
 
         target = wait_for("Prometheus to scrape bob's claim", bobs_target, timeout=60, interval=1)
         ours = [t for t in active_targets(prometheus) if t["labels"]["job"] == "ft-runs"
-                and t["discoveredLabels"]["__address__"].rsplit(":", 1)[-1] in {"9", "10", "11", "12"}]
+                and t["discoveredLabels"]["__address__"].rsplit(":", 1)[-1] in {"9", "10", "11", "12", "13", "14"}]
     finally:
         cancel(job)
         for path in made:
@@ -201,4 +203,7 @@ def test_prometheus_scrapes_a_run_only_under_slurms_word_of_who_it_is(lab, prome
     exporter = pwd.getpwuid(published.stat().st_uid).pw_name
     assert exporter not in {"root", bob} and published.parent.stat().st_uid == published.stat().st_uid
     log = (published.parent.parent / "ft-cluster-metrics.log").read_text()
-    assert f"alices-{tag}.{job}.json: owned by root" in log and f"elsewhere-{tag}.{job}.json: names host" in log
+    assert f"bobs-{tag}.{job}-0000000a.json': 'owned by root" in log
+    assert f"bobs-{tag}.{job}-0000000b.json': \"names host '127.0.0.1'" in log
+    assert f"alices-run.{job}.json': 'names run alices-run; job {job} runs bobs-{tag}" in log
+    assert f"bobs-{tag}.{job}-0000000c.json': 'not [" in log

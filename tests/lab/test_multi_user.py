@@ -63,8 +63,9 @@ def accounts(lab):
     USERS_PYTHON[:] = [str(users_python(folder))]
     reachable = as_user(ALICE, *USERS_PYTHON, "-c", "import toolkit, deepspeed")
     if reachable.returncode != 0:
-        pytest.skip(f"this checkout ({REPO}) cannot be read by other accounts (a folder above it is private): "
-                    f"{reachable.stderr.strip()[-300:]}")
+        said = (reachable.stderr.strip().splitlines() or ["no output"])[-1]
+        pytest.skip(f"this checkout ({REPO}) cannot be read by other accounts (a folder above it is private: "
+                    f"clone where others may read, as a cluster's shared install is): {said}")
     yield {name: pwd.getpwnam(name) for name in (ALICE, BOB)}
     shutil.rmtree(folder, ignore_errors=True)
 

@@ -173,7 +173,8 @@ class Row:
 
     def to_dict(self, price: float) -> dict:
         row = {key: value for key, value in asdict(self).items() if key != "waits"} | {"runs": len(self.runs)}
-        return row | {"gpu_hours": round(self.gpu_hours, 4), "cost": round(self.gpu_hours * price, 2),
+        cost = round(self.gpu_hours * price, 2) if price else None  # no price: no cost, not a free run
+        return row | {"gpu_hours": round(self.gpu_hours, 4), "cost": cost,
                       "median_wait_s": self.median_wait_s, "longest_wait_s": self.longest_wait_s}
 
 

@@ -129,7 +129,7 @@ def ls(cluster: str = typer.Option(None, "--cluster", "-c"), limit: int = typer.
 
     table = Table(title=f"runs in {plain(store.root)}", title_justify="left")
     for column in ("run", "state", "job", "tier", "mode", "submitted"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")  # a run's name whole, to copy into `ft status`
     for status in statuses:
         job_id = status.job.job_id if status.job else status.run.latest_job  # a queued rendered run's too
         table.add_row(plain(status.run.run_id), _coloured(status.state), plain(job_id or "-"),
@@ -179,7 +179,7 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
         # The summary is the last start's: after a restart its tokens and time are that start's alone.
         last = " in its last start" if current.timeline and current.timeline["starts"] > 1 else ""
         console.print(f"  done: {done['steps']} steps, final loss {done['final_loss']:.4f}; {done['tokens']} tokens, "
-                      f"{done['wall_seconds']} s, {done['gpu_hours']} GPU-hours{_cost(current)}{last}; "
+                      f"{done['wall_seconds']} s, {done['gpu_hours']} GPU-hours of training{_cost(current)}{last}; "
                       f"output {plain(done['output'])}", soft_wrap=True)  # lines whole, paths unbroken
     if current.checkpoints and (where := checkpoint_summary(current.checkpoints)):
         console.print(f"  checkpoints: {plain(where)}", soft_wrap=True)

@@ -109,7 +109,7 @@ def options(recipe_path: Path, profiles: dict, run: Callable = commands.run) -> 
         for tier, target in profile.tiers.items():
             price = profile.price_per_gpu_hour if target.price_per_gpu_hour is None else target.price_per_gpu_hour
             option = Option(name, tier, target.partition, gpus, time_limit_hours(resources.time), price,
-                            asked=tier == str(resources.tier.value))
+                            asked=tier == str(resources.tier))
             found.append(option)
             if target.partition not in partitions:
                 option.why = "start unknown: not this host's Slurm"

@@ -32,7 +32,7 @@ class RunStatus:
     def tier(self) -> str:
         """The service tier the run asked for (its recipe's resources.tier); '' where unreadable."""
         try:
-            return str(RunLayout(self.run_dir).read_spec().recipe.resources.tier.value)
+            return str(RunLayout(self.run_dir).read_spec().recipe.resources.tier)  # a str, or a Tier (a StrEnum)
         except Exception:  # noqa: BLE001 - a damaged or foreign spec: the run is still listed
             return ""
 
