@@ -202,8 +202,10 @@ def test_prometheus_scrapes_a_run_only_under_slurms_word_of_who_it_is(lab, prome
     published = published_targets(prometheus)
     exporter = pwd.getpwuid(published.stat().st_uid).pw_name
     assert exporter not in {"root", bob} and published.parent.stat().st_uid == published.stat().st_uid
-    log = (published.parent.parent / "ft-cluster-metrics.log").read_text()
-    assert f"bobs-{tag}.{job}-0000000a.json': 'owned by root" in log
-    assert f"bobs-{tag}.{job}-0000000b.json': \"names host '127.0.0.1'" in log
-    assert f"alices-run.{job}.json': 'names run alices-run; job {job} runs bobs-{tag}" in log
-    assert f"bobs-{tag}.{job}-0000000c.json': 'not [" in log
+    said = {line.split("': ", 1)[0].rsplit("/", 1)[-1]: line.split("': ", 1)[1]
+            for line in (published.parent.parent / "ft-cluster-metrics.log").read_text().splitlines()
+            if line.startswith("not published: ") and (tag in line or f".{job}." in line)}
+    assert "owned by root" in said[f"bobs-{tag}.{job}-0000000a.json"]
+    assert "names host '127.0.0.1'" in said[f"bobs-{tag}.{job}-0000000b.json"]
+    assert f"names run alices-run; job {job} runs bobs-{tag}" in said[f"alices-run.{job}.json"]
+    assert "the one shape a claim has" in said[f"bobs-{tag}.{job}-0000000c.json"]
