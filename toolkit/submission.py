@@ -132,25 +132,28 @@ def submit(recipe_path: Path, cluster: str | None = None, idempotency_key: str |
     if plan is not None:
         resolved = resolved.with_tier(plan["chosen"]["tier"])
     require_training_environment(resolved)
+    from toolkit.account import quota
+
+    quota_warnings = quota.check(resolved) if mode == "train" else []  # refuses past the account's cap
     store = store_for(resolved)
 
     def validated() -> list:
         return [] if skip_validation or mode == "preflight" else check_data(resolved)
 
     if idempotency_key is None:
-        return _submit_new(resolved, store, None, mode, validated(), plan)
+        return _submit_new(resolved, store, None, mode, validated(), plan, quota_warnings)
     validate_key(idempotency_key)
     with store.key_lock(idempotency_key):
         existing = store.run_for_key(idempotency_key)
         if existing:  # already submitted: nothing to check again
             return Submission(store.load(existing), store.run_dir(existing), created=False)
-        submission = _submit_new(resolved, store, idempotency_key, mode, validated(), plan)
+        submission = _submit_new(resolved, store, idempotency_key, mode, validated(), plan, quota_warnings)
         store.remember_key(idempotency_key, submission.run.run_id)
         return submission
 
 
 def _submit_new(resolved: ResolvedRecipe, store: RunStore, key: str | None, mode: str,
-                reports: list, plan: dict | None = None) -> Submission:
+                reports: list, plan: dict | None = None, warnings: list[str] = ()) -> Submission:
     version = CliSlurmClient().version()  # this cluster's Slurm decides which options the script uses
     run_id = store.claim_run_dir(resolved.recipe.name)
     run_dir = store.run_dir(run_id)
@@ -178,4 +181,4 @@ def _submit_new(resolved: ResolvedRecipe, store: RunStore, key: str | None, mode
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-done: no run without a job
         raise
     record = store.add_job(run_id, JobRecord(job_id, time.time()))  # the job may have registered first
-    return Submission(record, run_dir, created=True, warnings=mirror_warnings(resolved, run_id))
+    return Submission(record, run_dir, created=True, warnings=[*warnings, *mirror_warnings(resolved, run_id)])

@@ -132,3 +132,13 @@ def test_ft_usage_says_it_used_the_run_records_where_slurm_does_not_answer(tmp_p
     bad = subprocess.run([sys.executable, "-m", "toolkit", "usage", "--since", "last tuesday"],
                          capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode != 0 and "YYYY-MM-DD" in bad.stderr
+
+
+def test_an_account_over_its_budget_is_flagged():
+    from toolkit.cli.usage import _quota
+    from toolkit.cluster.profile import AccountQuota
+
+    assert _quota(AccountQuota(budget_gpu_hours=10, cap_gpu_hours=12), 10.5) == {
+        "budget_gpu_hours": 10, "cap_gpu_hours": 12, "over_budget": True}
+    assert _quota(AccountQuota(budget_gpu_hours=10), 9.9)["over_budget"] is False
+    assert _quota(None, 100.0) == {}

@@ -69,8 +69,9 @@ def slurm_time(text: str) -> float | None:
         return None  # Unknown, None
 
 
-def parse_sacct(text: str) -> list[Allocation]:
-    """`sacct -X --duplicates --parsable2 --noheader --format=SACCT_FIELDS`: ft's jobs only (named ft-<run>)."""
+def parse_sacct(text: str, ft_only: bool = True) -> list[Allocation]:
+    """`sacct -X --duplicates --parsable2 --noheader --format=SACCT_FIELDS`: ft's jobs only (named
+    ft-<run>), or every job (each under its own name)."""
     found = []
     for line in text.splitlines():
         parts = line.split("|")
@@ -78,22 +79,24 @@ def parse_sacct(text: str) -> list[Allocation]:
             continue
         job_id, name, user, account, partition, _qos, state, elapsed, tres, start, _end, eligible = parts
         named = JOB_NAME.fullmatch(name)
-        if not named or not elapsed.isdigit():
+        if (ft_only and not named) or not elapsed.isdigit():
             continue
         gpus = GPUS.search(tres)
         began, ready = slurm_time(start), slurm_time(eligible)
-        found.append(Allocation(named.group(1), job_id, user, account, partition, state.split()[0] if state else "",
-                                int(gpus.group(1)) if gpus else 0, float(elapsed), began,
-                                max(began - ready, 0.0) if began is not None and ready is not None else None))
+        waited = max(began - ready, 0.0) if began is not None and ready is not None else None
+        found.append(Allocation(named.group(1) if named else name, job_id, user, account, partition,
+                                state.split()[0] if state else "", int(gpus.group(1)) if gpus else 0,
+                                float(elapsed), began, waited))
     return found
 
 
-def from_slurm(since: float, run: Callable = commands.run) -> list[Allocation]:
-    """Every allocation of ft's jobs since `since`, from slurmdbd; FtError where accounting is off."""
+def from_slurm(since: float, run: Callable = commands.run, ft_only: bool = True) -> list[Allocation]:
+    """Every allocation of ft's jobs (or of all jobs) since `since`, from slurmdbd; FtError where
+    accounting is off."""
     start = datetime.fromtimestamp(since).strftime("%Y-%m-%dT%H:%M:%S")
     result = run(["sacct", "--allusers", "--duplicates", "-X", "--parsable2", "--noheader",
                   f"--starttime={start}", "--endtime=now", f"--format={SACCT_FIELDS}"], timeout=60)
-    return parse_sacct(result.stdout)
+    return parse_sacct(result.stdout, ft_only)
 
 
 def from_records(runs: Iterable[tuple[str, Path]], gpus_of: Callable[[Path], int], now: float,

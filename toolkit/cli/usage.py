@@ -53,12 +53,22 @@ def usage(account: str = typer.Option(None, "--account", "-A", help="only this S
     tiers = {target.partition: tier for tier, target in profile.tiers.items()}
     rows = accounting.summarise(allocations, by.value, tiers, losses)
     price = profile.price_per_gpu_hour
+    quotas = profile.accounts if by == By.account else {}
     if as_json:
         print_json({"source": source, "since": start, "cluster": profile.name, "price_per_gpu_hour": price,
-                    "by": by.value, "rows": [row.to_dict(price) for row in rows]})
+                    "by": by.value, "rows": [row.to_dict(price) | _quota(quotas.get(row.key), row.gpu_hours)
+                                             for row in rows]})
         return
-    _table(rows, by.value, price, profile.name, start)
+    _table(rows, by.value, price, profile.name, start, quotas)
     err_console.print(f"source: {plain(source)}")
+
+
+def _quota(quota, used: float) -> dict:
+    """An account's budget and cap beside its use, and whether it is over its budget (flagged)."""
+    if quota is None:
+        return {}
+    over = quota.budget_gpu_hours is not None and used > quota.budget_gpu_hours
+    return {"budget_gpu_hours": quota.budget_gpu_hours, "cap_gpu_hours": quota.cap_gpu_hours, "over_budget": over}
 
 
 def _readable(path: Path) -> bool:
@@ -79,7 +89,7 @@ def _gpus_of(run_dir: Path) -> int:
     return (resources.nodes or 1) * (resources.gpus_per_node or 0)
 
 
-def _table(rows, by: str, price: float, cluster: str, start: float) -> None:
+def _table(rows, by: str, price: float, cluster: str, start: float, quotas: dict) -> None:
     from rich.table import Table
 
     def hours(value: float | None) -> str:
@@ -90,13 +100,20 @@ def _table(rows, by: str, price: float, cluster: str, start: float) -> None:
     def wait(value: float | None) -> str:
         return "-" if value is None else f"{value / 60:,.1f} min"
 
-    for column in (by, "runs", "allocations", "GPU-hours", "cost", "refundable", "user errors", "wait, median",
-                   "longest"):
+    def budget(row) -> str:
+        limits = _quota(quotas.get(row.key), row.gpu_hours)
+        if not limits or limits["budget_gpu_hours"] is None:
+            return "-"
+        return f"{limits['budget_gpu_hours']:g}" + (" [bold red]OVER[/]" if limits["over_budget"] else "")
+
+    columns = (by, "runs", "allocations", "GPU-hours", "cost", "refundable", "user errors", "wait, median", "longest")
+    for column in columns + (("budget",) if quotas else ()):
         table.add_column(column, justify="left" if column == by else "right", overflow="fold")
     for row in rows:
         table.add_row(plain(row.key), str(len(row.runs)), str(row.allocations), hours(row.gpu_hours),
                       f"${row.gpu_hours * price:,.2f}" if price else "-", hours(row.refundable_gpu_hours),
-                      hours(row.user_error_gpu_hours), wait(row.median_wait_s), wait(row.longest_wait_s))
+                      hours(row.user_error_gpu_hours), wait(row.median_wait_s), wait(row.longest_wait_s),
+                      *((budget(row),) if quotas else ()))
     console.print(table)
     if not price:
         console.print("no cost: the cluster profile sets no price_per_gpu_hour")

@@ -47,6 +47,14 @@ class TierTarget(BaseModel):
     _names = field_validator("partition", "qos")(slurm_name)
 
 
+class AccountQuota(BaseModel):
+    """An account's share of the cluster (the inventory's slurm_accounting_accounts, through ft_profile)."""
+    model_config = ConfigDict(extra="forbid")
+    budget_gpu_hours: float | None = Field(None, ge=0)  # a month's: past it, ft warns and flags the overage
+    cap_gpu_hours: float | None = Field(None, ge=0)  # a month's: past it, ft refuses and Slurm holds the jobs
+    max_running_jobs: int | None = Field(None, ge=0)  # runs at once; more wait in the queue
+
+
 class ClusterProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -78,6 +86,7 @@ class ClusterProfile(BaseModel):
     # record, if it keeps one; the default follows published large-cluster interruption rates).
     node_mtbf_hours: float = Field(DEFAULT_NODE_MTBF_HOURS, gt=0)
     default_account: str | None = None
+    accounts: dict[str, AccountQuota] = {}
     # How the compute nodes get ft and the training stack (`ft cluster prepare`):
     #   ""         the site's: ft installed where the login node's interpreter also runs (the lab,
     #              an admin's shared install); jobs run the login node's Python unless `python` says

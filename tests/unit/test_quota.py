@@ -1,0 +1,68 @@
+"""An account's quota before a submit (toolkit/account/quota.py): refused past its cap, warned past its
+budget and at its limit of runs at once; Slurm's answers as the lab's Slurm 22.05 gives them."""
+
+# ruff: noqa: E501 - sacct's lines below are kept as Slurm prints them
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import pytest
+
+from tests.support.run_specs import run_spec
+from toolkit.account import quota
+from toolkit.cluster.profile import AccountQuota, load_profile
+from toolkit.recipe.resolve import ResolvedRecipe
+from toolkit.slurm.commands import CommandResult
+
+NOW = datetime(2026, 11, 24, 12, 0, 0).timestamp()
+# This month: a run of ft's and a hand-made job of account physics (Slurm counts both), one of research.
+SACCT = """11|ft-r1|alice|physics|standard|ft-standard|COMPLETED|3600|billing=2,cpu=2,gres/gpu=2,mem=8G,node=2|2026-11-03T10:00:00|2026-11-03T11:00:00|2026-11-03T10:00:00
+12|by-hand|bob|physics|free|normal|COMPLETED|1800|billing=4,cpu=4,gres/gpu=4,node=1|2026-11-04T10:00:00|2026-11-04T10:30:00|2026-11-04T10:00:00
+13|ft-r2|carol|research|standard|ft-standard|COMPLETED|36000|billing=8,cpu=8,gres/gpu=8,node=1|2026-11-05T10:00:00|2026-11-05T20:00:00|2026-11-05T10:00:00
+"""
+
+
+def slurm(running: int = 0):
+    def run(argv, timeout=None, check=True):
+        if argv[0] == "sacct":
+            return CommandResult(tuple(argv), 0, SACCT, "")
+        if argv[0] == "squeue":
+            return CommandResult(tuple(argv), 0, "".join(f"{n}\n" for n in range(running)), "")
+        return CommandResult(tuple(argv), 0, "physics\n", "")  # sacctmgr: the user's default account
+    return run
+
+
+def resolved(account: str | None, accounts: dict, time: str = "01:00:00", gpus: int = 2) -> ResolvedRecipe:
+    spec = run_spec()
+    data = spec.recipe.model_dump(mode="json")
+    recipe = spec.recipe.model_validate(data | {"resources": data["resources"] | {
+        "account": account, "time": time, "gpus_per_node": gpus}})
+    profile = load_profile("lab").model_copy(update={"accounts": accounts, "default_account": None})
+    return ResolvedRecipe(recipe=recipe, profile=profile, path=None, derived=spec.derived)
+
+
+def test_a_run_past_the_cap_is_refused_and_says_what_is_left():
+    # physics used 2 x 1 h + 4 x 0.5 h = 4 GPU-hours; a 2-GPU run of 1 h asks 2 more.
+    with pytest.raises(quota.QuotaExceeded, match=r"account physics has used 4.00 of its 5 GPU-hours .* up to 2.00") as refused:
+        quota.check(resolved("physics", {"physics": AccountQuota(cap_gpu_hours=5)}), slurm(), now=NOW)
+    assert refused.value.exit_code == 2 and "resources.time" in refused.value.hint
+    assert quota.check(resolved("physics", {"physics": AccountQuota(cap_gpu_hours=6)}), slurm(), now=NOW) == []
+
+
+def test_the_users_default_account_is_the_one_charged_and_budgets_and_limits_warn():
+    warnings = quota.check(resolved(None, {"physics": AccountQuota(budget_gpu_hours=5, max_running_jobs=3)}),
+                           slurm(running=3), now=NOW)
+    assert len(warnings) == 2
+    assert "passes its monthly budget: 4.00 of 5 GPU-hours" in warnings[0]
+    assert "3 jobs running, its limit" in warnings[1]
+
+
+def test_an_account_without_a_quota_or_without_accounting_is_not_checked():
+    assert quota.check(resolved("research", {"physics": AccountQuota(cap_gpu_hours=0)}), slurm(), now=NOW) == []
+
+    def silent(argv, timeout=None, check=True):
+        from toolkit.slurm.commands import SlurmUnavailable
+        raise SlurmUnavailable("accounting storage is disabled")
+
+    assert quota.check(resolved("physics", {"physics": AccountQuota(cap_gpu_hours=0)}), silent, now=NOW) == []

@@ -1,0 +1,75 @@
+"""An account's share, checked before a run is submitted: its monthly GPU-hour cap (refused past it,
+as Slurm would hold the job: GrpTRESMins with AccountingStorageEnforce=safe), its budget (warned and
+flagged past it) and the runs it may have running at once (warned: the job waits in the queue).
+
+The quotas are the cluster profile's `accounts` (written by ansible/roles/ft_profile from the same
+inventory that sets Slurm's own limits); the usage is Slurm's accounting this month, every job of the
+account (ft's or not: Slurm counts them all). Where accounting does not answer, nothing is checked:
+Slurm could not enforce a cap either.
+"""
+
+from __future__ import annotations
+
+import getpass
+import time
+from collections.abc import Callable
+from datetime import datetime
+
+from toolkit.account import usage
+from toolkit.errors import FtError
+from toolkit.slurm import commands
+
+
+class QuotaExceeded(FtError):
+    exit_code = 2
+
+
+def account_of(resources, profile, run: Callable = commands.run) -> str | None:
+    """The account a job is charged to: the recipe's, the profile's default, else the user's own default."""
+    if resources.account or profile.default_account:
+        return resources.account or profile.default_account
+    try:
+        found = run(["sacctmgr", "--noheader", "--parsable2", "show", "user", getpass.getuser(),
+                     "format=defaultaccount"], timeout=10).stdout.split()
+    except FtError:
+        return None
+    return found[0] if found else None
+
+
+def check(resolved, run: Callable = commands.run, now: float | None = None) -> list[str]:
+    """Warnings for the submit, or QuotaExceeded where the run would pass its account's cap."""
+    from toolkit.cluster.broker import time_limit_hours
+
+    resources, profile = resolved.recipe.resources, resolved.profile
+    account = account_of(resources, profile, run)
+    quota = profile.accounts.get(account) if account else None
+    if quota is None:
+        return []
+    since = usage.month_start(datetime.fromtimestamp(time.time() if now is None else now))
+    try:
+        allocations = usage.from_slurm(since, run, ft_only=False)
+    except FtError:
+        return []
+    used = sum(allocation.gpu_hours for allocation in allocations if allocation.account == account)
+    asks = resources.nodes * (resources.gpus_per_node or 0) * time_limit_hours(resources.time)
+    if quota.cap_gpu_hours is not None and used + asks > quota.cap_gpu_hours:
+        raise QuotaExceeded(
+            f"account {account} has used {used:,.2f} of its {quota.cap_gpu_hours:g} GPU-hours this month; this run "
+            f"may use up to {asks:,.2f} more ({resources.nodes} x {resources.gpus_per_node or 0} GPUs for "
+            f"{resources.time}): Slurm would hold it (AssocGrpGRESMinutes), so nothing was submitted",
+            hint="ask for less time (resources.time), use another account (resources.account), or ask the "
+                 "cluster's admins for a higher cap (cap_gpu_hours)")
+    warnings = []
+    if quota.budget_gpu_hours is not None and used + asks > quota.budget_gpu_hours:
+        warnings.append(f"account {account} passes its monthly budget: {used:,.2f} of {quota.budget_gpu_hours:g} "
+                        f"GPU-hours used, and this run may use {asks:,.2f} more (flagged in `ft usage --by account`)")
+    if quota.max_running_jobs is not None:
+        try:
+            running = run(["squeue", "--noheader", f"--account={account}", "--states=RUNNING", "--format=%i"],
+                          timeout=10).stdout.split()
+        except FtError:
+            running = []
+        if len(running) >= quota.max_running_jobs:
+            warnings.append(f"account {account} has {len(running)} jobs running, its limit: this run waits in "
+                            "the queue until one ends (AssocGrpJobsLimit)")
+    return warnings
