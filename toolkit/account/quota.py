@@ -47,7 +47,7 @@ def check(resolved, run: Callable = commands.run, now: float | None = None) -> l
         return []
     since = usage.month_start(datetime.fromtimestamp(time.time() if now is None else now))
     try:
-        allocations = usage.from_slurm(since, run, ft_only=False)
+        allocations = usage.from_slurm(since, run, ft_only=False, account=account)  # one account's month only
     except FtError:
         return []
     used = sum(allocation.gpu_hours for allocation in allocations if allocation.account == account)

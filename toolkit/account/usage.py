@@ -90,11 +90,13 @@ def parse_sacct(text: str, ft_only: bool = True) -> list[Allocation]:
     return found
 
 
-def from_slurm(since: float, run: Callable = commands.run, ft_only: bool = True) -> list[Allocation]:
-    """Every allocation of ft's jobs (or of all jobs) since `since`, from slurmdbd; FtError where
-    accounting is off."""
+def from_slurm(since: float, run: Callable = commands.run, ft_only: bool = True,
+               account: str | None = None) -> list[Allocation]:
+    """Every allocation of ft's jobs (or of all jobs; of one account's) since `since`, from slurmdbd;
+    FtError where accounting is off."""
     start = datetime.fromtimestamp(since).strftime("%Y-%m-%dT%H:%M:%S")
     result = run(["sacct", "--allusers", "--duplicates", "-X", "--parsable2", "--noheader",
+                  *([f"--accounts={account}"] if account else []),
                   f"--starttime={start}", "--endtime=now", f"--format={SACCT_FIELDS}"], timeout=60)
     return parse_sacct(result.stdout, ft_only)
 

@@ -40,7 +40,7 @@ def usage(account: str = typer.Option(None, "--account", "-A", help="only this S
     readable = {path.name: path for path in (store.root.iterdir() if store.root.is_dir() else [])
                 if _readable(RunLayout(path).record)}
     try:
-        allocations, source = accounting.from_slurm(start), "Slurm accounting (sacct)"
+        allocations, source = accounting.from_slurm(start, account=account), "Slurm accounting (sacct)"
     except FtError as exc:
         allocations = accounting.from_records(sorted(readable.items()), _gpus_of, time.time(), start)
         source = f"ft's run records (Slurm accounting did not answer: {exc.message})"
