@@ -42,6 +42,10 @@ def test_every_allocation_counts_once_with_its_own_gpus_and_time():
     assert by_tier["free"]["gpu_hours"] == 8.0 and by_tier["free"]["cost"] == 20.0
     assert by_tier["free"]["longest_wait_s"] == 1200 and by_tier["standard"]["longest_wait_s"] == 0
     assert by_tier["standard"]["runs"] == 2 and by_tier["standard"]["allocations"] == 4
+    # Jobs of another set of partitions (the lab's second slice), known by their tier's QOS.
+    qos = summarise(parse_sacct(SACCT.replace("|standard|normal|", "|s2-standard|ft-standard|")), "tier", TIERS, {},
+                    {"ft-standard": "standard"})
+    assert {row.key for row in qos} == {"free", "standard"}
     by_account = [row.key for row in summarise(allocations, "account", TIERS, {})]
     assert by_account == ["physics", "research"]  # the largest first
 

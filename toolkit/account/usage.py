@@ -49,6 +49,7 @@ class Allocation:
     seconds: float
     start: float | None
     waited: float | None = None  # from eligible to start: the queue's wait (a requeue's own, too)
+    qos: str = ""
 
     @property
     def gpu_hours(self) -> float:
@@ -77,7 +78,7 @@ def parse_sacct(text: str, ft_only: bool = True) -> list[Allocation]:
         parts = line.split("|")
         if len(parts) != 12:
             continue
-        job_id, name, user, account, partition, _qos, state, elapsed, tres, start, _end, eligible = parts
+        job_id, name, user, account, partition, qos, state, elapsed, tres, start, _end, eligible = parts
         named = JOB_NAME.fullmatch(name)
         if (ft_only and not named) or not elapsed.isdigit():
             continue
@@ -86,7 +87,7 @@ def parse_sacct(text: str, ft_only: bool = True) -> list[Allocation]:
         waited = max(began - ready, 0.0) if began is not None and ready is not None else None
         found.append(Allocation(named.group(1) if named else name, job_id, user, account, partition,
                                 state.split()[0] if state else "", int(gpus.group(1)) if gpus else 0,
-                                float(elapsed), began, waited))
+                                float(elapsed), began, waited, qos))
     return found
 
 
@@ -184,14 +185,20 @@ class Row:
 
 
 def summarise(allocations: list[Allocation], by: str, tiers: dict[str, str],
-              run_losses: dict[str, Losses]) -> list[Row]:
-    """Rows per `by` (run, user, account, tier), largest first. A run's losses count in the row of its
-    latest allocation (a run moves between rows only if requeued to another partition)."""
+              run_losses: dict[str, Losses], qos_tiers: dict[str, str] | None = None) -> list[Row]:
+    """Rows per `by` (run, user, account, tier), largest first. A job's tier is its QOS's (`qos_tiers`:
+    the tiers are QOS), else its partition's (`tiers`), else its partition. A run's losses count in the
+    row of its latest allocation (a run moves between rows only if requeued to another tier)."""
+    qos_tiers = qos_tiers or {}
+
+    def tier(allocation: Allocation) -> str:
+        return qos_tiers.get(allocation.qos) or tiers.get(allocation.partition, allocation.partition)
+
     rows: dict[str, Row] = {}
     latest: dict[str, Allocation] = {}
     for allocation in allocations:
         key = {"run": allocation.run, "user": allocation.user, "account": allocation.account,
-               "tier": tiers.get(allocation.partition, allocation.partition)}[by] or "-"
+               "tier": tier(allocation)}[by] or "-"
         row = rows.setdefault(key, Row(key))
         row.runs.add(allocation.run)
         row.allocations += 1
@@ -201,8 +208,7 @@ def summarise(allocations: list[Allocation], by: str, tiers: dict[str, str],
         if allocation.run not in latest or (allocation.start or 0) >= (latest[allocation.run].start or 0):
             latest[allocation.run] = allocation
     for run, allocation in latest.items():
-        key = {"run": run, "user": allocation.user, "account": allocation.account,
-               "tier": tiers.get(allocation.partition, allocation.partition)}[by] or "-"
+        key = {"run": run, "user": allocation.user, "account": allocation.account, "tier": tier(allocation)}[by] or "-"
         row, lost = rows[key], run_losses.get(run, Losses())
         row.refundable_gpu_hours = add(row.refundable_gpu_hours, lost.refundable)
         row.user_error_gpu_hours = add(row.user_error_gpu_hours, lost.user_error)

@@ -51,7 +51,8 @@ def usage(account: str = typer.Option(None, "--account", "-A", help="only this S
         held.setdefault(allocation.run, []).append(allocation)
     losses = {run: accounting.losses(readable[run], mine) for run, mine in held.items() if run in readable}
     tiers = {target.partition: tier for tier, target in profile.tiers.items()}
-    rows = accounting.summarise(allocations, by.value, tiers, losses)
+    qos_tiers = {target.qos: tier for tier, target in profile.tiers.items() if target.qos}
+    rows = accounting.summarise(allocations, by.value, tiers, losses, qos_tiers)
     price = profile.price_per_gpu_hour
     quotas = profile.accounts if by == By.account else {}
     if as_json:
