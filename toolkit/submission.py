@@ -132,22 +132,23 @@ def submit(recipe_path: Path, cluster: str | None = None, idempotency_key: str |
     if plan is not None:
         resolved = resolved.with_tier(plan["chosen"]["tier"])
     require_training_environment(resolved)
-    from toolkit.account import quota
-
-    quota_warnings = quota.check(resolved) if mode == "train" else []  # refuses past the account's cap
     store = store_for(resolved)
 
-    def validated() -> list:
-        return [] if skip_validation or mode == "preflight" else check_data(resolved)
+    def new_run(key: str | None) -> Submission:
+        from toolkit.account import quota
+
+        warnings = quota.check(resolved)  # refuses past the account's cap (a preflight holds the nodes too)
+        reports = [] if skip_validation or mode == "preflight" else check_data(resolved)
+        return _submit_new(resolved, store, key, mode, reports, plan, warnings)
 
     if idempotency_key is None:
-        return _submit_new(resolved, store, None, mode, validated(), plan, quota_warnings)
+        return new_run(None)
     validate_key(idempotency_key)
     with store.key_lock(idempotency_key):
         existing = store.run_for_key(idempotency_key)
-        if existing:  # already submitted: nothing to check again
+        if existing:  # already submitted: nothing to check again (the quota included: it is spent)
             return Submission(store.load(existing), store.run_dir(existing), created=False)
-        submission = _submit_new(resolved, store, idempotency_key, mode, validated(), plan, quota_warnings)
+        submission = new_run(idempotency_key)
         store.remember_key(idempotency_key, submission.run.run_id)
         return submission
 

@@ -30,6 +30,9 @@ def slurm(starts: dict[str, str | None]):
     def run(argv, timeout=None, check=True):
         if argv[0] == "sinfo":
             return CommandResult(tuple(argv), 0, "\n".join(starts) + "\n", "")
+        if argv[0] == "scontrol":
+            return CommandResult(tuple(argv), 0, "Configuration data as of 2026-11-24T12:00:00\n"
+                                                 "ClusterName             = lab\n", "")
         script = Path(argv[-1]).read_text()
         partition = next(line.split("=", 1)[1] for line in script.splitlines()
                          if line.startswith("#SBATCH --partition="))
@@ -50,12 +53,16 @@ def two_priced_labs(tmp_path, monkeypatch):
         "cheap": {"extends": "lab", "price_per_gpu_hour": 1.0},
         "dear": {"extends": "lab", "price_per_gpu_hour": 3.0, "tiers": {
             "free": {"partition": "s2-free"}, "standard": {"partition": "s2-standard"},
-            "premium": {"partition": "s2-premium"}}}}))
+            "premium": {"partition": "s2-premium"}}},
+        # Another cluster whose partitions happen to bear the lab's names: this Slurm cannot speak for it.
+        "far": {"extends": "hyperpod", "price_per_gpu_hour": 0.5, "tiers": {
+            "free": {"partition": "free"}, "standard": {"partition": "standard"},
+            "premium": {"partition": "premium"}}}}))
     monkeypatch.setenv("FT_CLUSTERS_FILE", str(clusters))
     monkeypatch.setenv("FT_SITE_PROFILE", str(tmp_path / "no-site.yaml"))
     profiles, errors = load_all()
     assert not errors
-    return {name: profiles[name] for name in ("cheap", "dear", "hyperpod")}
+    return {name: profiles[name] for name in ("cheap", "dear", "far", "hyperpod")}
 
 
 def test_the_cheaper_of_two_that_start_now_and_the_sooner_when_the_cheaper_is_full(two_priced_labs):
@@ -63,8 +70,8 @@ def test_the_cheaper_of_two_that_start_now_and_the_sooner_when_the_cheaper_is_fu
                         "s2-free": at(0), "s2-standard": at(0), "s2-premium": at(0)})
     found = broker.options(TINY, two_priced_labs, run)
     assert sorted(asked) == sorted(["free", "standard", "premium", "s2-free", "s2-standard", "s2-premium"])
-    hyperpod = [o for o in found if o.cluster == "hyperpod"]
-    assert hyperpod and all(o.start is None and "not this host's Slurm" in o.why for o in hyperpod)
+    elsewhere = [o for o in found if o.cluster in ("hyperpod", "far")]
+    assert len(elsewhere) == 6 and all(o.start is None and "not this host's Slurm" in o.why for o in elsewhere)
     best, why = broker.choose(found, now=NOW)
     assert (best.cluster, best.tier) == ("cheap", "standard") and "cheapest" in why  # among equals, the recipe's tier
     assert best.cost == pytest.approx(best.gpus * best.hours * 1.0)
@@ -90,12 +97,26 @@ def test_a_tier_of_its_own_price_is_weighed_at_it(two_priced_labs):
     assert broker.choose(found, max_wait_s=300, now=NOW)[0].tier == "standard"  # not within 5 minutes
 
 
+def test_among_equal_costs_the_recipes_own_tier_even_if_another_starts_sooner(two_priced_labs):
+    run, _ = slurm({"free": at(0), "standard": at(12), "premium": at(0),
+                    "s2-free": at(0), "s2-standard": at(0), "s2-premium": at(0)})
+    best, why = broker.choose(broker.options(TINY, two_priced_labs, run), now=NOW)
+    assert (best.cluster, best.tier) == ("cheap", "standard") and "not the recipe's" not in why
+
+
+def test_a_start_slurm_cannot_tell_yet_still_fits():
+    def run(argv, timeout=None, check=True):
+        return CommandResult(tuple(argv), 0, "", "sbatch: Job 9 to start at Unknown using 2 processors on nodes "
+                                                 "node[1-2] in partition standard\n")
+    assert broker.expected_start("#!/bin/bash\n", run) == (None, "Slurm accepts it, with no start time yet")
+
+
 def test_what_slurm_refuses_does_not_fit_and_says_why(two_priced_labs):
     run, _ = slurm({"free": None, "standard": None, "premium": None,
                     "s2-free": None, "s2-standard": at(5), "s2-premium": None})
     found = broker.options(TINY, two_priced_labs, run)
     refused = [o for o in found if not o.fits]
-    assert refused and all("time limit is invalid" in o.why for o in refused if o.cluster != "hyperpod")
+    assert refused and all("time limit is invalid" in o.why for o in refused if o.cluster not in ("hyperpod", "far"))
     best, _ = broker.choose(found, now=NOW)
     assert (best.cluster, best.tier) == ("dear", "standard")
     run, _ = slurm({name: None for name in ("free", "standard", "premium", "s2-free", "s2-standard", "s2-premium")})

@@ -5,6 +5,7 @@ budget and at its limit of runs at once; Slurm's answers as the lab's Slurm 22.0
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 
 import pytest
@@ -23,10 +24,13 @@ SACCT = """11|ft-r1|alice|physics|standard|ft-standard|COMPLETED|3600|billing=2,
 """
 
 
-def slurm(running: int = 0):
+def slurm(running: int = 0, queued: list[dict] = ()):
     def run(argv, timeout=None, check=True):
         if argv[0] == "sacct":
-            return CommandResult(tuple(argv), 0, SACCT, "")
+            assert "--delimiter=\x1f" in argv
+            return CommandResult(tuple(argv), 0, SACCT.replace("|", "\x1f"), "")
+        if argv[0] == "squeue" and "--json" in argv:
+            return CommandResult(tuple(argv), 0, json.dumps({"jobs": list(queued)}), "")
         if argv[0] == "squeue":
             return CommandResult(tuple(argv), 0, "".join(f"{n}\n" for n in range(running)), "")
         return CommandResult(tuple(argv), 0, "physics\n", "")  # sacctmgr: the user's default account
@@ -48,6 +52,30 @@ def test_a_run_past_the_cap_is_refused_and_says_what_is_left():
         quota.check(resolved("physics", {"physics": AccountQuota(cap_gpu_hours=5)}), slurm(), now=NOW)
     assert refused.value.exit_code == 2 and "resources.time" in refused.value.hint
     assert quota.check(resolved("physics", {"physics": AccountQuota(cap_gpu_hours=6)}), slurm(), now=NOW) == []
+
+
+def test_what_runs_and_waits_counts_up_to_its_time_limit():
+    """Slurm holds back what the account's running and pending jobs may still use: so does ft."""
+    queued = [{"account": "physics", "job_state": "RUNNING", "tres_req_str": "cpu=2,node=1,gres/gpu=2",
+               "time_limit": 60, "end_time": NOW + 1800},  # 2 GPUs x 30 min left
+              {"account": "physics", "job_state": "PENDING", "tres_req_str": "cpu=1,gres/gpu=1", "time_limit": 60},
+              {"account": "research", "job_state": "PENDING", "tres_req_str": "gres/gpu=8", "time_limit": 600}]
+    assert quota.committed_gpu_hours("physics", slurm(queued=queued), now=NOW) == pytest.approx(2.0)
+    with pytest.raises(quota.QuotaExceeded, match=r"has used 6.00 of its 7 GPU-hours"):
+        quota.check(resolved("physics", {"physics": AccountQuota(cap_gpu_hours=7)}), slurm(queued=queued), now=NOW)
+
+
+def test_an_account_named_in_capitals_is_slurms_lowercase_one():
+    with pytest.raises(quota.QuotaExceeded, match="account physics"):
+        quota.check(resolved("PHYSICS", {"physics": AccountQuota(cap_gpu_hours=5)}), slurm(), now=NOW)
+
+
+def test_spare_nodes_count_in_what_a_run_may_use():
+    spec = resolved("physics", {"physics": AccountQuota(cap_gpu_hours=7)})  # 4 used; 2 more fit, 4 do not
+    spared = spec.recipe.resources.model_copy(update={"spare_nodes": 1})
+    spec.recipe = spec.recipe.model_copy(update={"resources": spared})
+    with pytest.raises(quota.QuotaExceeded, match=r"up to 4.00 more \(4 GPUs"):  # (1 + 1 spare) x 2 GPUs x 1 h
+        quota.check(spec, slurm(), now=NOW)
 
 
 def test_the_users_default_account_is_the_one_charged_and_budgets_and_limits_warn():

@@ -31,7 +31,7 @@ TIERS = {"free": "free", "standard": "standard"}
 
 
 def test_every_allocation_counts_once_with_its_own_gpus_and_time():
-    allocations = parse_sacct(SACCT)
+    allocations = parse_sacct(SACCT.replace("|", "\x1f"))
     assert [(a.run, a.state, a.gpus, a.seconds) for a in allocations] == [
         ("run-a", "REQUEUED", 2, 37), ("run-a", "REQUEUED", 2, 61), ("run-a", "COMPLETED", 2, 30),
         ("run-b", "CANCELLED", 8, 3600), ("run-c", "PENDING", 0, 0)]
@@ -43,7 +43,8 @@ def test_every_allocation_counts_once_with_its_own_gpus_and_time():
     assert by_tier["free"]["longest_wait_s"] == 1200 and by_tier["standard"]["longest_wait_s"] == 0
     assert by_tier["standard"]["runs"] == 2 and by_tier["standard"]["allocations"] == 4
     # Jobs of another set of partitions (the lab's second slice), known by their tier's QOS.
-    qos = summarise(parse_sacct(SACCT.replace("|standard|normal|", "|s2-standard|ft-standard|")), "tier", TIERS, {},
+    qos = summarise(parse_sacct(SACCT.replace("|standard|normal|", "|s2-standard|ft-standard|").replace("|", "\x1f")),
+                    "tier", TIERS, {},
                     {"ft-standard": "standard"})
     assert {row.key for row in qos} == {"free", "standard"}
     by_account = [row.key for row in summarise(allocations, "account", TIERS, {})]
@@ -51,7 +52,7 @@ def test_every_allocation_counts_once_with_its_own_gpus_and_time():
 
 
 def test_losses_count_once_per_run_and_unknown_stays_unknown():
-    allocations = parse_sacct(SACCT)
+    allocations = parse_sacct(SACCT.replace("|", "\x1f"))
     rows = {row.key: row for row in summarise(allocations, "user", TIERS,
                                                {"run-a": Losses(0.02, 0.0), "run-c": Losses(0.0, 0.5)})}
     assert rows["alice"].refundable_gpu_hours == 0.02  # three allocations, one run: counted once
@@ -146,3 +147,33 @@ def test_an_account_over_its_budget_is_flagged():
         "budget_gpu_hours": 10, "cap_gpu_hours": 12, "over_budget": True}
     assert _quota(AccountQuota(budget_gpu_hours=10), 9.9)["over_budget"] is False
     assert _quota(None, 100.0) == {}
+
+
+def test_a_job_across_the_months_start_is_charged_its_part_after_it():
+    from toolkit.account.usage import within
+
+    job = held(T - 3600, 7200)  # from an hour before `since` to an hour after
+    assert within(job, T).seconds == 3600 and within(job, T).start == T
+    assert within(held(T + 10, 50), T).seconds == 50
+
+
+def test_refunds_never_exceed_what_was_held(tmp_path):
+    """A run's files are its user's to write: whatever they claim was redone, no more than the
+    allocations held is refundable."""
+    metrics = [(T + 10, 1)] + [(T + 10 + s, 1) for s in range(1, 2000)]  # step 1 'redone' 2000 times
+    forged = run_folder(tmp_path, "forged", [{"time": T, "job": "7", "event": "start"}], metrics, [])
+    lost = losses(forged, [held(T, 100)])
+    assert lost.refundable <= 4 * 100 / 3600 + 1e-9
+
+
+def test_a_run_folder_counts_only_for_the_jobs_it_records_and_its_owner_ran(tmp_path):
+    import pwd
+
+    from toolkit.cli.usage import _runs_these_jobs
+
+    folder = run_folder(tmp_path, "mine", [], [], [])
+    (folder / "run.json").write_text(json.dumps({"jobs": [{"job_id": "7"}]}))
+    me = pwd.getpwuid(os.getuid()).pw_name
+    assert _runs_these_jobs(folder, [Allocation("mine", "7", me, "a", "p", "COMPLETED", 4, 60, T)])
+    assert not _runs_these_jobs(folder, [Allocation("mine", "8", me, "a", "p", "COMPLETED", 4, 60, T)])
+    assert not _runs_these_jobs(folder, [Allocation("mine", "7", "someone-else", "a", "p", "COMPLETED", 4, 60, T)])

@@ -11,6 +11,7 @@ Slurm could not enforce a cap either.
 from __future__ import annotations
 
 import getpass
+import json
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -27,13 +28,37 @@ class QuotaExceeded(FtError):
 def account_of(resources, profile, run: Callable = commands.run) -> str | None:
     """The account a job is charged to: the recipe's, the profile's default, else the user's own default."""
     if resources.account or profile.default_account:
-        return resources.account or profile.default_account
+        return (resources.account or profile.default_account).lower()  # Slurm's account names are lowercase
     try:
         found = run(["sacctmgr", "--noheader", "--parsable2", "show", "user", getpass.getuser(),
                      "format=defaultaccount"], timeout=10).stdout.split()
     except FtError:
         return None
-    return found[0] if found else None
+    return found[0].lower() if found else None
+
+
+def committed_gpu_hours(account: str, run: Callable = commands.run, now: float | None = None) -> float:
+    """GPU-hours the account's jobs may still use: a running job's until its time limit, a pending
+    job's whole (`squeue --json`; 0 where Slurm does not answer)."""
+    try:
+        jobs = json.loads(run(["squeue", "--json", f"--account={account}"], timeout=10).stdout).get("jobs", [])
+    except (FtError, ValueError, AttributeError):
+        return 0.0
+    now = time.time() if now is None else now
+    committed = 0.0
+    for job in jobs if isinstance(jobs, list) else []:
+        if not isinstance(job, dict) or job.get("account") != account:
+            continue
+        gpus = usage.GPUS.search(str(job.get("tres_req_str", "")))
+        limit_s = float(job.get("time_limit") or 0) * 60
+        if job.get("job_state") == "RUNNING":
+            left = max(float(job.get("end_time") or 0) - now, 0.0)
+        elif job.get("job_state") == "PENDING":
+            left = limit_s
+        else:
+            continue
+        committed += (int(gpus.group(1)) if gpus else 0) * left / 3600
+    return committed
 
 
 def check(resolved, run: Callable = commands.run, now: float | None = None) -> list[str]:
@@ -42,7 +67,7 @@ def check(resolved, run: Callable = commands.run, now: float | None = None) -> l
 
     resources, profile = resolved.recipe.resources, resolved.profile
     account = account_of(resources, profile, run)
-    quota = profile.accounts.get(account) if account else None
+    quota = {name.lower(): value for name, value in profile.accounts.items()}.get(account) if account else None
     if quota is None:
         return []
     since = usage.month_start(datetime.fromtimestamp(time.time() if now is None else now))
@@ -50,13 +75,16 @@ def check(resolved, run: Callable = commands.run, now: float | None = None) -> l
         allocations = usage.from_slurm(since, run, ft_only=False, account=account)  # one account's month only
     except FtError:
         return []
+    # What ran this month, and what runs or waits now up to its time limit (Slurm holds that much back).
     used = sum(allocation.gpu_hours for allocation in allocations if allocation.account == account)
-    asks = resources.nodes * (resources.gpus_per_node or 0) * time_limit_hours(resources.time)
+    used += committed_gpu_hours(account, run, time.time() if now is None else now)
+    gpus = usage.allocated_gpus(resources)
+    asks = gpus * time_limit_hours(resources.time)
     if quota.cap_gpu_hours is not None and used + asks > quota.cap_gpu_hours:
         raise QuotaExceeded(
             f"account {account} has used {used:,.2f} of its {quota.cap_gpu_hours:g} GPU-hours this month; this run "
-            f"may use up to {asks:,.2f} more ({resources.nodes} x {resources.gpus_per_node or 0} GPUs for "
-            f"{resources.time}): Slurm would hold it (AssocGrpGRESMinutes), so nothing was submitted",
+            f"may use up to {asks:,.2f} more ({gpus} GPUs for {resources.time}): Slurm would hold it "
+            "(AssocGrpGRESMinutes), so nothing was submitted",
             hint="ask for less time (resources.time), use another account (resources.account), or ask the "
                  "cluster's admins for a higher cap (cap_gpu_hours)")
     warnings = []

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 import statistics
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -56,6 +56,11 @@ class Allocation:
         return self.gpus * self.seconds / 3600
 
 
+def allocated_gpus(resources) -> int:
+    """The GPUs a job of these resources holds: its spare nodes' too (a spare is allocated, and billed)."""
+    return (resources.nodes + resources.spare_nodes) * (resources.gpus_per_node or 0)
+
+
 @dataclass
 class Losses:
     """A run's GPU-hours lost to faults, by who is to blame (None: its records are not readable here)."""
@@ -70,12 +75,16 @@ def slurm_time(text: str) -> float | None:
         return None  # Unknown, None
 
 
+# Between sacct's fields: a character no job name holds ('|', sacct's own, may be in one).
+DELIMITER = "\x1f"
+
+
 def parse_sacct(text: str, ft_only: bool = True) -> list[Allocation]:
-    """`sacct -X --duplicates --parsable2 --noheader --format=SACCT_FIELDS`: ft's jobs only (named
-    ft-<run>), or every job (each under its own name)."""
+    """`sacct -X --duplicates --parsable2 --noheader --delimiter=DELIMITER --format=SACCT_FIELDS`:
+    ft's jobs only (named ft-<run>), or every job (each under its own name)."""
     found = []
     for line in text.splitlines():
-        parts = line.split("|")
+        parts = line.split(DELIMITER)
         if len(parts) != 12:
             continue
         job_id, name, user, account, partition, qos, state, elapsed, tres, start, _end, eligible = parts
@@ -97,9 +106,17 @@ def from_slurm(since: float, run: Callable = commands.run, ft_only: bool = True,
     FtError where accounting is off."""
     start = datetime.fromtimestamp(since).strftime("%Y-%m-%dT%H:%M:%S")
     result = run(["sacct", "--allusers", "--duplicates", "-X", "--parsable2", "--noheader",
-                  *([f"--accounts={account}"] if account else []),
+                  f"--delimiter={DELIMITER}", *([f"--accounts={account.lower()}"] if account else []),
                   f"--starttime={start}", "--endtime=now", f"--format={SACCT_FIELDS}"], timeout=60)
-    return parse_sacct(result.stdout, ft_only)
+    return [within(allocation, since) for allocation in parse_sacct(result.stdout, ft_only)]
+
+
+def within(allocation: Allocation, since: float) -> Allocation:
+    """The part of an allocation after `since` (a job running across the month's start is charged to
+    each month its own part, as Slurm's usage counts it)."""
+    if allocation.start is None or allocation.start >= since:
+        return allocation
+    return replace(allocation, seconds=max(allocation.start + allocation.seconds - since, 0.0), start=since)
 
 
 def from_records(runs: Iterable[tuple[str, Path]], gpus_of: Callable[[Path], int], now: float,
@@ -143,7 +160,8 @@ def losses(run_dir: Path, allocations: list[Allocation]) -> Losses:
     gpus = allocations[-1].gpus
     held = [(a.start, a.start + a.seconds) for a in allocations if a.start is not None]
     waited = sum(overlap(span, held) for span in spent["recovering_spans"])
-    refundable = spent["redone_s"] + spent["restarting_s"] + waited  # steps and starts run inside an allocation
+    # Steps and starts run inside an allocation; the files say how long, and never more than was held.
+    refundable = min(spent["redone_s"] + spent["restarting_s"] + waited, sum(a.seconds for a in allocations))
     ends = [e for e in events if e["event"] == "end"]
     user_error = 0.0
     if ends and ends[-1].get("code") in USER_ERRORS:

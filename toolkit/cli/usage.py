@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import pwd
 import time
 from datetime import datetime
 from enum import StrEnum
@@ -11,6 +13,7 @@ from pathlib import Path
 import typer
 
 from toolkit.cli.output import console, err_console, plain, print_json
+from toolkit.runs.layout import RunLayout
 
 
 class By(StrEnum):
@@ -31,25 +34,28 @@ def usage(account: str = typer.Option(None, "--account", "-A", help="only this S
     from toolkit.account import usage as accounting
     from toolkit.cluster.profile import load_profile
     from toolkit.errors import FtError
-    from toolkit.runs.layout import RunLayout
     from toolkit.runs.store import RunStore
 
     profile = load_profile(cluster)
     start = accounting.parse_since(since, datetime.now())
     store = RunStore.for_shared_root(profile.shared_root)
-    readable = {path.name: path for path in (store.root.iterdir() if store.root.is_dir() else [])
-                if _readable(RunLayout(path).record)}
+    try:
+        folders = list(store.root.iterdir()) if store.root.is_dir() else []
+    except OSError:  # a runs folder this user may not list: Slurm's figures alone
+        folders = []
+    readable = {path.name: path for path in folders if _readable(RunLayout(path).record)}
     try:
         allocations, source = accounting.from_slurm(start, account=account), "Slurm accounting (sacct)"
     except FtError as exc:
         allocations = accounting.from_records(sorted(readable.items()), _gpus_of, time.time(), start)
         source = f"ft's run records (Slurm accounting did not answer: {exc.message})"
-    allocations = [a for a in allocations if (account is None or a.account == account)
+    allocations = [a for a in allocations if (account is None or a.account == account.lower())
                    and (user is None or a.user == user)]
     held: dict[str, list] = {}
     for allocation in sorted(allocations, key=lambda a: a.start or 0):
         held.setdefault(allocation.run, []).append(allocation)
-    losses = {run: accounting.losses(readable[run], mine) for run, mine in held.items() if run in readable}
+    losses = {run: accounting.losses(readable[run], mine) for run, mine in held.items()
+              if run in readable and _runs_these_jobs(readable[run], mine)}
     tiers = {target.partition: tier for tier, target in profile.tiers.items()}
     qos_tiers = {target.qos: tier for tier, target in profile.tiers.items() if target.qos}
     rows = accounting.summarise(allocations, by.value, tiers, losses, qos_tiers)
@@ -72,6 +78,20 @@ def _quota(quota, used: float) -> dict:
     return {"budget_gpu_hours": quota.budget_gpu_hours, "cap_gpu_hours": quota.cap_gpu_hours, "over_budget": over}
 
 
+def _runs_these_jobs(run_dir: Path, allocations: list) -> bool:
+    """Whether a run folder is the one these jobs ran: made by their user and recording each of them.
+    The runs folder is every user's, and a job's name is its submitter's choice: what a folder says
+    of faults counts for a job only where both agree (refunds are paid on it)."""
+    try:
+        owner = pwd.getpwuid(os.lstat(run_dir).st_uid).pw_name
+        record = json.loads(RunLayout(run_dir).record.read_text())
+        jobs = {str(job.get("job_id")) for job in record.get("jobs", [])}
+    except (OSError, KeyError, ValueError, AttributeError):
+        return False
+    users = {allocation.user for allocation in allocations if allocation.user}
+    return (not users or users == {owner}) and {allocation.job_id for allocation in allocations} <= jobs
+
+
 def _readable(path: Path) -> bool:
     """Whether this user may read a run's record (another user's run folder is private to them)."""
     try:
@@ -81,13 +101,12 @@ def _readable(path: Path) -> bool:
 
 
 def _gpus_of(run_dir: Path) -> int:
-    from toolkit.runs.layout import RunLayout
+    from toolkit.account.usage import allocated_gpus
 
     try:
-        resources = RunLayout(run_dir).read_spec().recipe.resources
+        return allocated_gpus(RunLayout(run_dir).read_spec().recipe.resources)
     except Exception:  # noqa: BLE001 - a damaged spec counts no GPUs, and says nothing else
         return 0
-    return (resources.nodes or 1) * (resources.gpus_per_node or 0)
 
 
 def _table(rows, by: str, price: float, cluster: str, start: float, quotas: dict) -> None:

@@ -78,6 +78,38 @@ def local_partitions(run: Callable = commands.run) -> set[str]:
         return set()
 
 
+def local_profiles(profiles: dict, run: Callable = commands.run) -> set[str]:
+    """The profiles of the cluster this host's Slurm is: the one named as Slurm names its cluster, the
+    site's profile, and the user's profiles that extend either (a priced copy, another partition).
+    Another cluster's profile may name partitions of the same names: this Slurm cannot speak for it."""
+    from toolkit.cluster.profile import read_user_entries, site_profile_path
+
+    roots = set()
+    try:
+        config = run(["scontrol", "show", "config"], timeout=10).stdout
+        roots |= {line.split("=", 1)[1].strip() for line in config.splitlines()
+                  if line.split("=", 1)[0].strip() == "ClusterName"}
+    except FtError:
+        return set()  # no Slurm here: no profile's start can be asked
+    try:
+        import yaml
+
+        site = yaml.safe_load(site_profile_path().read_text()) if site_profile_path().is_file() else None
+        if isinstance(site, dict) and isinstance(site.get("name"), str):
+            roots.add(site["name"])
+        entries = read_user_entries()
+    except (OSError, ValueError, FtError):
+        entries = {}
+
+    def reaches(name: str, seen: frozenset) -> bool:
+        parent = (entries.get(name) or {}).get("extends") if isinstance(entries.get(name), dict) else None
+        if name in roots and (parent in (None, name) or name not in entries):
+            return True
+        return isinstance(parent, str) and parent not in seen and reaches(parent, seen | {name})
+
+    return {name for name in profiles if reaches(name, frozenset())}
+
+
 def expected_start(script: str, run: Callable = commands.run) -> tuple[float | None, str]:
     """Slurm's word on a script: when it would start (its backfill plan), or why it never could."""
     with tempfile.NamedTemporaryFile("w", suffix=".sbatch", prefix="ft-plan-") as handle:
@@ -88,7 +120,10 @@ def expected_start(script: str, run: Callable = commands.run) -> tuple[float | N
     found = TEST_ONLY.search(said)
     if result.returncode != 0 or not found:
         raise ValueError(said.removeprefix("sbatch: error: ") or f"sbatch --test-only exited {result.returncode}")
-    return datetime.fromisoformat(found.group(1)).timestamp(), f"Slurm: on {found.group(2)}"
+    try:
+        return datetime.fromisoformat(found.group(1)).timestamp(), f"Slurm: on {found.group(2)}"
+    except ValueError:  # "Unknown": it fits, and Slurm has no plan for it yet
+        return None, "Slurm accepts it, with no start time yet"
 
 
 def options(recipe_path: Path, profiles: dict, run: Callable = commands.run) -> list[Option]:
@@ -97,6 +132,7 @@ def options(recipe_path: Path, profiles: dict, run: Callable = commands.run) -> 
     from toolkit.render.sbatch import RunPlacement, render
 
     partitions = local_partitions(run)
+    here = local_profiles(profiles, run)
     found = []
     for name, profile in sorted(profiles.items()):
         try:
@@ -104,15 +140,27 @@ def options(recipe_path: Path, profiles: dict, run: Callable = commands.run) -> 
         except FtError as error:  # the recipe does not fit this profile (its GPUs, its nodes)
             found.append(Option(name, "-", "-", 0, 0.0, profile.price_per_gpu_hour, fits=False, why=error.message))
             continue
+        from toolkit.account import quota
+        from toolkit.account.usage import allocated_gpus
+
         resources = resolved.recipe.resources
-        gpus = resources.nodes * (resources.gpus_per_node or 0)
+        gpus = allocated_gpus(resources)
+        over_cap = ""
+        if name in here:  # this Slurm's accounting: the account's cap (another cluster's is its own)
+            try:
+                quota.check(resolved, run)
+            except quota.QuotaExceeded as error:
+                over_cap = error.message
         for tier, target in profile.tiers.items():
             price = profile.price_per_gpu_hour if target.price_per_gpu_hour is None else target.price_per_gpu_hour
             option = Option(name, tier, target.partition, gpus, time_limit_hours(resources.time), price,
                             asked=tier == str(resources.tier))
             found.append(option)
-            if target.partition not in partitions:
+            if name not in here or target.partition not in partitions:
                 option.why = "start unknown: not this host's Slurm"
+                continue
+            if over_cap:
+                option.fits, option.why = False, over_cap
                 continue
             with tempfile.TemporaryDirectory(prefix="ft-plan-") as folder:
                 script = render(resolved.with_tier(tier), RunPlacement("ft-plan", folder, None))
@@ -141,9 +189,12 @@ def choose(found: list[Option], prefer: str = "cheapest", max_wait_s: float = DE
     if not soon:
         return soonest, (f"none starts within {max_wait_s / 60:.0f} min: the soonest ({stamp(soonest.start)}), "
                          f"${soonest.cost:,.2f}")
-    cheapest = min(soon, key=lambda o: (o.cost, o.start, not o.asked, o.cluster, o.tier))
+    # Among equal costs the recipe's own tier (another would preempt others, or be preempted), then the sooner.
+    cheapest = min(soon, key=lambda o: (o.cost, not o.asked, o.start, o.cluster, o.tier))
     dearer_waits = [o for o in known if o.cost < cheapest.cost]  # cheaper, but not soon enough
     why = f"the cheapest (${cheapest.cost:,.2f}) that starts within {max_wait_s / 60:.0f} min ({stamp(cheapest.start)})"
+    if not cheapest.asked:
+        why += f"; tier {cheapest.tier}, not the recipe's"
     if dearer_waits:
         waiting = min(dearer_waits, key=lambda o: o.cost)
         why += (f"; {waiting.cluster}/{waiting.tier} costs ${waiting.cost:,.2f} but would not start before "
