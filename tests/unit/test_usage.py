@@ -113,6 +113,8 @@ def test_without_accounting_the_run_records_give_each_allocation(tmp_path):
              {"job_id": "7", "restart": 0, "started": T + 1200}])
     allocations = from_records([("rec", folder)], lambda _: 8, now=T + 5000, since=0)
     assert [(a.job_id, a.seconds) for a in allocations] == [("7", 1200), ("7", 600)]  # a restart is no new one
+    limited = from_records([("rec", folder)], lambda _: 8, now=T + 5000, since=0, limit_of=lambda _: 900)
+    assert [a.seconds for a in limited] == [900, 600]  # never past the job's time limit
 
 
 def test_ft_usage_says_it_used_the_run_records_where_slurm_does_not_answer(tmp_path):

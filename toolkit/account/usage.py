@@ -120,10 +120,11 @@ def within(allocation: Allocation, since: float) -> Allocation:
 
 
 def from_records(runs: Iterable[tuple[str, Path]], gpus_of: Callable[[Path], int], now: float,
-                 since: float) -> list[Allocation]:
+                 since: float, limit_of: Callable[[Path], float] = lambda _: float("inf")) -> list[Allocation]:
     """The allocations the run records describe (attempts.jsonl: a line per start; `restart` 0 opens
-    an allocation), each until the next opened or the job's last event. Less exact than Slurm's (a
-    job whose batch host died says nothing of its end): used only without accounting."""
+    an allocation), each until the next opened or the job's last event, and never past its time
+    limit (`limit_of`, seconds). Less exact than Slurm's (a job whose batch host died says nothing of
+    its end): used only without accounting."""
     from toolkit.runs.layout import RunLayout
     from toolkit.runs.timeline import read_lines
 
@@ -136,6 +137,7 @@ def from_records(runs: Iterable[tuple[str, Path]], gpus_of: Callable[[Path], int
         for index, attempt in enumerate(opened):
             later = [e["time"] for e in events if e.get("job") == attempt["job_id"] and e["time"] >= attempt["started"]]
             end = opened[index + 1]["started"] if index + 1 < len(opened) else max(later, default=now)
+            end = min(end, attempt["started"] + limit_of(run_dir))  # Slurm ends a job at its limit
             if end < since:
                 continue
             found.append(Allocation(run_id, attempt["job_id"], "", "", "", "", gpus_of(run_dir),

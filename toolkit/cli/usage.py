@@ -47,7 +47,7 @@ def usage(account: str = typer.Option(None, "--account", "-A", help="only this S
     try:
         allocations, source = accounting.from_slurm(start, account=account), "Slurm accounting (sacct)"
     except FtError as exc:
-        allocations = accounting.from_records(sorted(readable.items()), _gpus_of, time.time(), start)
+        allocations = accounting.from_records(sorted(readable.items()), _gpus_of, time.time(), start, _limit_of)
         source = f"ft's run records (Slurm accounting did not answer: {exc.message})"
     allocations = [a for a in allocations if (account is None or a.account == account.lower())
                    and (user is None or a.user == user)]
@@ -98,6 +98,16 @@ def _readable(path: Path) -> bool:
         return path.is_file() and os.access(path, os.R_OK)
     except OSError:
         return False
+
+
+def _limit_of(run_dir: Path) -> float:
+    """A run's time limit in seconds (unbounded where its spec is unreadable)."""
+    from toolkit.cluster.broker import time_limit_hours
+
+    try:
+        return time_limit_hours(RunLayout(run_dir).read_spec().recipe.resources.time) * 3600
+    except Exception:  # noqa: BLE001 - as _gpus_of
+        return float("inf")
 
 
 def _gpus_of(run_dir: Path) -> int:
