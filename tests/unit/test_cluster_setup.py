@@ -182,8 +182,8 @@ def test_cluster_set_changes_nested_fields_and_extends_a_builtin(profiles_file):
     # Text stays text: an account named 12345, a partition named 0700 (not octal 448), NCCL's values.
     assert entry["default_account"] == "12345" and entry["tiers"]["free"]["partition"] == "0700"
     assert entry["nccl_env"]["NCCL_IB_TIMEOUT"] == "22" and entry["nccl_env"]["FI_PROVIDER"] == "efa"
-    assert entry["tiers"]["standard"] == {"partition": "train", "qos": "normal"}
-    assert entry["tiers"]["premium"] == {"partition": "urgent", "qos": None}  # the rest kept
+    assert entry["tiers"]["standard"] == {"partition": "train", "qos": "normal", "price_per_gpu_hour": None}
+    assert entry["tiers"]["premium"] == {"partition": "urgent", "qos": None, "price_per_gpu_hour": None}  # kept
     refused = ft("cluster", "set", "hyperpod", "gpus_per_node=-1")
     assert refused.returncode == 2 and "gpus_per_node" in refused.stderr and "Traceback" not in refused.stderr
     assert yaml.safe_load(profiles_file.read_text())["hyperpod"]["max_nodes"] == 8  # unchanged
