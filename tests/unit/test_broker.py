@@ -122,10 +122,3 @@ def test_what_slurm_refuses_does_not_fit_and_says_why(two_priced_labs):
     run, _ = slurm({name: None for name in ("free", "standard", "premium", "s2-free", "s2-standard", "s2-premium")})
     with pytest.raises(FtError, match="no cluster profile and tier"):
         broker.choose(broker.options(TINY, two_priced_labs, run), now=NOW)
-
-
-def test_time_limits_in_slurms_forms():
-    assert broker.time_limit_hours("04:00:00") == 4
-    assert broker.time_limit_hours("1-12:00:00") == 36
-    assert broker.time_limit_hours("90") == 1.5
-    assert broker.time_limit_hours("30:00") == 0.5

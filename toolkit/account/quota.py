@@ -63,8 +63,6 @@ def committed_gpu_hours(account: str, run: Callable = commands.run, now: float |
 
 def check(resolved, run: Callable = commands.run, now: float | None = None) -> list[str]:
     """Warnings for the submit, or QuotaExceeded where the run would pass its account's cap."""
-    from toolkit.cluster.broker import time_limit_hours
-
     resources, profile = resolved.recipe.resources, resolved.profile
     account = account_of(resources, profile, run)
     quota = {name.lower(): value for name, value in profile.accounts.items()}.get(account) if account else None
@@ -79,7 +77,7 @@ def check(resolved, run: Callable = commands.run, now: float | None = None) -> l
     used = sum(allocation.gpu_hours for allocation in allocations if allocation.account == account)
     used += committed_gpu_hours(account, run, time.time() if now is None else now)
     gpus = usage.allocated_gpus(resources)
-    asks = gpus * time_limit_hours(resources.time)
+    asks = gpus * resources.time_limit_seconds() / 3600
     if quota.cap_gpu_hours is not None and used + asks > quota.cap_gpu_hours:
         raise QuotaExceeded(
             f"account {account} has used {used:,.2f} of its {quota.cap_gpu_hours:g} GPU-hours this month; this run "

@@ -102,10 +102,8 @@ def _readable(path: Path) -> bool:
 
 def _limit_of(run_dir: Path) -> float:
     """A run's time limit in seconds (unbounded where its spec is unreadable)."""
-    from toolkit.cluster.broker import time_limit_hours
-
     try:
-        return time_limit_hours(RunLayout(run_dir).read_spec().recipe.resources.time) * 3600
+        return RunLayout(run_dir).read_spec().recipe.resources.time_limit_seconds()
     except Exception:  # noqa: BLE001 - as _gpus_of
         return float("inf")
 

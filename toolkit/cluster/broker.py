@@ -57,19 +57,6 @@ class Option:
         return dataclasses.asdict(self) | {"cost": round(self.cost, 2), "finish": self.finish}
 
 
-def time_limit_hours(text: str) -> float:
-    """Slurm's [D-]HH:MM:SS (or MM:SS, or minutes) in hours."""
-    days, _, clock = text.rpartition("-")
-    parts = [float(part) for part in clock.split(":")]
-    if len(parts) == 1:
-        seconds = parts[0] * 60
-    else:
-        while len(parts) < 3:
-            parts.insert(0, 0.0)
-        seconds = parts[0] * 3600 + parts[1] * 60 + parts[2]
-    return (float(days or 0) * 86400 + seconds) / 3600
-
-
 def local_partitions(run: Callable = commands.run) -> set[str]:
     """The partitions this host's Slurm has (none where there is no Slurm)."""
     try:
@@ -153,7 +140,7 @@ def options(recipe_path: Path, profiles: dict, run: Callable = commands.run) -> 
                 over_cap = error.message
         for tier, target in profile.tiers.items():
             price = profile.price_per_gpu_hour if target.price_per_gpu_hour is None else target.price_per_gpu_hour
-            option = Option(name, tier, target.partition, gpus, time_limit_hours(resources.time), price,
+            option = Option(name, tier, target.partition, gpus, resources.time_limit_seconds() / 3600, price,
                             asked=tier == str(resources.tier))
             found.append(option)
             if name not in here or target.partition not in partitions:
