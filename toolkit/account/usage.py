@@ -29,6 +29,7 @@ from pathlib import Path
 
 from toolkit.errors import FtError
 from toolkit.slurm import commands
+from toolkit.slurm.commands import slurm_time
 
 SACCT_FIELDS = "JobIDRaw,JobName,User,Account,Partition,QOS,State,ElapsedRaw,AllocTRES,Start,End,Eligible"
 JOB_NAME = re.compile(r"ft-([A-Za-z0-9][A-Za-z0-9._-]*)")
@@ -66,13 +67,6 @@ class Losses:
     """A run's GPU-hours lost to faults, by who is to blame (None: its records are not readable here)."""
     refundable: float | None = None
     user_error: float | None = None
-
-
-def slurm_time(text: str) -> float | None:
-    try:
-        return datetime.fromisoformat(text).timestamp()
-    except ValueError:
-        return None  # Unknown, None
 
 
 # Between sacct's fields: a character no job name holds ('|', sacct's own, may be in one).

@@ -69,7 +69,7 @@ def local_profiles(profiles: dict, run: Callable = commands.run) -> set[str]:
     """The profiles of the cluster this host's Slurm is: the one named as Slurm names its cluster, the
     site's profile, and the user's profiles that extend either (a priced copy, another partition).
     Another cluster's profile may name partitions of the same names: this Slurm cannot speak for it."""
-    from toolkit.cluster.profile import read_user_entries, site_profile_path
+    from toolkit.cluster.profile import read_user_entries, site_profile_name
 
     roots = set()
     try:
@@ -79,13 +79,9 @@ def local_profiles(profiles: dict, run: Callable = commands.run) -> set[str]:
     except FtError:
         return set()  # no Slurm here: no profile's start can be asked
     try:
-        import yaml
-
-        site = yaml.safe_load(site_profile_path().read_text()) if site_profile_path().is_file() else None
-        if isinstance(site, dict) and isinstance(site.get("name"), str):
-            roots.add(site["name"])
+        roots |= {site_profile_name()} - {None}
         entries = read_user_entries()
-    except (OSError, ValueError, FtError):
+    except (OSError, FtError):  # a broken or unreadable profiles file: `ft cluster ls` says how
         entries = {}
 
     def reaches(name: str, seen: frozenset) -> bool:
@@ -107,10 +103,10 @@ def expected_start(script: str, run: Callable = commands.run) -> tuple[float | N
     found = TEST_ONLY.search(said)
     if result.returncode != 0 or not found:
         raise ValueError(said.removeprefix("sbatch: error: ") or f"sbatch --test-only exited {result.returncode}")
-    try:
-        return datetime.fromisoformat(found.group(1)).timestamp(), f"Slurm: on {found.group(2)}"
-    except ValueError:  # "Unknown": it fits, and Slurm has no plan for it yet
+    start = commands.slurm_time(found.group(1))
+    if start is None:  # "Unknown": it fits, and Slurm has no plan for it yet
         return None, "Slurm accepts it, with no start time yet"
+    return start, f"Slurm: on {found.group(2)}"
 
 
 def options(recipe_path: Path, profiles: dict, run: Callable = commands.run) -> list[Option]:

@@ -351,13 +351,18 @@ def update_user_entry(name: str, change: Callable[[dict | None], dict | None]) -
     return profiles.get(name) if body is not None else None
 
 
-def default_profile_name() -> str:
-    """This site's profile when ft's Ansible wrote one, else the local lab."""
+def site_profile_name() -> str | None:
+    """The name of this site's profile, when ft's Ansible wrote one."""
     if site_profile_path().is_file():
         site = _read(site_profile_path())
         if isinstance(site, dict) and site.get("name"):
             return str(site["name"])
-    return "lab"
+    return None
+
+
+def default_profile_name() -> str:
+    """This site's profile when ft's Ansible wrote one, else the local lab."""
+    return site_profile_name() or "lab"
 
 
 def load_profile(name: str | None) -> ClusterProfile:

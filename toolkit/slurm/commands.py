@@ -10,11 +10,20 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from toolkit.errors import FtError
 
 DEFAULT_TIMEOUT_S = 20.0
+
+
+def slurm_time(text: str) -> float | None:
+    """A time as Slurm's tools print it (ISO, local), as a Unix time; None for N/A, Unknown, None."""
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return None
 
 
 class SlurmUnavailable(FtError):

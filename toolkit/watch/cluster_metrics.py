@@ -27,11 +27,11 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 from toolkit.errors import FtError
 from toolkit.slurm import commands
+from toolkit.slurm.commands import slurm_time
 from toolkit.watch import run_targets
 
 CACHE_S = 10.0
@@ -79,13 +79,6 @@ def parse_nodes(text: str) -> dict[str, Node]:
         if len(parts) == 3 and parts[0]:
             nodes[parts[0]] = Node(parts[0], parts[1].lower(), "" if parts[2] == "none" else parts[2])
     return nodes
-
-
-def slurm_time(text: str) -> float | None:
-    try:
-        return datetime.fromisoformat(text).timestamp()
-    except ValueError:
-        return None  # N/A, Unknown
 
 
 # JobID in --Format is each array element's own id (SLURM_JOB_ID), not "<array>_<index>" as %i.
