@@ -126,7 +126,7 @@ def submit(recipe_path: Path, cluster: str | None = None, idempotency_key: str |
 
         found = broker.options(recipe_path, available_profiles())
         best, why = broker.choose(found, prefer, broker.DEFAULT_MAX_WAIT_S if max_wait_s is None else max_wait_s)
-        cluster, plan = best.cluster, {"chosen": best.to_dict(), "why": why, "prefer": prefer,
+        cluster, plan = best.cluster, {"chosen": best.to_dict(), "why": why, "prefer": str(prefer),
                                        "options": [option.to_dict() for option in found]}
     resolved = resolve(recipe_path, cluster)
     if plan is not None:

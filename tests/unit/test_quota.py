@@ -25,14 +25,16 @@ SACCT = """11|ft-r1|alice|physics|standard|ft-standard|COMPLETED|3600|billing=2,
 
 
 def slurm(running: int = 0, queued: list[dict] = ()):
+    jobs = [*queued, *({"account": "physics", "job_state": "RUNNING", "tres_req_str": "cpu=1", "end_time": NOW}
+                       for _ in range(running))]  # running jobs with no GPU-hours left to use
+
     def run(argv, timeout=None, check=True):
         if argv[0] == "sacct":
             assert "--delimiter=\x1f" in argv
             return CommandResult(tuple(argv), 0, SACCT.replace("|", "\x1f"), "")
-        if argv[0] == "squeue" and "--json" in argv:
-            return CommandResult(tuple(argv), 0, json.dumps({"jobs": list(queued)}), "")
         if argv[0] == "squeue":
-            return CommandResult(tuple(argv), 0, "".join(f"{n}\n" for n in range(running)), "")
+            assert "--json" in argv
+            return CommandResult(tuple(argv), 0, json.dumps({"jobs": jobs}), "")
         return CommandResult(tuple(argv), 0, "physics\n", "")  # sacctmgr: the user's default account
     return run
 
@@ -60,7 +62,8 @@ def test_what_runs_and_waits_counts_up_to_its_time_limit():
                "time_limit": 60, "end_time": NOW + 1800},  # 2 GPUs x 30 min left
               {"account": "physics", "job_state": "PENDING", "tres_req_str": "cpu=1,gres/gpu=1", "time_limit": 60},
               {"account": "research", "job_state": "PENDING", "tres_req_str": "gres/gpu=8", "time_limit": 600}]
-    assert quota.committed_gpu_hours("physics", slurm(queued=queued), now=NOW) == pytest.approx(2.0)
+    committed, running = quota.queued("physics", slurm(queued=queued), now=NOW)
+    assert committed == pytest.approx(2.0) and running == 1
     with pytest.raises(quota.QuotaExceeded, match=r"has used 6.00 of its 7 GPU-hours"):
         quota.check(resolved("physics", {"physics": AccountQuota(cap_gpu_hours=7)}), slurm(queued=queued), now=NOW)
 

@@ -37,28 +37,28 @@ def account_of(resources, profile, run: Callable = commands.run) -> str | None:
     return found[0].lower() if found else None
 
 
-def committed_gpu_hours(account: str, run: Callable = commands.run, now: float | None = None) -> float:
-    """GPU-hours the account's jobs may still use: a running job's until its time limit, a pending
-    job's whole (`squeue --json`; 0 where Slurm does not answer)."""
+def queued(account: str, run: Callable = commands.run, now: float | None = None) -> tuple[float, int]:
+    """The account's jobs in the queue (`squeue --json`): the GPU-hours they may still use (a running
+    job's until its time limit, a pending job's whole) and how many run. (0, 0) where Slurm does not answer."""
     try:
         jobs = json.loads(run(["squeue", "--json", f"--account={account}"], timeout=10).stdout).get("jobs", [])
     except (FtError, ValueError, AttributeError):
-        return 0.0
+        return 0.0, 0
     now = time.time() if now is None else now
-    committed = 0.0
+    committed, running = 0.0, 0
     for job in jobs if isinstance(jobs, list) else []:
         if not isinstance(job, dict) or job.get("account") != account:
             continue
         gpus = usage.GPUS.search(str(job.get("tres_req_str", "")))
-        limit_s = float(job.get("time_limit") or 0) * 60
         if job.get("job_state") == "RUNNING":
+            running += 1
             left = max(float(job.get("end_time") or 0) - now, 0.0)
         elif job.get("job_state") == "PENDING":
-            left = limit_s
+            left = float(job.get("time_limit") or 0) * 60
         else:
             continue
         committed += (int(gpus.group(1)) if gpus else 0) * left / 3600
-    return committed
+    return committed, running
 
 
 def check(resolved, run: Callable = commands.run, now: float | None = None) -> list[str]:
@@ -68,14 +68,15 @@ def check(resolved, run: Callable = commands.run, now: float | None = None) -> l
     quota = {name.lower(): value for name, value in profile.accounts.items()}.get(account) if account else None
     if quota is None:
         return []
-    since = usage.month_start(datetime.fromtimestamp(time.time() if now is None else now))
+    now = time.time() if now is None else now
     try:
-        allocations = usage.from_slurm(since, run, ft_only=False, account=account)  # one account's month only
+        allocations = usage.from_slurm(usage.month_start(datetime.fromtimestamp(now)), run, ft_only=False,
+                                       account=account)  # one account's month only
     except FtError:
         return []
     # What ran this month, and what runs or waits now up to its time limit (Slurm holds that much back).
-    used = sum(allocation.gpu_hours for allocation in allocations if allocation.account == account)
-    used += committed_gpu_hours(account, run, time.time() if now is None else now)
+    committed, running = queued(account, run, now)
+    used = sum(allocation.gpu_hours for allocation in allocations if allocation.account == account) + committed
     gpus = usage.allocated_gpus(resources)
     asks = gpus * resources.time_limit_seconds() / 3600
     if quota.cap_gpu_hours is not None and used + asks > quota.cap_gpu_hours:
@@ -89,13 +90,7 @@ def check(resolved, run: Callable = commands.run, now: float | None = None) -> l
     if quota.budget_gpu_hours is not None and used + asks > quota.budget_gpu_hours:
         warnings.append(f"account {account} passes its monthly budget: {used:,.2f} of {quota.budget_gpu_hours:g} "
                         f"GPU-hours used, and this run may use {asks:,.2f} more (flagged in `ft usage --by account`)")
-    if quota.max_running_jobs is not None:
-        try:
-            running = run(["squeue", "--noheader", f"--account={account}", "--states=RUNNING", "--format=%i"],
-                          timeout=10).stdout.split()
-        except FtError:
-            running = []
-        if len(running) >= quota.max_running_jobs:
-            warnings.append(f"account {account} has {len(running)} jobs running, its limit: this run waits in "
-                            "the queue until one ends (AssocGrpJobsLimit)")
+    if quota.max_running_jobs is not None and running >= quota.max_running_jobs:
+        warnings.append(f"account {account} has {running} jobs running, its limit: this run waits in "
+                        "the queue until one ends (AssocGrpJobsLimit)")
     return warnings

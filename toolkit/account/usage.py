@@ -205,14 +205,15 @@ def summarise(allocations: list[Allocation], by: str, tiers: dict[str, str],
     row of its latest allocation (a run moves between rows only if requeued to another tier)."""
     qos_tiers = qos_tiers or {}
 
-    def tier(allocation: Allocation) -> str:
-        return qos_tiers.get(allocation.qos) or tiers.get(allocation.partition, allocation.partition)
+    def key_of(allocation: Allocation) -> str:
+        if by == "tier":
+            return qos_tiers.get(allocation.qos) or tiers.get(allocation.partition, allocation.partition) or "-"
+        return getattr(allocation, by) or "-"  # run, user, account
 
     rows: dict[str, Row] = {}
     latest: dict[str, Allocation] = {}
     for allocation in allocations:
-        key = {"run": allocation.run, "user": allocation.user, "account": allocation.account,
-               "tier": tier(allocation)}[by] or "-"
+        key = key_of(allocation)
         row = rows.setdefault(key, Row(key))
         row.runs.add(allocation.run)
         row.allocations += 1
@@ -222,8 +223,7 @@ def summarise(allocations: list[Allocation], by: str, tiers: dict[str, str],
         if allocation.run not in latest or (allocation.start or 0) >= (latest[allocation.run].start or 0):
             latest[allocation.run] = allocation
     for run, allocation in latest.items():
-        key = {"run": run, "user": allocation.user, "account": allocation.account, "tier": tier(allocation)}[by] or "-"
-        row, lost = rows[key], run_losses.get(run, Losses())
+        row, lost = rows[key_of(allocation)], run_losses.get(run, Losses())
         row.refundable_gpu_hours = add(row.refundable_gpu_hours, lost.refundable)
         row.user_error_gpu_hours = add(row.user_error_gpu_hours, lost.user_error)
     return sorted(rows.values(), key=lambda row: (-row.gpu_hours, row.key))

@@ -8,10 +8,12 @@ from pathlib import Path
 import typer
 
 from toolkit.cli.output import console, plain, print_json
+from toolkit.cluster.broker import Preference
 
 
 def plan(recipe: Path = typer.Argument(..., help="Recipe file (YAML)."),
-         prefer: str = typer.Option("cheapest", "--prefer", help="cheapest (starting within --max-wait) or soonest"),
+         prefer: Preference = typer.Option(Preference.cheapest, "--prefer",
+                                           help="cheapest (starting within --max-wait) or soonest"),
          max_wait: float = typer.Option(30.0, "--max-wait", min=0, help="minutes the cheapest may wait to start"),
          as_json: bool = typer.Option(False, "--json")) -> None:
     """Where a run would start soonest or cost least, on every configured cluster and tier."""
@@ -20,8 +22,6 @@ def plan(recipe: Path = typer.Argument(..., help="Recipe file (YAML)."),
     from toolkit.cluster.profile import available_profiles
     from toolkit.errors import FtError
 
-    if prefer not in ("cheapest", "soonest"):
-        raise FtError(f"--prefer {prefer!r} is not a preference", hint="--prefer cheapest, or --prefer soonest")
     with task_spinner("plan") as step:
         step("asking Slurm for each cluster and tier")
         found = broker.options(recipe, available_profiles())
@@ -30,7 +30,7 @@ def plan(recipe: Path = typer.Argument(..., help="Recipe file (YAML)."),
     except FtError as error:
         best, why = None, error.message
     if as_json:
-        print_json({"prefer": prefer, "max_wait_minutes": max_wait, "options": [o.to_dict() for o in found],
+        print_json({"prefer": prefer.value, "max_wait_minutes": max_wait, "options": [o.to_dict() for o in found],
                     "chosen": best.to_dict() if best else None, "why": why})
         return
     from rich.table import Table

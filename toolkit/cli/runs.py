@@ -12,6 +12,7 @@ import typer
 from toolkit.checkpoint.status import summary_line as checkpoint_summary
 from toolkit.cli.live import STATE_COLOURS
 from toolkit.cli.output import console, err_console, plain, print_json, task_spinner
+from toolkit.cluster.broker import Preference
 from toolkit.errors import FtError
 from toolkit.runs.layout import RunLayout
 
@@ -55,8 +56,8 @@ def submit(
     recipe: Path = typer.Argument(..., help="Recipe file (YAML)."),
     cluster: str = typer.Option(None, "--cluster", "-c",
                                 help="Cluster profile; auto: the broker's choice (ft plan shows the options)."),
-    prefer: str = typer.Option("cheapest", "--prefer", help="With --cluster auto: cheapest (starting within "
-                               "--max-wait) or soonest."),
+    prefer: Preference = typer.Option(Preference.cheapest, "--prefer", help="With --cluster auto: cheapest "
+                                      "(starting within --max-wait) or soonest."),
     max_wait: float = typer.Option(30.0, "--max-wait", min=0, help="With --cluster auto: minutes the cheapest "
                                    "may wait to start before the soonest is taken instead."),
     idempotency_key: str = typer.Option(None, "--idempotency-key",
@@ -72,8 +73,6 @@ def submit(
     from toolkit.submission import submit as submit_run
 
     with task_spinner("submit") as step:
-        if prefer not in ("cheapest", "soonest"):
-            raise FtError(f"--prefer {prefer!r} is not a preference", hint="--prefer cheapest, or --prefer soonest")
         step("weighing the clusters" if cluster == "auto" else "validating and rendering")
         submission = submit_run(recipe, cluster, idempotency_key, mode="preflight" if preflight else "train",
                                 skip_validation=skip_validation, prefer=prefer, max_wait_s=max_wait * 60)

@@ -123,8 +123,6 @@ def _table(rows, by: str, price: float, cluster: str, start: float, quotas: dict
     def hours(value: float | None) -> str:
         return "-" if value is None else f"{value:,.2f}"
 
-    table = Table(title=f"GPU-hours on {plain(cluster)} since {datetime.fromtimestamp(start):%Y-%m-%d %H:%M}",
-                  title_justify="left")
     def wait(value: float | None) -> str:
         return "-" if value is None else f"{value / 60:,.1f} min"
 
@@ -134,6 +132,8 @@ def _table(rows, by: str, price: float, cluster: str, start: float, quotas: dict
             return "-"
         return f"{limits['budget_gpu_hours']:g}" + (" [bold red]OVER[/]" if limits["over_budget"] else "")
 
+    table = Table(title=f"GPU-hours on {plain(cluster)} since {datetime.fromtimestamp(start):%Y-%m-%d %H:%M}",
+                  title_justify="left")
     columns = (by, "runs", "allocations", "GPU-hours", "cost", "refundable", "user errors", "wait, median", "longest")
     for column in columns + (("budget",) if quotas else ()):
         table.add_column(column, justify="left" if column == by else "right", overflow="fold")

@@ -23,10 +23,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from enum import StrEnum
 from pathlib import Path
 
 from toolkit.errors import FtError
 from toolkit.slurm import commands
+
+
+class Preference(StrEnum):
+    cheapest = "cheapest"  # the least cost among options starting within the wait allowed
+    soonest = "soonest"
+
 
 TEST_ONLY = re.compile(r"to start at (\S+) using \d+ processors on nodes (\S+) in partition (\S+)")
 DEFAULT_MAX_WAIT_S = 1800.0  # the cheapest option, if it starts within this; else the soonest
@@ -154,7 +161,7 @@ def options(recipe_path: Path, profiles: dict, run: Callable = commands.run) -> 
     return found
 
 
-def choose(found: list[Option], prefer: str = "cheapest", max_wait_s: float = DEFAULT_MAX_WAIT_S,
+def choose(found: list[Option], prefer: Preference = Preference.cheapest, max_wait_s: float = DEFAULT_MAX_WAIT_S,
            now: float | None = None) -> tuple[Option, str]:
     """The option to submit to, and why, in words a person would check. `cheapest`: the least cost
     among those Slurm expects to start within `max_wait_s` (else the soonest of all); `soonest`: the
@@ -166,7 +173,7 @@ def choose(found: list[Option], prefer: str = "cheapest", max_wait_s: float = DE
         raise FtError("no cluster profile and tier both fits the recipe and has a start Slurm can tell from here",
                       hint="ft plan RECIPE shows each option and why; submit with --cluster NAME")
     soonest = min(known, key=lambda o: (o.start, o.cost, not o.asked, o.cluster, o.tier))
-    if prefer == "soonest":
+    if prefer == Preference.soonest:
         return soonest, f"the soonest start ({stamp(soonest.start)}) of {len(known)} options"
     soon = [option for option in known if option.start - now <= max_wait_s]
     if not soon:
