@@ -152,11 +152,18 @@ def trusted_owner_dir(folder: Path) -> bool:
             and os.access(folder, os.R_OK | os.X_OK))
 
 
-def user_name(uid: int) -> str:
+def login_name(uid: int) -> str | None:
+    """The account's name, None for a uid no account has."""
     try:
-        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
+        return pwd.getpwuid(uid).pw_name
     except KeyError:
-        return f"uid {uid}"
+        return None
+
+
+def user_name(uid: int) -> str:
+    """A uid as a message names it."""
+    name = login_name(uid)
+    return f"user {name} (uid {uid})" if name else f"uid {uid}"
 
 
 def open_regular(path: Path, text: bool = False):

@@ -152,7 +152,7 @@ def test_only_claims_slurm_vouches_for_are_published_with_slurms_labels(tmp_path
     from toolkit.watch import run_targets
 
     users = {"alice": 5001, "bob": 5002}
-    monkeypatch.setattr(run_targets, "user_name", lambda uid: {v: k for k, v in users.items()}.get(uid, f"uid {uid}"))
+    monkeypatch.setattr(run_targets, "login_name", lambda uid: {v: k for k, v in users.items()}.get(uid))
     claims = tmp_path / "claims"
     claims.mkdir()
     claim(claims, "alice-llama.42.json", users["alice"])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import time
 from datetime import datetime
 from enum import StrEnum
@@ -14,6 +13,7 @@ import typer
 
 from toolkit.cli.output import console, err_console, plain, print_json
 from toolkit.runs.layout import RunLayout
+from toolkit.shared_dirs import login_name
 
 
 class By(StrEnum):
@@ -83,13 +83,14 @@ def _runs_these_jobs(run_dir: Path, allocations: list) -> bool:
     The runs folder is every user's, and a job's name is its submitter's choice: what a folder says
     of faults counts for a job only where both agree (refunds are paid on it)."""
     try:
-        owner = pwd.getpwuid(os.lstat(run_dir).st_uid).pw_name
+        owner = login_name(os.lstat(run_dir).st_uid)
         record = json.loads(RunLayout(run_dir).record.read_text())
         jobs = {str(job.get("job_id")) for job in record.get("jobs", [])}
-    except (OSError, KeyError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError):
         return False
     users = {allocation.user for allocation in allocations if allocation.user}
-    return (not users or users == {owner}) and {allocation.job_id for allocation in allocations} <= jobs
+    ran = {allocation.job_id for allocation in allocations}
+    return owner is not None and (not users or users == {owner}) and ran <= jobs
 
 
 def _readable(path: Path) -> bool:

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.shared_dirs import write_atomically
+from toolkit.shared_dirs import login_name, write_atomically
 
 CLAIM_MAX_BYTES = 4096  # a claim is one address; anything larger is not one of ours
 PUBLISHED_NAME = "runs.json"
@@ -88,7 +87,7 @@ def read_claim(path: Path, job: RunningJob) -> tuple[str, float]:
         info = os.fstat(handle.fileno())
         if not stat.S_ISREG(info.st_mode):
             raise ValueError("not a plain file")
-        owner = user_name(info.st_uid)
+        owner = login_name(info.st_uid) or f"uid {info.st_uid}"
         if owner != job.user:
             raise ValueError(f"owned by {owner}, while job {job.job_id} is {job.user}'s")
         content = handle.read(CLAIM_MAX_BYTES + 1)
@@ -104,13 +103,6 @@ def read_claim(path: Path, job: RunningJob) -> tuple[str, float]:
     if not 0 < port < 65536:
         raise ValueError(f"names port {port}")
     return f"{host}:{port}", info.st_mtime
-
-
-def user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
 
 
 def verified_targets(claims: Path, jobs: dict[str, RunningJob]) -> tuple[list[dict], list[Refusal]]:
