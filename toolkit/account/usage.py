@@ -143,12 +143,10 @@ def losses(run_dir: Path, allocations: list[Allocation]) -> Losses:
     """What faults cost the run, in GPU-hours: its timeline's lost time while an allocation held
     GPUs (a requeued job waiting in the queue holds none), and the time of the allocation a user
     error ended."""
-    from toolkit.runs.layout import RunLayout
-    from toolkit.runs.timeline import read_lines, timeline
+    from toolkit.runs.timeline import timeline
 
     try:
         spent = timeline(run_dir)
-        events = read_lines(RunLayout(run_dir).events, {"time": (int, float), "event": str})
     except OSError:
         return Losses()
     if spent is None or not allocations:
@@ -158,12 +156,8 @@ def losses(run_dir: Path, allocations: list[Allocation]) -> Losses:
     waited = sum(overlap(span, held) for span in spent["recovering_spans"])
     # Steps and starts run inside an allocation; the files say how long, and never more than was held.
     refundable = min(spent["redone_s"] + spent["restarting_s"] + waited, sum(a.seconds for a in allocations))
-    ends = [e for e in events if e["event"] == "end"]
-    user_error = 0.0
-    if ends and ends[-1].get("code") in USER_ERRORS:
-        began = max((e["time"] for e in events if e["event"] == "start" and e["time"] <= ends[-1]["time"]),
-                    default=ends[-1]["time"])
-        user_error = overlap((began, ends[-1]["time"]), held)
+    end = spent["last_end"]
+    user_error = overlap((end["began"], end["time"]), held) if end and end["code"] in USER_ERRORS else 0.0
     return Losses(round(gpus * refundable / 3600, 4), round(gpus * user_error / 3600, 4))
 
 

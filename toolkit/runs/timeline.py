@@ -111,10 +111,15 @@ def timeline(run_dir: Path, now: float | None = None) -> dict | None:
         spans.append((fault, end))
     recovering = sum(to - since for since, to in spans)
     faults = [{key: value for key, value in e.items() if key != "job"} for e in events if e["event"] in FAULTS]
+    last_end = next((e for e in reversed(events) if e["event"] == "end"), None)
     accounted = productive + redone + starting + recovering
     return {"wall_s": round(wall, 1), "productive_s": round(productive, 1), "redone_s": round(redone, 1),
             "starting_s": round(starting, 1), "restarting_s": round(restarting, 1),
             "recovering_s": round(recovering, 1),
             "recovering_spans": [[round(since, 3), round(to, 3)] for since, to in spans[-1000:]],
             "other_s": round(max(wall - accounted, 0.0), 1), "goodput": round(min(productive / wall, 1.0), 3),
-            "starts": len(starts), "faults": faults, "finished": ended}
+            "starts": len(starts), "faults": faults, "finished": ended,
+            # The newest end and the start it ended (what a user error cost: toolkit/account/usage.py).
+            "last_end": None if last_end is None else {
+                "time": last_end["time"], "code": last_end.get("code"),
+                "began": starts[max(bisect.bisect_right(starts, last_end["time"]) - 1, 0)]}}
