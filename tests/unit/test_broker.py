@@ -122,3 +122,14 @@ def test_what_slurm_refuses_does_not_fit_and_says_why(two_priced_labs):
     run, _ = slurm({name: None for name in ("free", "standard", "premium", "s2-free", "s2-standard", "s2-premium")})
     with pytest.raises(FtError, match="no cluster profile and tier"):
         broker.choose(broker.options(TINY, two_priced_labs, run), now=NOW)
+
+
+def test_a_recipe_that_does_not_load_is_one_located_error_not_every_profiles_misfit(two_priced_labs, tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: r\nmodel: [\n")
+    run, asked = slurm({"standard": at(0)})
+    with pytest.raises(FtError, match="broken.yaml"):
+        broker.options(broken, two_priced_labs, run)
+    with pytest.raises(FtError, match="nope.yaml"):
+        broker.options(tmp_path / "nope.yaml", two_priced_labs, run)
+    assert asked == []  # nothing asked of Slurm

@@ -118,9 +118,10 @@ def expected_start(script: str, run: Callable = commands.run) -> tuple[float | N
 
 def options(recipe_path: Path, profiles: dict, run: Callable = commands.run) -> list[Option]:
     """Every profile and tier, each with whether it fits, its start, price and cost."""
-    from toolkit.recipe.resolve import resolve
+    from toolkit.recipe.resolve import load_recipe, resolve
     from toolkit.render.sbatch import RunPlacement, render
 
+    load_recipe(recipe_path)  # the recipe's own errors, once, located (not as every profile's misfit)
     partitions = local_partitions(run)
     here = local_profiles(profiles, run)
     found = []
