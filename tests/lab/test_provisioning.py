@@ -44,6 +44,33 @@ def test_check_mode_shows_a_config_change_as_a_diff_and_changes_nothing(whole_la
     assert log, "the progress callback heard no task"
 
 
+def test_a_cap_changed_by_hand_shows_in_check_mode_and_the_playbook_sets_it_back(whole_lab):
+    """A site's check run is for drift: a cap raised with sacctmgr is a change (with a diff), and
+    nothing is set until the playbook runs for real."""
+    def cap() -> str:
+        shown = subprocess.run(["sacctmgr", "--noheader", "--parsable2", "show", "associations", "account=capped",
+                                "user=", "format=grptresmins"], capture_output=True, text=True, check=True)
+        return shown.stdout.strip()
+
+    provisioned = cap()
+    assert provisioned == "gres/gpu=1"  # the lab's inventory: 0.01 GPU-hours
+    subprocess.run(["sacctmgr", "--immediate", "modify", "account", "where", "name=capped", "set",
+                    "GrpTRESMins=gres/gpu=600"], capture_output=True, check=True)
+    try:
+        checked = run_playbook("lab.yml", lifecycle.lab_vars(None, None, whole_lab), check=True, diff=True,
+                               tags=("limits",))
+        assert checked.ok, checked.error
+        assert any("accounts' GPU-hour caps" in task for task in checked.changed_tasks), checked.changed_tasks
+        text = checked.log_path.read_text()
+        assert "-account capped: GrpTRESMins=gres/gpu=600" in text
+        assert "+account capped: GrpTRESMins=gres/gpu=1" in text
+        assert cap() == "gres/gpu=600"  # check mode set nothing
+    finally:
+        applied = run_playbook("lab.yml", lifecycle.lab_vars(None, None, whole_lab), tags=("limits",))
+    assert applied.ok, applied.error
+    assert cap() == provisioned
+
+
 def test_lab_up_on_a_lab_that_is_up_says_so_and_changes_nothing(whole_lab):
     before = Path(whole_lab.slurm_conf).stat().st_mtime_ns
     outcome = lifecycle.up()

@@ -11,6 +11,7 @@ from datetime import datetime
 import pytest
 
 from tests.support.run_specs import run_spec
+from tests.support.sacct import sacct_json
 from toolkit.account import quota
 from toolkit.cluster.profile import AccountQuota, load_profile
 from toolkit.recipe.resolve import ResolvedRecipe
@@ -24,17 +25,44 @@ SACCT = """11|ft-r1|alice|physics|standard|ft-standard|COMPLETED|3600|billing=2,
 """
 
 
-def slurm(running: int = 0, queued: list[dict] = ()):
+# scontrol show assoc_mgr flags=assoc accounts=physics, as the lab's Slurm 22.05 prints it: the
+# account's record (Slurm's count of its GPU-minutes: {used} used, {left} its running jobs may still use),
+# then a user's of it.
+ASSOC_MGR = """Current Association Manager state
+
+Association Records
+
+ClusterName=lab Account=physics UserName= Partition= Priority=0 ID=5
+    SharesRaw/Norm/Level/Factor=1/0.25/4/0.00
+    UsageRaw/Norm/Efctv=0.00/0.00/0.00
+    ParentAccount=root(1) Lft=2 DefAssoc=No
+    GrpJobs=1(0) GrpJobsAccrue=N(0)
+    GrpSubmitJobs=N(0) GrpWall=N(0.00)
+    GrpTRES=cpu=N(0),mem=N(0),energy=N(0),node=N(0),billing=N(0),fs/disk=N(0),vmem=N(0),pages=N(0),gres/gpu=N(0)
+    GrpTRESMins=cpu=N(0),mem=N(0),energy=N(0),node=N(0),billing=N(0),fs/disk=N(0),vmem=N(0),pages=N(0),gres/gpu=600({used})
+    GrpTRESRunMins=cpu=N(0),mem=N(0),energy=N(0),node=N(0),billing=N(0),fs/disk=N(0),vmem=N(0),pages=N(0),gres/gpu=N({left})
+    MaxJobs= MaxJobsAccrue= MaxSubmitJobs= MaxWallPJ=
+ClusterName=lab Account=physics UserName=alice(1001) Partition= Priority=0 ID=10
+    GrpTRESMins=cpu=N(0),mem=N(0),energy=N(0),node=N(0),billing=N(0),fs/disk=N(0),vmem=N(0),pages=N(0),gres/gpu=N(9999)
+    GrpTRESRunMins=cpu=N(0),mem=N(0),energy=N(0),node=N(0),billing=N(0),fs/disk=N(0),vmem=N(0),pages=N(0),gres/gpu=N(9999)
+"""
+
+
+def slurm(running: int = 0, queued: list[dict] = (), assoc_mgr: str | None = None, private: bool = False):
     jobs = [*queued, *({"account": "physics", "job_state": "RUNNING", "tres_req_str": "cpu=1", "end_time": NOW}
                        for _ in range(running))]  # running jobs with no GPU-hours left to use
 
     def run(argv, timeout=None, check=True):
         if argv[0] == "sacct":
-            assert "--delimiter=\x1f" in argv
-            return CommandResult(tuple(argv), 0, SACCT.replace("|", "\x1f"), "")
+            assert "--json" in argv
+            return CommandResult(tuple(argv), 0, sacct_json(SACCT), "")
         if argv[0] == "squeue":
             assert "--json" in argv
             return CommandResult(tuple(argv), 0, json.dumps({"jobs": jobs}), "")
+        if argv[:3] == ["scontrol", "show", "assoc_mgr"]:
+            return CommandResult(tuple(argv), 0, assoc_mgr or "Current Association Manager state\n", "")
+        if argv[:3] == ["scontrol", "show", "config"]:
+            return CommandResult(tuple(argv), 0, f"PrivateData             = {'jobs' if private else 'none'}\n", "")
         return CommandResult(tuple(argv), 0, "physics\n", "")  # sacctmgr: the user's default account
     return run
 
@@ -62,8 +90,8 @@ def test_what_runs_and_waits_counts_up_to_its_time_limit():
                "time_limit": 60, "end_time": NOW + 1800},  # 2 GPUs x 30 min left
               {"account": "physics", "job_state": "PENDING", "tres_req_str": "cpu=1,gres/gpu=1", "time_limit": 60},
               {"account": "research", "job_state": "PENDING", "tres_req_str": "gres/gpu=8", "time_limit": 600}]
-    committed, running = quota.queued("physics", slurm(queued=queued), now=NOW)
-    assert committed == pytest.approx(2.0) and running == 1
+    running_left, pending, running = quota.queued("physics", slurm(queued=queued), now=NOW)
+    assert running_left == pytest.approx(1.0) and pending == pytest.approx(1.0) and running == 1
     with pytest.raises(quota.QuotaExceeded, match=r"has used 6.00 of its 7 GPU-hours"):
         quota.check(resolved("physics", {"physics": AccountQuota(cap_gpu_hours=7)}), slurm(queued=queued), now=NOW)
 
@@ -97,3 +125,24 @@ def test_an_account_without_a_quota_or_without_accounting_is_not_checked():
         raise SlurmUnavailable("accounting storage is disabled")
 
     assert quota.check(resolved("physics", {"physics": AccountQuota(cap_gpu_hours=0)}), silent, now=NOW) == []
+
+
+def test_slurms_own_count_is_met_where_it_is_more_than_ft_sees(monkeypatch):
+    """Slurm enforces the cap on its association manager's count (of jobs ft's sacct query may not see:
+    another user's private ones): ft refuses on the larger of the two."""
+    counted = slurm(assoc_mgr=ASSOC_MGR.format(used=360, left=60))  # 6 h used, 1 h more may be
+    assert quota.slurms_count("physics", counted) == (6.0, 1.0)  # the account's own record, not alice's
+    with pytest.raises(quota.QuotaExceeded, match=r"has used 7.00 of its 8 GPU-hours"):
+        quota.check(resolved("physics", {"physics": AccountQuota(cap_gpu_hours=8)}), counted, now=NOW)
+    # Slurm counts less (it tallies every few minutes): ft's own sum, 4 GPU-hours, stands.
+    assert quota.check(resolved("physics", {"physics": AccountQuota(cap_gpu_hours=6)}),
+                       slurm(assoc_mgr=ASSOC_MGR.format(used=0, left=0)), now=NOW) == []
+
+
+def test_where_slurm_hides_other_users_jobs_the_submit_says_its_count_may_be_short(monkeypatch):
+    monkeypatch.setattr(quota.os, "geteuid", lambda: 1000)
+    (warning,) = quota.check(resolved("physics", {"physics": AccountQuota(cap_gpu_hours=100)}),
+                             slurm(private=True), now=NOW)
+    assert "private on this cluster (PrivateData)" in warning and "may be only yours" in warning
+    shown = slurm(private=True, assoc_mgr=ASSOC_MGR.format(used=0, left=0))  # Slurm's count shown: no doubt
+    assert quota.check(resolved("physics", {"physics": AccountQuota(cap_gpu_hours=100)}), shown, now=NOW) == []

@@ -15,23 +15,26 @@ from pathlib import Path
 import pytest
 
 from tests.support.run_specs import run_spec, write_run_spec
-from toolkit.account.usage import Allocation, Losses, from_records, losses, parse_sacct, summarise
+from tests.support.sacct import sacct_json
+from toolkit.account.usage import Accounting, Allocation, Losses, from_records, losses, parse_sacct, summarise
 
-# sacct --allusers --duplicates -X --parsable2 --noheader --format=SACCT_FIELDS: job 48 requeued twice
-# (a node lost, then preempted) then completed; 49 a run of another account on the free tier; a job
-# that is not ft's; one still pending. Run b waited 20 minutes for its nodes.
-SACCT = """48|ft-run-a|alice|research|standard|normal|REQUEUED|37|billing=2,cpu=2,gres/gpu=2,mem=8G,node=2|2026-11-24T20:18:03|2026-11-24T20:18:40|2026-11-24T20:18:03
-48|ft-run-a|alice|research|standard|normal|REQUEUED|61|billing=2,cpu=2,gres/gpu=2,mem=8G,node=2|2026-11-24T20:18:41|2026-11-24T20:19:42|2026-11-24T20:18:41
-48|ft-run-a|alice|research|standard|normal|COMPLETED|30|billing=2,cpu=2,gres/gpu=2,mem=8G,node=2|2026-11-24T20:19:43|2026-11-24T20:20:13|2026-11-24T20:19:43
-49|ft-run-b|bob|physics|free|normal|CANCELLED by 0|3600|billing=8,cpu=8,gres/gpu=8,mem=32G,node=1|2026-11-24T20:29:52|2026-11-24T21:29:52|2026-11-24T20:09:52
+# sacct --allusers --duplicates -X --json: job 48 requeued twice (a node lost, then preempted) then
+# completed; 49 a run of another account on the free tier; a job that is not ft's; one still pending.
+# Run b waited 20 minutes for its nodes. The last column, each job's comment, is how ft knows its jobs.
+SACCT = """48|ft-run-a|alice|research|standard|normal|REQUEUED|37|billing=2,cpu=2,gres/gpu=2,mem=8G,node=2|2026-11-24T20:18:03|2026-11-24T20:18:40|2026-11-24T20:18:03|ft-run=run-a
+48|ft-run-a|alice|research|standard|normal|REQUEUED|61|billing=2,cpu=2,gres/gpu=2,mem=8G,node=2|2026-11-24T20:18:41|2026-11-24T20:19:42|2026-11-24T20:18:41|ft-run=run-a
+48|ft-run-a|alice|research|standard|normal|COMPLETED|30|billing=2,cpu=2,gres/gpu=2,mem=8G,node=2|2026-11-24T20:19:43|2026-11-24T20:20:13|2026-11-24T20:19:43|ft-run=run-a,ft-key=k1
+49|ft-run-b|bob|physics|free|normal|CANCELLED by 0|3600|billing=8,cpu=8,gres/gpu=8,mem=32G,node=1|2026-11-24T20:29:52|2026-11-24T21:29:52|2026-11-24T20:09:52|ft-run=run-b
 50|hand-made|bob|physics|free|normal|COMPLETED|600|billing=1,cpu=1,gres/gpu=1,node=1|2026-11-24T20:29:52|2026-11-24T20:39:52|2026-11-24T20:29:52
-51|ft-run-c|bob|physics|standard|normal|PENDING|0||Unknown|Unknown|Unknown
+51|ft-run-c|bob|physics|standard|normal|PENDING|0||Unknown|Unknown|Unknown|ft-run=run-c
 """
+# Bob names a job of his as alice's run; its comment is his own.
+FORGED = "52|ft-run-a|bob|physics|standard|normal|COMPLETED|600|gres/gpu=4|2026-11-24T21:00:00|2026-11-24T21:10:00|2026-11-24T21:00:00|mine"
 TIERS = {"free": "free", "standard": "standard"}
 
 
 def test_every_allocation_counts_once_with_its_own_gpus_and_time():
-    allocations = parse_sacct(SACCT.replace("|", "\x1f"))
+    allocations = parse_sacct(json.loads(sacct_json(SACCT)))
     assert [(a.run, a.state, a.gpus, a.seconds) for a in allocations] == [
         ("run-a", "REQUEUED", 2, 37), ("run-a", "REQUEUED", 2, 61), ("run-a", "COMPLETED", 2, 30),
         ("run-b", "CANCELLED", 8, 3600), ("run-c", "PENDING", 0, 0)]
@@ -43,7 +46,7 @@ def test_every_allocation_counts_once_with_its_own_gpus_and_time():
     assert by_tier["free"]["longest_wait_s"] == 1200 and by_tier["standard"]["longest_wait_s"] == 0
     assert by_tier["standard"]["runs"] == 2 and by_tier["standard"]["allocations"] == 4
     # Jobs of another set of partitions (the lab's second slice), known by their tier's QOS.
-    qos = summarise(parse_sacct(SACCT.replace("|standard|normal|", "|s2-standard|ft-standard|").replace("|", "\x1f")),
+    qos = summarise(parse_sacct(json.loads(sacct_json(SACCT.replace("|standard|normal|", "|s2-standard|ft-standard|")))),
                     "tier", TIERS, {},
                     {"ft-standard": "standard"})
     assert {row.key for row in qos} == {"free", "standard"}
@@ -51,8 +54,35 @@ def test_every_allocation_counts_once_with_its_own_gpus_and_time():
     assert by_account == ["physics", "research"]  # the largest first
 
 
+def test_a_job_is_a_runs_by_its_comment_where_slurm_keeps_comments_else_by_its_name():
+    forged = json.loads(sacct_json(SACCT + FORGED))
+    by_comment = [a for a in parse_sacct(forged) if a.run == "run-a"]
+    assert {a.user for a in by_comment} == {"alice"} and len(by_comment) == 3  # bob's job is not alice's run
+    assert "mine" not in {a.run for a in parse_sacct(forged)}  # nor a run of its own: not ft's
+    by_name = [a for a in parse_sacct(forged, by_comment=False) if a.run == "run-a"]
+    assert {a.user for a in by_name} == {"alice", "bob"}  # all a name can tell
+    everything = parse_sacct(forged, ft_only=False)
+    assert {a.run for a in everything} >= {"hand-made", "run-a"} and len(everything) == 7
+    # Slurm 23.02+ wraps numbers ({"set", "number"}) and lists a state: read the same.
+    newer = json.loads(sacct_json(SACCT))
+    for job in newer["jobs"]:
+        job["time"] = {key: {"set": True, "number": value} for key, value in job["time"].items()}
+        job["state"] = {"current": [job["state"]["current"]]}
+    assert parse_sacct(newer) == parse_sacct(json.loads(sacct_json(SACCT)))
+
+
+def test_what_slurm_keeps_is_said_beside_the_figures(monkeypatch):
+    kept = Accounting.of({"AccountingStoreFlags": "job_comment", "PrivateData": "none"})
+    assert kept.keeps_comments and not kept.private_jobs and kept.notes() == ["ft's jobs by their comment"]
+    private = Accounting.of({"AccountingStoreFlags": "(null)", "PrivateData": "accounts,jobs"})
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    notes = private.notes()
+    assert not private.keeps_comments and "AccountingStoreFlags=job_comment" in notes[0]
+    assert "PrivateData" in notes[1] and "only your own" in notes[1]
+
+
 def test_losses_count_once_per_run_and_unknown_stays_unknown():
-    allocations = parse_sacct(SACCT.replace("|", "\x1f"))
+    allocations = parse_sacct(json.loads(sacct_json(SACCT)))
     rows = {row.key: row for row in summarise(allocations, "user", TIERS,
                                                {"run-a": Losses(0.02, 0.0), "run-c": Losses(0.0, 0.5)})}
     assert rows["alice"].refundable_gpu_hours == 0.02  # three allocations, one run: counted once

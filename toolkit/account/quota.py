@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import getpass
 import json
+import os
+import re
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -37,28 +39,49 @@ def account_of(resources, profile, run: Callable = commands.run) -> str | None:
     return found[0].lower() if found else None
 
 
-def queued(account: str, run: Callable = commands.run, now: float | None = None) -> tuple[float, int]:
-    """The account's jobs in the queue (`squeue --json`): the GPU-hours they may still use (a running
-    job's until its time limit, a pending job's whole) and how many run. (0, 0) where Slurm does not answer."""
+def queued(account: str, run: Callable = commands.run, now: float | None = None) -> tuple[float, float, int]:
+    """The account's jobs in the queue (`squeue --json`): the GPU-hours its running jobs may still use
+    (until their time limits), those its pending jobs may use (whole), and how many run. Zeros where
+    Slurm does not answer."""
     try:
         jobs = json.loads(run(["squeue", "--json", f"--account={account}"], timeout=10).stdout).get("jobs", [])
     except (FtError, ValueError, AttributeError):
-        return 0.0, 0
+        return 0.0, 0.0, 0
     now = time.time() if now is None else now
-    committed, running = 0.0, 0
+    running_left, pending, running = 0.0, 0.0, 0
     for job in jobs if isinstance(jobs, list) else []:
         if not isinstance(job, dict) or job.get("account") != account:
             continue
-        gpus = usage.GPUS.search(str(job.get("tres_req_str", "")))
+        found = usage.GPUS.search(str(job.get("tres_req_str", "")))
+        gpus = int(found.group(1)) if found else 0
         if job.get("job_state") == "RUNNING":
             running += 1
-            left = max(float(job.get("end_time") or 0) - now, 0.0)
+            running_left += gpus * max(float(job.get("end_time") or 0) - now, 0.0) / 3600
         elif job.get("job_state") == "PENDING":
-            left = float(job.get("time_limit") or 0) * 60
-        else:
-            continue
-        committed += (int(gpus.group(1)) if gpus else 0) * left / 3600
-    return committed, running
+            pending += gpus * float(job.get("time_limit") or 0) / 60
+    return running_left, pending, running
+
+
+# scontrol show assoc_mgr: `GrpTRESMins=cpu=N(0),...,gres/gpu=60(12)`: the limit (N: none) and the
+# minutes used; `GrpTRESRunMins=...,gres/gpu=N(90)`: what running jobs may still use.
+ASSOC_GPU_MINUTES = re.compile(r"^\s*(GrpTRESMins|GrpTRESRunMins)=.*?(?:^|,|=)gres/gpu=(?:N|\d+)\((\d+)\)", re.M)
+
+
+def slurms_count(account: str, run: Callable = commands.run) -> tuple[float, float] | None:
+    """Slurm's own count for the account, as it enforces the cap: GPU-hours used this period and those
+    its running jobs may still use (its association manager's; None where not shown to this user)."""
+    try:
+        text = run(["scontrol", "show", "assoc_mgr", "flags=assoc", f"accounts={account}"], timeout=10).stdout
+    except FtError:
+        return None
+    # The account's own record (no user): the records after it are its users'.
+    record = re.search(rf"^ClusterName=\S+ Account={re.escape(account)} UserName= .*?(?=^ClusterName=|\Z)",
+                       text, re.M | re.S)
+    counts = dict((name, int(minutes)) for name, minutes in ASSOC_GPU_MINUTES.findall(record.group(0))) \
+        if record else {}
+    if "GrpTRESMins" not in counts:
+        return None
+    return counts["GrpTRESMins"] / 60, counts.get("GrpTRESRunMins", 0) / 60
 
 
 def check(resolved, run: Callable = commands.run, now: float | None = None) -> list[str]:
@@ -74,9 +97,13 @@ def check(resolved, run: Callable = commands.run, now: float | None = None) -> l
                                        account=account)  # one account's month only
     except FtError:
         return []
-    # What ran this month, and what runs or waits now up to its time limit (Slurm holds that much back).
-    committed, running = queued(account, run, now)
-    used = sum(allocation.gpu_hours for allocation in allocations if allocation.account == account) + committed
+    # What ran this month, and what runs or waits now up to its time limit (Slurm holds that much back);
+    # Slurm's own count where it shows it (it tallies every few minutes, ft's sum is up to the second:
+    # the larger of the two is what the next job meets).
+    running_left, pending, running = queued(account, run, now)
+    counted = sum(allocation.gpu_hours for allocation in allocations if allocation.account == account) + running_left
+    slurms = slurms_count(account, run)
+    used = max(counted, sum(slurms) if slurms else 0.0) + pending
     gpus = usage.allocated_gpus(resources)
     asks = gpus * resources.time_limit_seconds() / 3600
     if quota.cap_gpu_hours is not None and used + asks > quota.cap_gpu_hours:
@@ -87,6 +114,9 @@ def check(resolved, run: Callable = commands.run, now: float | None = None) -> l
             hint="ask for less time (resources.time), use another account (resources.account), or ask the "
                  "cluster's admins for a higher cap (cap_gpu_hours)")
     warnings = []
+    if slurms is None and private_jobs(run):
+        warnings.append(f"other users' jobs are private on this cluster (PrivateData): the {used:,.2f} GPU-hours "
+                        f"ft counts for account {account} may be only yours; Slurm still holds a job past the cap")
     if quota.budget_gpu_hours is not None and used + asks > quota.budget_gpu_hours:
         warnings.append(f"account {account} passes its monthly budget: {used:,.2f} of {quota.budget_gpu_hours:g} "
                         f"GPU-hours used, and this run may use {asks:,.2f} more (flagged in `ft usage --by account`)")
@@ -94,3 +124,11 @@ def check(resolved, run: Callable = commands.run, now: float | None = None) -> l
         warnings.append(f"account {account} has {running} jobs running, its limit: this run waits in "
                         "the queue until one ends (AssocGrpJobsLimit)")
     return warnings
+
+
+def private_jobs(run: Callable) -> bool:
+    """Whether sacct may hide other users' jobs from this one (PrivateData=jobs or usage)."""
+    try:
+        return usage.what_slurm_keeps(run).private_jobs and os.geteuid() != 0
+    except FtError:
+        return False

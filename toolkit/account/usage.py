@@ -20,6 +20,8 @@ What faults cost, from each run's own timeline (toolkit/runs/timeline.py), in th
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import statistics
 from collections.abc import Callable, Iterable
@@ -28,13 +30,15 @@ from datetime import datetime
 from pathlib import Path
 
 from toolkit.errors import FtError
-from toolkit.slurm import commands
-from toolkit.slurm.commands import slurm_time
+from toolkit.slurm import commands, job_comment
 
-SACCT_FIELDS = "JobIDRaw,JobName,User,Account,Partition,QOS,State,ElapsedRaw,AllocTRES,Start,End,Eligible"
 JOB_NAME = re.compile(r"ft-([A-Za-z0-9][A-Za-z0-9._-]*)")
-GPUS = re.compile(r"(?:^|,)gres/gpu=(\d+)(?:,|$)")
 USER_ERRORS = {4, 5}  # toolkit/watch/exits.py: USER_ERROR, OUT_OF_MEMORY
+# `--json`: a job's name and comment are its submitter's free text (a newline, any delimiter), which
+# would forge or hide a line of sacct's text output. In JSON sacct lists every allocation.
+SACCT = ["sacct", "--allusers", "--duplicates", "-X", "--json"]
+# Matches a squeue or sacct `tres_req_str` / AllocTRES text: how many GPUs a job holds.
+GPUS = re.compile(r"(?:^|,)gres/gpu=(\d+)(?:,|$)")
 
 
 @dataclass(frozen=True)
@@ -69,40 +73,99 @@ class Losses:
     user_error: float | None = None
 
 
-# Between sacct's fields: a character no job name holds ('|', sacct's own, may be in one).
-DELIMITER = "\x1f"
+@dataclass(frozen=True)
+class Accounting:
+    """What this Slurm keeps and shows: job comments (how a job is known as a run's), and whether
+    other users' jobs are private (PrivateData=jobs or usage: sacct shows a user below Slurm's
+    operators only their own)."""
+    keeps_comments: bool
+    private_jobs: bool
+
+    @classmethod
+    def of(cls, config: dict[str, str]) -> Accounting:
+        private = set(config.get("PrivateData", "").split(","))
+        return cls("job_comment" in config.get("AccountingStoreFlags", ""), bool(private & {"jobs", "usage"}))
+
+    def notes(self) -> list[str]:
+        """How `ft usage` found its figures, beside its source."""
+        said = ["ft's jobs by their comment" if self.keeps_comments else
+                "ft's jobs by their name ft-<run>: this Slurm keeps no job comments "
+                "(AccountingStoreFlags=job_comment)"]
+        if self.private_jobs and os.geteuid() != 0:
+            said.append("other users' jobs are private here (PrivateData): unless you are a Slurm operator, "
+                        "only your own are counted")
+        return said
 
 
-def parse_sacct(text: str, ft_only: bool = True) -> list[Allocation]:
-    """`sacct -X --duplicates --parsable2 --noheader --delimiter=DELIMITER --format=SACCT_FIELDS`:
-    ft's jobs only (named ft-<run>), or every job (each under its own name)."""
+def run_of(job: dict, by_comment: bool) -> str | None:
+    """The run a job of sacct's is of: its comment's where Slurm keeps comments (a name is anyone's
+    to give, and cut at Slurm's length), else its name's, ft-<run>."""
+    if by_comment:
+        return job_comment.run_of(field_of(job, "comment", "job"))
+    named = JOB_NAME.fullmatch(str(job.get("name") or ""))
+    return named.group(1) if named else None
+
+
+def field_of(job: dict, *keys: str) -> object:
+    """A nested field of a job in Slurm's JSON (None where missing). Slurm 23.02+ wraps numbers as
+    {"set": true, "number": N}; 22.05 gives N."""
+    value: object = job
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    if isinstance(value, dict) and "number" in value:
+        value = value["number"] if value.get("set", True) else None
+    return value
+
+
+def state_of(current: object) -> str:
+    """A job's state: 22.05 gives a word, 23.02+ a list of them (the state, then its flags)."""
+    if isinstance(current, list):
+        current = current[0] if current else ""
+    return str(current or "")
+
+
+def parse_sacct(answer: object, ft_only: bool = True, by_comment: bool = True) -> list[Allocation]:
+    """`sacct --json --duplicates` (Slurm 22.05's shape, 23.02's numbers too): every allocation once;
+    ft's jobs only, or every job (each under its own name). A pending job has held nothing yet."""
+    jobs = answer.get("jobs") if isinstance(answer, dict) else None
     found = []
-    for line in text.splitlines():
-        parts = line.split(DELIMITER)
-        if len(parts) != 12:
+    for job in jobs if isinstance(jobs, list) else []:
+        if not isinstance(job, dict):
             continue
-        job_id, name, user, account, partition, qos, state, elapsed, tres, start, _end, eligible = parts
-        named = JOB_NAME.fullmatch(name)
-        if (ft_only and not named) or not elapsed.isdigit():
+        run = run_of(job, by_comment)
+        elapsed, began, ready = (field_of(job, "time", key) for key in ("elapsed", "start", "eligible"))
+        if (ft_only and run is None) or not isinstance(elapsed, int) or elapsed < 0:
             continue
-        gpus = GPUS.search(tres)
-        began, ready = slurm_time(start), slurm_time(eligible)
+        tres = field_of(job, "tres", "allocated")
+        gpus = sum(item.get("count") or 0 for item in (tres if isinstance(tres, list) else [tres])
+                   if isinstance(item, dict) and item.get("type") == "gres" and item.get("name") == "gpu")
+        began = float(began) if isinstance(began, int) and began > 0 else None
+        ready = float(ready) if isinstance(ready, int) and ready > 0 else None
         waited = max(began - ready, 0.0) if began is not None and ready is not None else None
-        found.append(Allocation(named.group(1) if named else name, job_id, user, account, partition,
-                                state.split()[0] if state else "", int(gpus.group(1)) if gpus else 0,
-                                float(elapsed), began, waited, qos))
+        found.append(Allocation(run or str(job.get("name") or ""), str(job.get("job_id", "")),
+                                *(str(job.get(key) or "") for key in ("user", "account", "partition")),
+                                state_of(field_of(job, "state", "current")), int(gpus), float(elapsed),
+                                began, waited, str(job.get("qos") or "")))
     return found
 
 
+def what_slurm_keeps(run: Callable = commands.run) -> Accounting:
+    """What this Slurm keeps (FtError where it does not answer)."""
+    return Accounting.of(commands.parse_config(run(["scontrol", "show", "config"], timeout=20).stdout))
+
+
 def from_slurm(since: float, run: Callable = commands.run, ft_only: bool = True,
-               account: str | None = None) -> list[Allocation]:
+               account: str | None = None, by_comment: bool = True) -> list[Allocation]:
     """Every allocation of ft's jobs (or of all jobs; of one account's) since `since`, from slurmdbd;
     FtError where accounting is off."""
     start = datetime.fromtimestamp(since).strftime("%Y-%m-%dT%H:%M:%S")
-    result = run(["sacct", "--allusers", "--duplicates", "-X", "--parsable2", "--noheader",
-                  f"--delimiter={DELIMITER}", *([f"--accounts={account.lower()}"] if account else []),
-                  f"--starttime={start}", "--endtime=now", f"--format={SACCT_FIELDS}"], timeout=60)
-    return [within(allocation, since) for allocation in parse_sacct(result.stdout, ft_only)]
+    result = run([*SACCT, *([f"--accounts={account.lower()}"] if account else []),
+                  f"--starttime={start}", "--endtime=now"], timeout=60)
+    try:
+        answer = json.loads(result.stdout)
+    except ValueError as exc:
+        raise FtError(f"sacct printed no JSON: {exc}") from None
+    return [within(allocation, since) for allocation in parse_sacct(answer, ft_only, by_comment)]
 
 
 def within(allocation: Allocation, since: float) -> Allocation:

@@ -45,10 +45,12 @@ def usage(account: str = typer.Option(None, "--account", "-A", help="only this S
         folders = []
     readable = {path.name: path for path in folders if _readable(RunLayout(path).record)}
     try:
-        allocations, source = accounting.from_slurm(start, account=account), "Slurm accounting (sacct)"
+        kept = accounting.what_slurm_keeps()
+        allocations = accounting.from_slurm(start, account=account, by_comment=kept.keeps_comments)
+        source, notes = "Slurm accounting (sacct)", kept.notes()
     except FtError as exc:
         allocations = accounting.from_records(sorted(readable.items()), _gpus_of, time.time(), start, _limit_of)
-        source = f"ft's run records (Slurm accounting did not answer: {exc.message})"
+        source, notes = f"ft's run records (Slurm accounting did not answer: {exc.message})", []
     allocations = [a for a in allocations if (account is None or a.account == account.lower())
                    and (user is None or a.user == user)]
     held: dict[str, list] = {}
@@ -62,12 +64,15 @@ def usage(account: str = typer.Option(None, "--account", "-A", help="only this S
     price = profile.price_per_gpu_hour
     quotas = profile.accounts if by == By.account else {}
     if as_json:
-        print_json({"source": source, "since": start, "cluster": profile.name, "price_per_gpu_hour": price,
+        print_json({"source": source, "notes": notes, "since": start, "cluster": profile.name,
+                    "price_per_gpu_hour": price,
                     "by": by.value, "rows": [row.to_dict(price) | _quota(quotas.get(row.key), row.gpu_hours)
                                              for row in rows]})
         return
     _table(rows, by.value, price, profile.name, start, quotas)
     err_console.print(f"source: {plain(source)}")
+    for note in notes:
+        err_console.print(f"  {plain(note)}")
 
 
 def _quota(quota, used: float) -> dict:

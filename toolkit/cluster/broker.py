@@ -80,9 +80,8 @@ def local_profiles(profiles: dict, run: Callable = commands.run) -> set[str]:
 
     roots = set()
     try:
-        config = run(["scontrol", "show", "config"], timeout=10).stdout
-        roots |= {line.split("=", 1)[1].strip() for line in config.splitlines()
-                  if line.split("=", 1)[0].strip() == "ClusterName"}
+        config = commands.parse_config(run(["scontrol", "show", "config"], timeout=10).stdout)
+        roots |= {config["ClusterName"]} if config.get("ClusterName") else set()
     except FtError:
         return set()  # no Slurm here: no profile's start can be asked
     try:

@@ -175,9 +175,8 @@ def discover(run: Runner = run_quietly, user: str | None = None) -> Discovery:
         found.qos = [line.strip() for line in qos.stdout.splitlines() if line.strip()]
     else:
         found.unread["qos"] = qos.stderr.strip() or "sacctmgr failed (accounting off?)"
-    config = run(["scontrol", "show", "config"])
-    enforce = re.search(r"^AccountingStorageEnforce\s*=\s*(\S*)", config.stdout, re.M)
-    found.enforces_associations = bool(enforce and re.search(r"assoc|limits|qos|safe", enforce.group(1)))
+    enforce = commands.parse_config(run(["scontrol", "show", "config"]).stdout).get("AccountingStorageEnforce", "")
+    found.enforces_associations = bool(re.search(r"assoc|limits|qos|safe", enforce))
     associations = run(["sacctmgr", "--noheader", "--parsable2", "show", "associations", f"user={user}",
                         "format=Account,QOS"])
     if associations.returncode == 0:

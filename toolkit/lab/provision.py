@@ -63,6 +63,7 @@ def run_playbook(
     check: bool = False,
     diff: bool = False,
     skip_tags: tuple[str, ...] = (),
+    tags: tuple[str, ...] = (),
     on_task: Callable[[str], None] | None = None,
 ) -> PlaybookResult:
     """Run a playbook of ft's ansible/ folder; `on_task` hears each task name as it starts."""
@@ -78,6 +79,8 @@ def run_playbook(
         argv.append("--diff")
     if skip_tags:
         argv += ["--skip-tags", ",".join(skip_tags)]
+    if tags:
+        argv += ["--tags", ",".join(tags)]
     env = dict(os.environ, ANSIBLE_CONFIG=str(directory / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
                ANSIBLE_FORCE_COLOR="0", PYTHONUNBUFFERED="1")
     log_path = new_log_path(playbook)

@@ -23,6 +23,7 @@ from toolkit.recipe.resolve import ResolvedRecipe
 from toolkit.runs import layout
 from toolkit.runs.layout import RUN_ID_PATTERN
 from toolkit.shared_dirs import SharedFolderError, private_dir
+from toolkit.slurm import job_comment
 
 # Names passed from the submitting environment, by name only.
 SECRET_NAMES = ("WANDB_API_KEY", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN")
@@ -160,7 +161,7 @@ def render(resolved: ResolvedRecipe, placement: RunPlacement, mode: str = "train
         "workers_per_node": resolved.derived.workers_per_node,
         "world_size": resolved.derived.world_size,
         "pre_timeout_seconds": resolved.recipe.checkpoint.before_time_limit,
-        "comment": f"ft-run={placement.run_id}" + (f",ft-key={key}" if key else ""),
+        "comment": job_comment.compose(placement.run_id, key),
         "modules": resolved.profile.modules,
         "environment": environment(resolved),
         "secret_names": SECRET_NAMES,

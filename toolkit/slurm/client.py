@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from toolkit.slurm import commands
+from toolkit.slurm import commands, job_comment
 from toolkit.slurm.commands import SlurmCommandError
 
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -135,10 +135,9 @@ class CliSlurmClient:
         for job_id, _, comment in (line.strip().partition("|") for line in result.stdout.splitlines()):
             if not job_id.isdigit():
                 continue
-            for part in comment.split(","):
-                run_id = part.removeprefix("ft-run=")
-                if run_id != part and (run_id not in runs or int(job_id) > int(runs[run_id])):
-                    runs[run_id] = job_id
+            run_id = job_comment.run_of(comment)
+            if run_id is not None and (run_id not in runs or int(job_id) > int(runs[run_id])):
+                runs[run_id] = job_id
         return runs
 
     def cancel(self, job_ids: list[str]) -> None:
@@ -233,11 +232,9 @@ class CliSlurmClient:
     @functools.cache  # noqa: B019 - the completion log does not move while ft runs
     def _jobcomp_path(self) -> str | None:
         result = commands.run(["scontrol", "show", "config"], timeout=self.timeout, check=False)
-        types = re.search(r"^JobCompType\s*=\s*(\S+)", result.stdout, re.M)
-        location = re.search(r"^JobCompLoc\s*=\s*(\S+)", result.stdout, re.M)
-        if types and "filetxt" in types[1] and location:
-            return location[1]
-        return None
+        config = commands.parse_config(result.stdout)
+        location = config.get("JobCompLoc", "")
+        return location if "filetxt" in config.get("JobCompType", "") and location else None
 
     def _from_jobcomp(self, job_id: str) -> JobInfo | None:
         path = self._jobcomp_path()

@@ -26,6 +26,16 @@ def slurm_time(text: str) -> float | None:
         return None
 
 
+def parse_config(text: str) -> dict[str, str]:
+    """`scontrol show config`'s `Name = value` lines, by name ("(null)" where unset)."""
+    config = {}
+    for line in text.splitlines():
+        name, equals, value = line.partition("=")
+        if equals and name.strip() and " " not in name.strip():
+            config.setdefault(name.strip(), value.strip())
+    return config
+
+
 class SlurmUnavailable(FtError):
     """The Slurm tools are missing or the controller does not answer."""
 

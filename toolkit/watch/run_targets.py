@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.shared_dirs import login_name, write_atomically
+from toolkit.slurm import job_comment
 
 CLAIM_MAX_BYTES = 4096  # a claim is one address; anything larger is not one of ours
 PUBLISHED_NAME = "runs.json"
 # Slurm's word on its jobs, as JSON: a comment (a user's free text) can hold a newline, which would
 # forge a line of squeue's text output. A job element's job_id is its own (SLURM_JOB_ID).
 SQUEUE_JOBS = ["squeue", "--all", "--json"]
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # <run>.<job id>.json; <run>.<job id>-<8 hex>.json where another user took the plain name first.
 CLAIM_NAME = re.compile(r"(?P<run>[A-Za-z0-9][A-Za-z0-9._-]{0,127})\.(?P<job>[0-9]{1,12})(?:-[0-9a-f]{8})?\.json")
 ADDRESS = re.compile(r'\[\{"targets": ?\["(?P<host>[A-Za-z0-9._-]{1,253}):(?P<port>[0-9]{1,5})"\]\}\]\s*')
@@ -70,9 +70,8 @@ def parse_running(text: str) -> dict[str, RunningJob]:
             continue
         job_id, user, host, comment = (str(job.get(key, ""))
                                        for key in ("job_id", "user_name", "batch_host", "comment"))
-        fields = dict(item.split("=", 1) for item in comment.split(",") if "=" in item)
-        run = fields.get("ft-run", "")
-        if not job_id.isdigit() or not RUN_NAME.fullmatch(run) or not user or not host:
+        run = job_comment.run_of(comment)
+        if not job_id.isdigit() or run is None or not user or not host:
             continue
         if job_id in jobs:
             doubled.add(job_id)
