@@ -41,8 +41,6 @@ author: ft
 
 import time
 
-from ansible.module_utils.basic import AnsibleModule
-
 SACCTMGR = ["sacctmgr", "--noheader", "--parsable2"]
 
 
@@ -159,6 +157,10 @@ def carry_out(module, what, argv, wait):
 
 
 def main():
+    # Imported here, not at the top: the planning functions above are imported by unit tests, and
+    # ansible's module_utils patch sys.intern process-wide, which torch's compiler then trips on.
+    from ansible.module_utils.basic import AnsibleModule
+
     module = AnsibleModule(
         argument_spec={
             "cluster": {"type": "str", "required": True},
