@@ -194,11 +194,12 @@ def test_a_damaged_file_costs_its_own_metrics_not_the_scrape(run_dir, capsys, mo
 
 
 def test_ranks_per_phase_come_from_the_launchers_heartbeats(run_dir):
-    beats = {"n1": {"ranks": {"0": ["save", 40], "1": ["step", 41]}}, "n2": {"ranks": {"2": ["start", -1]}},
+    beats = {"n1": {"ranks": {"0": ["save", 40], "1": ["step", 41]}}, "n2": {"ranks": {"2": ["start", -1],
+                                                                                        "3": ["eval", 0]}},
              "n3": {"ranks": "junk"}, "n4": "junk"}
     families = {f.name: f for f in RunCollector(run_dir, {"run": "r1"}, dict, lambda: beats).collect()}
     phases = {s.labels["phase"]: s.value for s in families["ft_run_ranks"].samples}
-    assert phases == {"export": 0, "save": 1, "start": 1, "step": 1}
+    assert phases == {"eval": 1, "export": 0, "save": 1, "start": 1, "step": 1}
 
 
 def test_values_no_number_can_hold_or_a_file_nested_without_end_cost_only_themselves(run_dir):
@@ -209,3 +210,24 @@ def test_values_no_number_can_hold_or_a_file_nested_without_end_cost_only_themse
     families = {f.name: f for f in RunCollector(run_dir, {"run": "r1"}, dict).collect()}
     assert families["ft_run_step"].samples[0].value == 41
     assert "ft_run_loss" not in families and "ft_run_checkpoint_step" not in families
+
+
+def test_the_evaluation_after_training_is_scraped_per_model_split_and_gate(run_dir):
+    (run_dir / "eval.json").write_text(json.dumps({
+        "base": {"held_out": {"loss": 4.2}, "golden": {"loss": 4.0, "metrics": {"exact_match": 0.0}}},
+        "adapter": {"held_out": {"loss": 0.3}, "golden": {"loss": 0.2, "metrics": {"exact_match": 0.875}}},
+        "gates": [{"name": "held_out_loss_drop", "passed": True, "detail": ""},
+                  {"name": "golden_exact_match_drop", "passed": "yes", "detail": ""}],  # not a true: failed
+        "state": "promoted", "why": ""}))
+    families = {family.name: family for family in RunCollector(run_dir, {"run": "r1"}, dict).collect()}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for name in ("ft_run_eval_loss", "ft_run_eval_metric", "ft_run_eval_gate_passed", "ft_run_eval_promoted")
+               for s in families[name].samples}
+    assert samples[("ft_run_eval_loss", (("model", "adapter"), ("run", "r1"), ("split", "held_out")))] == 0.3
+    assert samples[("ft_run_eval_loss", (("model", "base"), ("run", "r1"), ("split", "golden")))] == 4.0
+    assert samples[("ft_run_eval_metric", (("metric", "exact_match"), ("model", "adapter"), ("run", "r1")))] == 0.875
+    assert samples[("ft_run_eval_gate_passed", (("gate", "golden_exact_match_drop"), ("run", "r1")))] == 0
+    assert samples[("ft_run_eval_promoted", (("run", "r1"),))] == 1
+    (run_dir / "eval.json").write_text('{"base": {"held_out": [1]}, "adapter": 7, "gates": [3]}')  # by hand
+    names = [family.name for family in RunCollector(run_dir, {"run": "r1"}, dict).collect()]
+    assert "ft_run_step" in names and "ft_run_eval_promoted" not in names  # costs its own section only

@@ -137,6 +137,30 @@ def ls(cluster: str = typer.Option(None, "--cluster", "-c"), limit: int = typer.
     console.print(table)
 
 
+def _evaluation_lines(results: dict | None) -> list[str]:
+    """The evaluation after training in a few lines: each set's loss beside the base model's, the
+    task metrics, the verdict and every failed gate."""
+    if not results:
+        return []
+    try:
+        base, trained = results.get("base") or {}, results["adapter"]
+        shown = []
+        for split, found in trained.items():
+            if not found:
+                continue
+            before = (base.get(split) or {}).get("loss")
+            shown.append(f"{split.replace('_', '-')} loss {found['loss']:.4f}"
+                         + (f" (base {before:.4f})" if before is not None else " (base not measured)"))
+            for metric, value in (found.get("metrics") or {}).items():
+                was = ((base.get(split) or {}).get("metrics") or {}).get(metric)
+                shown.append(f"{metric} {value:.3f}" + (f" (base {was:.3f})" if was is not None else ""))
+        lines = [f"eval: {', '.join(shown) or 'no data to measure'}",
+                 f"eval: {results['state']}: {results['why']}"]
+    except (AttributeError, KeyError, TypeError, ValueError):  # a file damaged by hand
+        return ["eval: the results (eval.json) cannot be read"]
+    return lines
+
+
 def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, "--cluster", "-c"),
            as_json: bool = typer.Option(False, "--json"),
            watch: bool = typer.Option(False, "--watch", "-w",
@@ -182,6 +206,8 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
                       f"output {plain(done['output'])}", soft_wrap=True)  # lines whole, paths unbroken
     if current.checkpoints and (where := checkpoint_summary(current.checkpoints)):
         console.print(f"  checkpoints: {plain(where)}", soft_wrap=True)
+    for line in _evaluation_lines(current.evaluation):
+        console.print(f"  {plain(line)}", soft_wrap=True)
     if current.timeline:
         spent = current.timeline
         # A short run without faults is mostly its start: said, so that a low figure does not alarm.

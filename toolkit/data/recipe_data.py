@@ -18,6 +18,7 @@ from toolkit.data.validate import (
     validate_file,
 )
 from toolkit.recipe.resolve import ResolvedRecipe
+from toolkit.recipe.schema import DATA_FILES
 from toolkit.shared_dirs import SharedFolderError, user_cache
 
 FORMATS_FOR = {"sft": {"prompt_completion", "chat"}, "dpo": {"preference"}}
@@ -93,31 +94,29 @@ def validated_file(recipe, role: str, path: str, counter: LengthCounter | None, 
 
 def missing_file_report(resolved: ResolvedRecipe, role: str, path: str, unreachable: str | None) -> Report:
     report = Report(path, None)
+    field = ".".join(DATA_FILES[role])
     where = object_store.where(path, resolved.profile.s3_endpoint)
     if unreachable:
         report.add("error", "object_store_unreachable", Finding(
-            str(resolved.path), f"data.{role}",
+            str(resolved.path), field,
             f"{path}: {where} could not be reached ({unreachable}); check the endpoint (AWS_ENDPOINT_URL, or "
             f"s3_endpoint in the {resolved.profile.name} cluster profile), the network and the credentials"))
     else:
-        report.add("error", "file_not_found", Finding(str(resolved.path), f"data.{role}",
+        report.add("error", "file_not_found", Finding(str(resolved.path), field,
                                                       f"{path}: no such file ({where})"))
     return report
 
 
 def validate_recipe_data(resolved: ResolvedRecipe, tokenizer: str | None = None,
                          progress: Callable[[str, int, int | None], None] | None = None) -> list[Report]:
-    """Validate the recipe's train and eval files. A file already validated with the same tokenizer
+    """Validate the recipe's data files (train, eval, golden). A file already validated with the same tokenizer
     and settings is not read again: its report and tokens come from the cache."""
     recipe = resolved.recipe
     object_store.configure(resolved.profile.s3_endpoint)
     counter, missing = tokenizer_for(resolved, tokenizer)
     cache, cache_unusable = login_token_cache(resolved.profile.shared_root)
     reports = []
-    for role in ("train", "eval"):
-        path = getattr(recipe.data, role)
-        if not path:
-            continue
+    for role, path in recipe.data_files().items():
         found = object_store.presence(path)
         if not found.found:
             reports.append(missing_file_report(resolved, role, path, found.unreachable))

@@ -17,7 +17,7 @@ from toolkit.checkpoint.remote import mirror_url
 from toolkit.cluster.profile import ClusterProfile, load_profile
 from toolkit.errors import FtError
 from toolkit.recipe.run_spec import Derived, RunSpec, batch_plan
-from toolkit.recipe.schema import Method, Objective, Recipe
+from toolkit.recipe.schema import DATA_FILES, Method, Objective, Recipe
 from toolkit.recipe.yaml_source import SourceMap, load_yaml
 
 TINY_MODEL = "tiny-llama"
@@ -215,12 +215,12 @@ def resolve(path: Path, cluster: str | None = None) -> ResolvedRecipe:
     recipe, source = load_recipe(path)
     sources = {dotted: "recipe" for dotted, _ in _flatten(recipe.model_dump(mode="json"))
                if tuple(dotted.split(".")) in source.lines}
-    for key in ("train", "eval"):  # local data paths are relative to the recipe file
-        value = getattr(recipe.data, key)
-        if value and "://" not in value and not Path(value).is_absolute():
+    for role, value in recipe.data_files().items():  # local data paths are relative to the recipe file
+        if "://" not in value and not Path(value).is_absolute():
+            section, field = DATA_FILES[role]
             # absolute(), not resolve(): a symlink loop in the path is the data check's to report.
-            setattr(recipe.data, key, os.path.normpath(path.parent.absolute() / value))
-            sources[f"data.{key}"] = "recipe (relative to the recipe file)"
+            setattr(getattr(recipe, section), field, os.path.normpath(path.parent.absolute() / value))
+            sources[f"{section}.{field}"] = "recipe (relative to the recipe file)"
     chosen = cluster or recipe.cluster
     try:
         profile = load_profile(chosen)

@@ -241,6 +241,61 @@ class TrackingSpec(Strict):
         "step read it first"))] = 10
 
 
+class Metric(StrEnum):
+    exact_match = "exact_match"  # the greedy completion equals the reference (whitespace-normalised)
+    token_f1 = "token_f1"  # word overlap of completion and reference (SQuAD's F1): partial credit
+
+
+class GateSpec(Strict):
+    """What an adapter must show against the base model before it is promoted (each gate unset: not
+    asked). Losses are mean negative log-likelihoods per labelled token (nats)."""
+    held_out_loss_drop: Annotated[float, Field(ge=0)] | None = Field(
+        None, description="The held-out loss at least this far below the base model's (0: any drop)")
+    golden_loss_rise: Annotated[float, Field(ge=0)] | None = Field(
+        None, description="The golden set's loss at most this far above the base model's")
+    golden_metric_drop: Annotated[float, Field(ge=0, le=1)] | None = Field(
+        None, description="Each task metric on the golden set at most this far below the base model's")
+
+    def asked(self) -> bool:
+        return any(value is not None for value in self.model_dump().values())
+
+
+class EvalSpec(Strict):
+    """Evaluation after training, in the same allocation: the held-out data and the golden set, with
+    the trained model and the base model (measured before the first step), then the gates."""
+    enabled: bool = True
+    golden: str | None = Field(None, description="A fixed set the model must keep doing well on (same formats "
+                                                 "as the training data): a local path or s3:// URL")
+    metrics: list[Metric] = Field(default_factory=list, description="Task metrics on the golden set, from "
+                                                                   "greedy completions of its prompts")
+    max_examples: Annotated[int, Field(ge=1, le=1_000_000)] = Field(
+        1000, description="At most this many examples of each set are evaluated")
+    max_new_tokens: Annotated[int, Field(ge=1, le=4096)] = 64
+    promote: bool = Field(True, description="Promote the adapter in the registry when every gate passes "
+                                            "(with no gate asked, it stays a draft to promote by hand)")
+    gates: GateSpec = GateSpec()
+
+    @field_validator("golden")
+    @classmethod
+    def golden_location(cls, value: str | None) -> str | None:
+        return DataSpec.data_location(value)
+
+    @model_validator(mode="after")
+    def golden_for_golden_gates(self) -> EvalSpec:
+        if self.metrics and not self.golden:
+            raise ValueError("metrics are measured on the golden set: name it (eval.golden)")
+        if not self.golden and (self.gates.golden_loss_rise is not None or self.gates.golden_metric_drop is not None):
+            raise ValueError("a golden-set gate needs the golden set: name it (eval.golden)")
+        if self.gates.golden_metric_drop is not None and not self.metrics:
+            raise ValueError("gates.golden_metric_drop compares task metrics: name them (eval.metrics: "
+                             "[exact_match, token_f1])")
+        return self
+
+
+# The data files a recipe reads, by role: where each is named in the recipe (section, field).
+DATA_FILES = {"train": ("data", "train"), "eval": ("data", "eval"), "golden": ("eval", "golden")}
+
+
 class Recipe(Strict):
     name: str = Field(description="Names the run: letters, digits, '.', '_', '-'")
     model: ModelSpec
@@ -253,7 +308,13 @@ class Recipe(Strict):
     checkpoint: CheckpointSpec = CheckpointSpec()
     watchdog: WatchdogSpec = WatchdogSpec()
     tracking: TrackingSpec = TrackingSpec()
+    eval: EvalSpec = EvalSpec()
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for every rank")
+
+    def data_files(self) -> dict[str, str]:
+        """The data files the recipe names, by role (DATA_FILES)."""
+        named = {role: getattr(getattr(self, section), field) for role, (section, field) in DATA_FILES.items()}
+        return {role: path for role, path in named.items() if path}
 
     @model_validator(mode="after")
     def time_left_to_train(self) -> Recipe:
@@ -262,6 +323,14 @@ class Recipe(Strict):
             raise ValueError(f"checkpoint.before_time_limit ({self.checkpoint.before_time_limit} s) leaves no time "
                              f"to train within resources.time ({self.resources.time}, {limit} s): lengthen the "
                              "time limit or shorten the lead")
+        return self
+
+    @model_validator(mode="after")
+    def held_out_data_for_its_gate(self) -> Recipe:
+        if (self.eval.enabled and self.eval.gates.held_out_loss_drop is not None and not self.data.eval
+                and not self.data.eval_fraction):
+            raise ValueError("eval.gates.held_out_loss_drop needs held-out data: name an eval file (data.eval) "
+                             "or hold some of the training data out (data.eval_fraction, e.g. 0.02)")
         return self
 
     @model_validator(mode="after")

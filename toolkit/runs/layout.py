@@ -15,6 +15,8 @@
     metrics.jsonl     every step's loss, learning rate, tokens (rank 0)
     tracking.json     where else the metrics went (W&B page or offline folder)
     summary.json      what the finished run did and cost
+    eval-base.json    the base model's evaluation, measured before the first step
+    eval.json         the trained model's evaluation beside the base's, the gates, and the verdict
     plan.json         where `ft submit --cluster auto` put the run, and why (the options it weighed)
     checkpoints/      the checkpoints, unless the recipe stages them elsewhere
     output/           the adapter or the weights, with the tokenizer
@@ -54,6 +56,8 @@ DONE = "done"
 METRICS = "metrics.jsonl"
 TRACKING = "tracking.json"
 SUMMARY = "summary.json"
+EVAL_BASE = "eval-base.json"
+EVALUATION = "eval.json"
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_STATUS = "checkpoints.json"
 OUTPUT = "output"
@@ -150,6 +154,15 @@ class RunLayout:
     @property
     def summary(self) -> Path:
         return self.root / SUMMARY
+
+    @property
+    def eval_base(self) -> Path:
+        return self.root / EVAL_BASE
+
+    @property
+    def evaluation(self) -> Path:
+        """The evaluation after training, its gates and verdict (toolkit/evaluate/)."""
+        return self.root / EVALUATION
 
     @property
     def plan(self) -> Path:

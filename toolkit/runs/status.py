@@ -23,6 +23,7 @@ class RunStatus:
     summary: dict | None = None
     timeline: dict | None = None  # where the time went: goodput, faults (toolkit/runs/timeline.py)
     checkpoints: dict | None = None  # the newest checkpoint in each tier (toolkit/checkpoint/status.py)
+    evaluation: dict | None = None  # the trained model against the base, the gates (toolkit/evaluate/)
 
     @property
     def state(self) -> str:
@@ -43,7 +44,7 @@ class RunStatus:
                 "jobs": [asdict(job) for job in self.run.jobs],
                 "job": asdict(self.job) if self.job else None, "attempts": self.attempts,
                 "tracking": self.tracking, "summary": self.summary, "timeline": self.timeline,
-                "checkpoints": self.checkpoints}
+                "checkpoints": self.checkpoints, "evaluation": self.evaluation}
 
 
 ATTEMPT_FIELDS = {"job_id": str, "restart": int, "nodes": list, "started": (int, float)}
@@ -92,7 +93,8 @@ def run_status(store: RunStore, run_id: str, client: SlurmClient, queued: dict[s
         summary = {key: value for key, value in summary.items() if key != "loss_curve"}
     checkpoints = read_json(layout.checkpoint_status)
     return RunStatus(record, run_dir, job, read_attempts(run_dir), read_json(layout.tracking), summary,
-                     timeline(run_dir), checkpoints if isinstance(checkpoints, dict) else None)
+                     timeline(run_dir), checkpoints if isinstance(checkpoints, dict) else None,
+                     read_json(layout.evaluation))
 
 
 def log_path(run_dir: Path, job_id: str | None, node: str | None = None, rank: int | None = None) -> Path:

@@ -25,42 +25,67 @@ def cache_root(shared_root: str, run_dir: Path, warn) -> Path:
 
 
 def load_examples(recipe: Recipe, model_path: Path, user_cache: Path, rank: int, dist, log) -> list[Example]:
-    """The tokenized training set, every rank; rank 0 checks the cache's digests (or builds it)."""
+    """The tokenized training set, every rank."""
+    return load_split(recipe, model_path, user_cache, rank, dist, log, recipe.data.train, "train", held_out=False)
+
+
+def load_eval_sets(recipe: Recipe, model_path: Path, user_cache: Path, rank: int, dist, log):
+    """What the evaluation measures (toolkit/train/evaluation.py): the eval file, or the training file's
+    held-out share; and the golden set."""
+    from toolkit.train.evaluation import EvalSets
+
+    if recipe.data.eval:
+        held_out = load_split(recipe, model_path, user_cache, rank, dist, log, recipe.data.eval, "eval", False)
+    elif recipe.data.eval_fraction:
+        held_out = load_split(recipe, model_path, user_cache, rank, dist, log, recipe.data.train, "train", True)
+    else:
+        held_out = []
+    golden = (load_split(recipe, model_path, user_cache, rank, dist, log, recipe.eval.golden, "golden", False)
+              if recipe.eval.golden else [])
+    return EvalSets(held_out, golden)
+
+
+def load_split(recipe: Recipe, model_path: Path, user_cache: Path, rank: int, dist, log, path: str, role: str,
+               held_out: bool) -> list[Example]:
+    """A data file's tokenized examples (the held-out share of it, or the rest), every rank; rank 0
+    checks the cache's digests (or builds it)."""
     from toolkit.data.recipe_data import dataset_key, token_cache
     from toolkit.data.tokenizer import load_length_counter
 
     counter = load_length_counter(str(model_path))
-    key = dataset_key(recipe, recipe.data.train, counter, "train")
+    key = dataset_key(recipe, path, counter, role)
     cache = token_cache(user_cache)
     if rank == 0 and cache.meta(key) is None:  # the digests, checked once for every rank
-        build_cache(recipe, counter, cache, key)
+        build_cache(recipe, counter, cache, key, path, role)
     dist.barrier()
     dataset = cache.load(key, digests=False)
     if dataset is None:
         raise RuntimeError(f"the tokenized dataset {cache.path(key)} is missing after rank 0 built it")
-    log(f"{len(dataset.offsets) - 1} sequences from the token cache {cache.path(key).name}")
-    return [Example(ids, labels) for ids, labels in dataset.examples(held_out=False)]
+    examples = [Example(ids, labels) for ids, labels in dataset.examples(held_out=held_out)]
+    log(f"{len(examples)} {'held-out ' if held_out else ''}sequences of {role} from the token cache "
+        f"{cache.path(key).name}")
+    return examples
 
 
-def build_cache(recipe: Recipe, counter, cache, key: str) -> None:
-    """Tokenize the training file the way validation does (a run submitted with --skip-validation)."""
+def build_cache(recipe: Recipe, counter, cache, key: str, path: str | None = None, role: str = "train") -> None:
+    """Tokenize a data file the way validation does (a run submitted with --skip-validation)."""
     from toolkit.data.encode import encode_rows, sequences_per_row
     from toolkit.data.readers import open_rows
     from toolkit.data.recipe_data import held_out_fraction
     from toolkit.data.schemas import detect_format
     from toolkit.data.split import is_eval
 
-    data = recipe.data
-    rows = [row.data for row in open_rows(data.train)[0] if row.data is not None]
+    data, path = recipe.data, path or recipe.data.train
+    rows = [row.data for row in open_rows(path)[0] if row.data is not None]
     fmt = data.format if data.format != "auto" else detect_format(rows[0])
-    fraction, per_row = held_out_fraction(recipe, "train"), sequences_per_row(fmt)
+    fraction, per_row = held_out_fraction(recipe, role), sequences_per_row(fmt)
     encoded = encode_rows(rows, fmt, counter, data.max_seq_len)
     writer = cache.writer(key)
     for index, row in enumerate(rows):
         held_out = is_eval(row, fraction, recipe.training.seed)
         for ids, labels, _ in encoded[index * per_row:(index + 1) * per_row]:
             writer.add(ids, labels, held_out)
-    writer.finish({"key": key, "path": data.train, "format": fmt, "report": None})
+    writer.finish({"key": key, "path": path, "format": fmt, "report": None})
 
 
 def total_steps(recipe: Recipe, dataset_size: int) -> int:

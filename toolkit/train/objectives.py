@@ -19,6 +19,10 @@ class Objective(Protocol):
     def loss(self, engine, batch: dict):
         """(loss, accuracy or None) of one micro batch already on the rank's device."""
 
+    def unit_losses(self, engine, batch: dict):
+        """Per unit of a micro batch, for evaluation: (loss summed over the unit, what it is summed
+        over: labelled tokens or 1 per pair, accuracy or None)."""
+
 
 class Sft:
     def units(self, examples: list[Example]) -> list[Example]:
@@ -29,6 +33,15 @@ class Sft:
 
     def loss(self, engine, batch: dict):
         return engine(**batch).loss, None
+
+    def unit_losses(self, engine, batch: dict):
+        import torch.nn.functional as F
+
+        logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        labels = batch["labels"][:, 1:]
+        mask = (labels != -100).float()
+        nll = F.cross_entropy(logits[:, :-1, :].transpose(1, 2).float(), labels.clamp(min=0), reduction="none")
+        return (nll * mask).sum(-1), mask.sum(-1), None
 
 
 def sequence_logps(logits, labels):
@@ -55,6 +68,10 @@ class Dpo:
         return [pair[0] for pair in units] + [pair[1] for pair in units]
 
     def loss(self, engine, batch: dict):
+        losses, _, accuracies = self.unit_losses(engine, batch)
+        return losses.mean(), accuracies.mean()
+
+    def unit_losses(self, engine, batch: dict):
         import torch
         import torch.nn.functional as F
 
@@ -64,8 +81,8 @@ class Dpo:
             reference = sequence_logps(engine.module(**inputs).logits, batch["labels"])
         half = logps.shape[0] // 2
         chosen, rejected = logps[:half] - reference[:half], logps[half:] - reference[half:]
-        loss = -F.logsigmoid(self.beta * (chosen - rejected)).mean()
-        return loss, (chosen > rejected).float().mean()
+        losses = -F.logsigmoid(self.beta * (chosen - rejected))
+        return losses, torch.ones_like(losses), (chosen > rejected).float()
 
 
 def objective_for(spec: ObjectiveSpec) -> Objective:

@@ -101,6 +101,22 @@ class Tracker:
             artifact.add_dir(str(folder), skip_cache=True, policy="immutable")
             self.wandb.log_artifact(artifact)
 
+    def evaluation(self, results: dict) -> None:
+        """The evaluation in the W&B summary: eval/<base|adapter>/<held_out|golden>/<number>, the
+        verdict (eval/state) and each gate (eval/gates/<name>: 1 passed, 0 failed)."""
+        if self.starting is not None:
+            self._to_wandb(wait=self.WANDB_START_WAIT_S)
+        if not self.wandb:
+            return
+        numbers = {f"eval/{model}/{split}/{name}": value
+                   for model in ("base", "adapter") for split, found in (results.get(model) or {}).items()
+                   for name, value in flat(found or {}).items()}
+        gates = {f"eval/gates/{gate['name']}": int(gate["passed"]) for gate in results.get("gates", [])}
+        try:
+            self.wandb.summary.update(numbers | gates | {"eval/state": results.get("state")})
+        except Exception as exc:  # noqa: BLE001 - as in log()
+            print(f"warning: W&B did not take the evaluation ({type(exc).__name__}: {exc})", flush=True)
+
     def faults(self) -> None:
         """The run's restarts and faults so far (the watchdog's timeline), in its W&B summary: the
         restart count and goodput, and each fault (when, what, which node, why). A summary, not a
@@ -128,6 +144,11 @@ class Tracker:
                 self.wandb.finish()
             except Exception as exc:  # noqa: BLE001 - as in log()
                 print(f"warning: W&B did not finish cleanly ({type(exc).__name__}: {exc})", flush=True)
+
+
+def flat(found: dict) -> dict:
+    """A set's numbers with its task metrics beside them (golden: {"loss", "metrics": {"exact_match"}})."""
+    return {key: value for key, value in found.items() if key != "metrics"} | dict(found.get("metrics") or {})
 
 
 def artifact_name(run_id: str, method: str) -> str:

@@ -65,8 +65,8 @@ def main() -> None:
 PRELOAD = ("torch", "torch.distributed", "deepspeed", "peft", "transformers",
            "transformers.models.llama.modeling_llama", "toolkit.data.encode", "toolkit.data.object_store",
            "toolkit.data.readers", "toolkit.train.checkpoint", "toolkit.train.compiled_ops",
-           "toolkit.train.dataset", "toolkit.train.engine", "toolkit.train.faults", "toolkit.train.loop",
-           "toolkit.train.models", "toolkit.train.objectives", "toolkit.train.snapshot", "toolkit.train.tracking")
+           "toolkit.train.dataset", "toolkit.train.engine", "toolkit.train.evaluation", "toolkit.train.faults",
+           "toolkit.train.loop", "toolkit.train.models", "toolkit.train.objectives", "toolkit.train.snapshot", "toolkit.train.tracking")
 
 
 def preload() -> None:
@@ -86,7 +86,8 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     from toolkit.recipe.run_spec import batch_plan
     from toolkit.train import compiled_ops
     from toolkit.train.checkpoint import END_UPLOAD_WAIT_S, STOP_UPLOAD_WAIT_S, checkpointer_for
-    from toolkit.train.dataset import cache_root, load_examples, total_steps
+    from toolkit.train.evaluation import Evaluator, Ranks
+    from toolkit.train.dataset import cache_root, load_eval_sets, load_examples, total_steps
     from toolkit.train.engine import deepspeed_config
     from toolkit.train.faults import Faults
     from toolkit.train.loop import Loop
@@ -130,6 +131,12 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     progress = Reporter()
     checkpointer = checkpointer_for(layout, spec, engine, dist, progress, log, faults.checkpoint_file)
     start = checkpointer.resume()
+    evaluator = None
+    if recipe.eval.enabled:
+        evaluator = Evaluator(layout, recipe, engine, objective, tokenizer,
+                              load_eval_sets(recipe, model_path, user_cache, rank, dist, log),
+                              Ranks(dist, rank, world, engine.device), plan.micro_batch, progress, log)
+        evaluator.base_before(start)
     loop = Loop(engine, dist, rank, world, recipe, plan, units, objective, tokenizer.pad_token_id, tracker,
                 checkpointer, progress, faults, log, lambda: _stop_requested, backend)
     started = time.monotonic()
@@ -143,12 +150,15 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
         raise
     progress.report("export", step)
     export(engine, tokenizer, layout, rank)  # while the last checkpoint is written in the background
+    evaluation = evaluator.after(step) if evaluator else None
     checkpointer.close(END_UPLOAD_WAIT_S)
     timing = {"wall_seconds": round(time.monotonic() - started, 2),
               "checkpoint_seconds": round(checkpointer.seconds, 2), "checkpoints": checkpointer.written,
               "checkpoint_write_seconds": round(checkpointer.writer.write_seconds, 2)}
     if rank == 0:
         write_summary(layout, recipe, step, loop.tokens * world, timing)
+        if evaluation:
+            tracker.evaluation(evaluation)
         tracker.artifact(layout.output)
         log(f"wrote {layout.output} and {layout.summary.name}")
     dist.barrier()

@@ -27,8 +27,11 @@ the exporter serves none of them itself (what a user's process serves is not pro
     ft_run_checkpoint_upload_lag_seconds                           since the oldest one not mirrored
     ft_run_checkpoint_upload_failing                               1 while uploads fail
     ft_node_heartbeat_age_seconds{node}                            since a node's launcher was heard
-    ft_run_ranks{phase}                                            ranks loading, stepping, saving, exporting
+    ft_run_ranks{phase}                                            ranks loading, stepping, saving, exporting,
+                                                                   evaluating
     ft_gpu_*{node, gpu}                                            NVML's readings (toolkit/watch/gpus.py)
+    ft_run_eval_loss{model, split}, ft_run_eval_metric{model, metric}  after training (eval.json)
+    ft_run_eval_gate_passed{gate}, ft_run_eval_promoted                the gates and the verdict
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from pathlib import Path
 from toolkit.runs.layout import RunLayout
 from toolkit.runs.progress import WINDOW, number, read_progress
 
-PHASES = ("start", "step", "save", "export")  # toolkit/watch/progress.py's, and "start" before them
+PHASES = ("start", "step", "save", "export", "eval")  # toolkit/watch/progress.py's, and "start" before them
 
 GOODPUT_EVERY_S = 60.0  # the timeline reads whole files: not at every scrape
 
@@ -82,7 +85,7 @@ class RunCollector:
         yield info
         for section in (lambda: self.step_metrics(gauge), lambda: self.checkpoint_metrics(gauge),
                         lambda: self.goodput_metrics(gauge), self.restart_metrics, self.heartbeat_metrics,
-                        self.gpu_metrics, self.phase_metrics):
+                        self.gpu_metrics, self.phase_metrics, self.eval_metrics):
             # A file damaged by hand (a null where a number was) costs its own metrics, not the scrape.
             try:
                 families = list(filter(None, section()))
@@ -145,7 +148,7 @@ class RunCollector:
         return [family for family in families.values() if family.samples]
 
     def phase_metrics(self) -> list:
-        """Ranks per phase (start: loading, before a first step; step; save; export), from the
+        """Ranks per phase (start: loading, before a first step; step; save; export; eval), from the
         launchers' heartbeats: a run whose steps stop during a long save or load is not hung."""
         from prometheus_client.core import GaugeMetricFamily
 
@@ -157,11 +160,42 @@ class RunCollector:
                     counts[place[0]] += 1
         if not any(counts.values()):
             return []
-        family = GaugeMetricFamily("ft_run_ranks", "Ranks in each phase (start, step, save, export)",
+        family = GaugeMetricFamily("ft_run_ranks", "Ranks in each phase (start, step, save, export, eval)",
                                    labels=[*self.labels, "phase"])
         for phase, count in sorted(counts.items()):
             family.add_metric([*self.labels.values(), phase], count)
         return [family]
+
+    def eval_metrics(self) -> list:
+        """The evaluation after training (eval.json: written at the run's end, read by the last scrape
+        before the exporter stops): each set's loss and task metric, per model, and the verdict."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        try:
+            results = json.loads(self.layout.evaluation.read_text())
+        except (OSError, ValueError, RecursionError):
+            return []
+        if not isinstance(results, dict):
+            return []
+        names, values = [*self.labels], list(self.labels.values())
+        losses = GaugeMetricFamily("ft_run_eval_loss", "Loss per labelled token (per pair: DPO) after training",
+                                   labels=[*names, "model", "split"])
+        scores = GaugeMetricFamily("ft_run_eval_metric", "Task metric on the golden set", labels=[*names, "model",
+                                                                                                "metric"])
+        for model in ("base", "adapter"):
+            for split, found in (results.get(model) or {}).items():
+                if isinstance(found, dict) and number(found.get("loss")) is not None:
+                    losses.add_metric([*values, model, str(split)], found["loss"])
+                for metric, value in ((found or {}).get("metrics") or {}).items():
+                    if number(value) is not None:
+                        scores.add_metric([*values, model, str(metric)], value)
+        gates = GaugeMetricFamily("ft_run_eval_gate_passed", "1 when the gate passed", labels=[*names, "gate"])
+        for gate in results.get("gates") or []:
+            gates.add_metric([*values, str(gate["name"])], 1 if gate.get("passed") is True else 0)
+        promoted = GaugeMetricFamily("ft_run_eval_promoted", "1 when the adapter passed its gates and was promoted",
+                                     labels=names)
+        promoted.add_metric(values, 1 if results.get("state") == "promoted" else 0)
+        return [family for family in (losses, scores, gates) if family.samples] + [promoted]
 
     def heartbeat_metrics(self) -> list:
         from prometheus_client.core import GaugeMetricFamily

@@ -1,10 +1,12 @@
 """Each rank's progress, told to its node's launcher through a pipe, and the rule that calls a rank
 hung. A worker writes one short line per step ("step 12"), and around the long phases where no
-step advances ("save 12" while checkpointing, "export 120" at the end). Writes never block: a
+step advances ("save 12" while checkpointing, "eval 0" measuring the base model before the first
+step, "export 120" and "eval 120" at the end). Writes never block: a
 launcher that stopped reading never slows training.
 
 A rank is hung when its step is late by max(hang_factor x its median step time, hang_floor)
-seconds; before its first step, and during a save or the export, the limit is startup_timeout.
+seconds; before its first step, and during a save, the export or the evaluation, the limit is
+startup_timeout.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ if TYPE_CHECKING:
     from toolkit.recipe.schema import WatchdogSpec
 
 PROGRESS_FD = "FT_PROGRESS_FD"
-PHASES = {"step", "save", "export"}
+PHASES = {"step", "save", "export", "eval"}
 
 
 class Reporter:
