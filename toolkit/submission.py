@@ -6,9 +6,11 @@ submitit's own template for it), and it is kept in the run directory as job.sbat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,11 +94,28 @@ def _sbatch(run_dir: Path, script: str) -> str:
     folder.mkdir(exist_ok=True)
     executor = _executor(folder, script)
     try:
-        job = executor._submit_command("ft-run")  # the script above is the whole job; no pickle
+        with script_directives_win():
+            job = executor._submit_command("ft-run")  # the script above is the whole job; no pickle
     except Exception as exc:  # submitit raises FailedJobError/CalledProcessError with sbatch's text
         raise SubmitError(f"sbatch refused the job: {exc}".strip(),
                           hint=f"the rendered script is in {RunLayout(run_dir).script}") from None
     return str(job.job_id)
+
+
+@contextlib.contextmanager
+def script_directives_win():
+    """sbatch takes SBATCH_* variables of its environment over the script's #SBATCH lines: the job
+    would run under another account, QOS or partition than the one ft checked and rendered. Left out
+    of sbatch's environment (said, not silent)."""
+    overriding = {name: os.environ.pop(name) for name in list(os.environ) if name.startswith("SBATCH_")}
+    if overriding:
+        print(f"warning: {', '.join(sorted(overriding))} left out of sbatch's environment: the rendered "
+              "script's #SBATCH lines say what this job asks for (set it in the recipe or the cluster profile)",
+              file=sys.stderr)
+    try:
+        yield
+    finally:
+        os.environ.update(overriding)
 
 
 def require_training_environment(resolved: ResolvedRecipe) -> None:

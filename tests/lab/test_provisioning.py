@@ -53,7 +53,7 @@ def test_a_cap_changed_by_hand_shows_in_check_mode_and_the_playbook_sets_it_back
         return shown.stdout.strip()
 
     provisioned = cap()
-    assert provisioned == "gres/gpu=1"  # the lab's inventory: 0.01 GPU-hours
+    assert provisioned == "gres/gpu=0"  # the lab's inventory: 0.01 GPU-hours, in whole minutes never looser
     subprocess.run(["sacctmgr", "--immediate", "modify", "account", "where", "name=capped", "set",
                     "GrpTRESMins=gres/gpu=600"], capture_output=True, check=True)
     try:
@@ -63,7 +63,7 @@ def test_a_cap_changed_by_hand_shows_in_check_mode_and_the_playbook_sets_it_back
         assert any("accounts' GPU-hour caps" in task for task in checked.changed_tasks), checked.changed_tasks
         text = checked.log_path.read_text()
         assert "-account capped: GrpTRESMins=gres/gpu=600" in text
-        assert "+account capped: GrpTRESMins=gres/gpu=1" in text
+        assert "+account capped: GrpTRESMins=gres/gpu=0" in text
         assert cap() == "gres/gpu=600"  # check mode set nothing
     finally:
         applied = run_playbook("lab.yml", lifecycle.lab_vars(None, None, whole_lab), tags=("limits",))

@@ -42,3 +42,26 @@ def test_submitit_hands_sbatch_exactly_ft_s_script_and_returns_its_job_id(tmp_pa
 
     assert job_id == "4242"
     assert Path(seen).read_text() == SCRIPT  # byte for byte: no submitit template, no pickle
+
+
+def test_sbatch_variables_of_the_users_shell_never_override_the_scripts_directives(tmp_path, monkeypatch, capsys):
+    """sbatch takes SBATCH_ACCOUNT (QOS, partition...) over #SBATCH lines: the job would run under an
+    account ft did not check the quota of. The stand-in sbatch records what it was given."""
+    bin_dir, seen = tmp_path / "bin", tmp_path / "env"
+    bin_dir.mkdir()
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text(f'#!/bin/bash\nenv | grep ^SBATCH_ > {seen}\necho "Submitted batch job 7"\n')
+    sbatch.chmod(0o755)
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=coupling\n")
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    monkeypatch.setenv("SBATCH_ACCOUNT", "capped")
+    monkeypatch.setenv("SBATCH_QOS", "ft-free")
+    (tmp_path / "run").mkdir()
+
+    assert _sbatch(tmp_path / "run", SCRIPT) == "7"
+
+    assert seen.read_text() == ""  # sbatch saw none of them
+    assert "SBATCH_ACCOUNT, SBATCH_QOS left out of sbatch's environment" in capsys.readouterr().err
+    assert os.environ["SBATCH_ACCOUNT"] == "capped"  # the shell's own environment is left as it was

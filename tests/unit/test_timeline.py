@@ -30,6 +30,25 @@ def test_goodput_counts_first_time_steps_only_and_names_where_the_rest_went(tmp_
     assert spent["other_s"] == 42 - 11 - 4 - 18 - 8
     assert spent["goodput"] == round(11 / 42, 3)
     assert [f["event"] for f in spent["faults"]] == ["restart"]
+    # The fault's episode and what it cost, as one span: the wait from step 10 (t+119) to the start,
+    # that start until its first step (t+135), the steps it redid (to t+139).
+    (episode,) = spent["episodes"]
+    assert episode["time"] == t + 125 and episode["events"] == ["restart"] and episode["nodes"] == []
+    assert episode["spans"] == [[t + 119, t + 139]]
+
+
+def test_a_preemption_is_no_episode_and_a_node_lost_then_restarted_is_one(tmp_path):
+    t = 1_700_000_000
+    write_lines(tmp_path / "events.jsonl", [
+        {"time": t, "event": "start"}, {"time": t + 20, "event": "end", "code": 8}, {"time": t + 30, "event": "start"},
+        {"time": t + 50, "event": "node_lost", "node": "n2"}, {"time": t + 51, "event": "restart"},
+        {"time": t + 60, "event": "start"}, {"time": t + 90, "event": "end", "code": 0}])
+    steps = [(t + 5 + s, s) for s in range(1, 10)] + [(t + 35 + s, s) for s in range(6, 14)] \
+        + [(t + 65 + s, s) for s in range(12, 20)]
+    write_lines(tmp_path / "metrics.jsonl", [{"step": s, "time": when} for when, s in steps])
+    (episode,) = timeline(tmp_path)["episodes"]  # the preemption's redone steps are no fault's
+    assert episode["events"] == ["node_lost", "restart"] and episode["nodes"] == ["n2"]
+    assert episode["spans"] == [[t + 48, t + 78]]  # from step 13 to the restart's first new step
 
 
 def test_no_timeline_before_the_watchdog_recorded_a_start(tmp_path):

@@ -16,7 +16,18 @@ import pytest
 
 from tests.support.run_specs import run_spec, write_run_spec
 from tests.support.sacct import sacct_json
-from toolkit.account.usage import Accounting, Allocation, Losses, from_records, losses, parse_sacct, summarise
+from toolkit.account.usage import (
+    NOT_FT,
+    Accounting,
+    Allocation,
+    Losses,
+    NodeEvent,
+    Tiers,
+    from_records,
+    losses,
+    parse_sacct,
+    summarise,
+)
 
 # sacct --allusers --duplicates -X --json: job 48 requeued twice (a node lost, then preempted) then
 # completed; 49 a run of another account on the free tier; a job that is not ft's; one still pending.
@@ -30,7 +41,7 @@ SACCT = """48|ft-run-a|alice|research|standard|normal|REQUEUED|37|billing=2,cpu=
 """
 # Bob names a job of his as alice's run; its comment is his own.
 FORGED = "52|ft-run-a|bob|physics|standard|normal|COMPLETED|600|gres/gpu=4|2026-11-24T21:00:00|2026-11-24T21:10:00|2026-11-24T21:00:00|mine"
-TIERS = {"free": "free", "standard": "standard"}
+TIERS = Tiers({"free": "free", "standard": "standard"}, {"ft-standard": "standard"}, {"free": 1.0}, 2.5)
 
 
 def test_every_allocation_counts_once_with_its_own_gpus_and_time():
@@ -40,18 +51,26 @@ def test_every_allocation_counts_once_with_its_own_gpus_and_time():
         ("run-b", "CANCELLED", 8, 3600), ("run-c", "PENDING", 0, 0)]
     rows = {row.key: row for row in summarise(allocations, "run", TIERS, {})}
     assert rows["run-a"].allocations == 3 and rows["run-a"].gpu_hours == pytest.approx(2 * 128 / 3600)
-    assert rows["run-b"].gpu_hours == 8.0 and rows["run-c"].gpu_hours == 0
-    by_tier = {row.key: row.to_dict(price=2.5) for row in summarise(allocations, "tier", TIERS, {})}
-    assert by_tier["free"]["gpu_hours"] == 8.0 and by_tier["free"]["cost"] == 20.0
+    assert rows["run-a"].user == "alice" and rows["run-b"].gpu_hours == 8.0 and rows["run-c"].gpu_hours == 0
+    everything = parse_sacct(json.loads(sacct_json(SACCT)), ft_only=False)
+    by_tier = {row.key: row.to_dict() for row in summarise(everything, "tier", TIERS, {})}
+    # Every job in some row: bob's hand-made job counts in the free tier, at the free tier's price.
+    assert by_tier["free"]["gpu_hours"] == pytest.approx(8.0 + 600 / 3600, abs=1e-4) and by_tier["free"]["cost"] == pytest.approx(8.17, abs=0.01)
+    assert by_tier["standard"]["cost"] == pytest.approx(2 * 128 / 3600 * 2.5, abs=0.01)  # the profile's price
     assert by_tier["free"]["longest_wait_s"] == 1200 and by_tier["standard"]["longest_wait_s"] == 0
     assert by_tier["standard"]["runs"] == 2 and by_tier["standard"]["allocations"] == 4
-    # Jobs of another set of partitions (the lab's second slice), known by their tier's QOS.
+    by_run = {(row.key, row.user): row for row in summarise(everything, "run", TIERS, {})}
+    assert by_run[(NOT_FT, "bob")].allocations == 1 and by_run[(NOT_FT, "bob")].runs == {""}
+    # A job's tier is its partition's (its priority and preemption are the partition's), else its QOS's.
     qos = summarise(parse_sacct(json.loads(sacct_json(SACCT.replace("|standard|normal|", "|s2-standard|ft-standard|")))),
-                    "tier", TIERS, {},
-                    {"ft-standard": "standard"})
+                    "tier", TIERS, {})
     assert {row.key for row in qos} == {"free", "standard"}
+    cheap = parse_sacct(json.loads(sacct_json(SACCT.replace("|standard|normal|", "|standard|ft-free|"))))
+    assert {row.key for row in summarise(cheap, "tier", TIERS, {})} == {"free", "standard"}  # a QOS buys no tier
     by_account = [row.key for row in summarise(allocations, "account", TIERS, {})]
     assert by_account == ["physics", "research"]  # the largest first
+    priceless = Tiers({}, {}, {}, 0.0)
+    assert summarise(allocations, "user", priceless, {})[0].to_dict()["cost"] is None  # no price: no cost, not 0
 
 
 def test_a_job_is_a_runs_by_its_comment_where_slurm_keeps_comments_else_by_its_name():
@@ -62,7 +81,11 @@ def test_a_job_is_a_runs_by_its_comment_where_slurm_keeps_comments_else_by_its_n
     by_name = [a for a in parse_sacct(forged, by_comment=False) if a.run == "run-a"]
     assert {a.user for a in by_name} == {"alice", "bob"}  # all a name can tell
     everything = parse_sacct(forged, ft_only=False)
-    assert {a.run for a in everything} >= {"hand-made", "run-a"} and len(everything) == 7
+    assert {a.run for a in everything} == {"", "run-a", "run-b", "run-c"} and len(everything) == 7
+    # Bob's job naming alice's run in its comment is a row of its own: her run's row is hers alone.
+    named = parse_sacct(json.loads(sacct_json(SACCT + FORGED.replace("|mine", "|ft-run=run-a"))))
+    rows = {(row.key, row.user): row for row in summarise(named, "run", TIERS, {})}
+    assert rows[("run-a", "alice")].allocations == 3 and rows[("run-a", "bob")].allocations == 1
     # Slurm 23.02+ wraps numbers ({"set", "number"}) and lists a state: read the same.
     newer = json.loads(sacct_json(SACCT))
     for job in newer["jobs"]:
@@ -84,7 +107,8 @@ def test_what_slurm_keeps_is_said_beside_the_figures(monkeypatch):
 def test_losses_count_once_per_run_and_unknown_stays_unknown():
     allocations = parse_sacct(json.loads(sacct_json(SACCT)))
     rows = {row.key: row for row in summarise(allocations, "user", TIERS,
-                                               {"run-a": Losses(0.02, 0.0), "run-c": Losses(0.0, 0.5)})}
+                                               {("run-a", "alice"): Losses(0.02, 0.0, 0.0),
+                                                ("run-c", "bob"): Losses(0.0, 0.5, 0.0)})}
     assert rows["alice"].refundable_gpu_hours == 0.02  # three allocations, one run: counted once
     assert rows["bob"].refundable_gpu_hours is None  # run-b's records are not readable here: not a zero
 
@@ -106,34 +130,44 @@ def run_folder(tmp_path: Path, name: str, events: list[dict], metrics: list[tupl
 T = 1_795_000_000.0
 
 
-def held(start: float, seconds: float, gpus: int = 4) -> Allocation:
-    return Allocation("r", "7", "u", "a", "standard", "COMPLETED", gpus, seconds, start)
+def held(start: float, seconds: float, gpus: int = 4, nodes: tuple[str, ...] = ("n1", "n2")) -> Allocation:
+    return Allocation("r", "7", "u", "a", "standard", "COMPLETED", gpus, seconds, start, nodes=nodes)
 
 
-def test_a_fault_costs_what_was_redone_and_the_wait_a_preemption_costs_nothing_refundable(tmp_path):
-    # Steps 1-10 every 10 s from T+20; the node is lost at T+125 (step 10 at T+120); the next start at
-    # T+150 has its first step at T+170, redoing steps 9 and 10 (checkpoint at 8).
+def test_a_fault_slurm_confirms_costs_what_was_redone_and_the_wait_a_preemption_costs_nothing(tmp_path):
+    # Steps 1-10 every 10 s from T+20; the node is lost at T+125 (step 10 at T+110); the next start at
+    # T+150 has its first step (9) at T+170, and redoes step 10 (checkpoint at 8).
     metrics = [(T + 10 + 10 * s, s) for s in range(1, 11)] + [(T + 170, 9), (T + 180, 10), (T + 190, 11)]
     faulted = run_folder(tmp_path, "faulted", [
         {"time": T, "job": "7", "event": "start"}, {"time": T + 125, "job": "7", "event": "node_lost", "node": "n2"},
         {"time": T + 150, "job": "7", "event": "start"}, {"time": T + 195, "job": "7", "event": "end", "code": 0}],
         metrics, [])
-    lost = losses(faulted, [held(T, 195)])
-    # recovering: the last step (T+120) to the next start (T+150), 30 s; restarting: 20 s; redone: 20 s
+    down = [NodeEvent("n2", T + 127)]  # Slurm's own record: the node was marked down
+    lost = losses(faulted, [held(T, 195)], down)
+    # recovering: the last step (T+110) to the next start (T+150), 40 s; restarting: 20 s; redone: 10 s
     assert lost.refundable == pytest.approx(4 * 70 / 3600, abs=1e-4) and lost.user_error == 0
+    assert lost.unconfirmed == 0
+    # No node event of Slurm's (or of another node, or long before): the loss is the run's word alone.
+    for events in ([], [NodeEvent("n9", T + 127)], [NodeEvent("n2", T - 3600)], None):
+        unconfirmed = losses(faulted, [held(T, 195)], events)
+        assert unconfirmed.refundable == 0 and unconfirmed.unconfirmed == pytest.approx(4 * 70 / 3600, abs=1e-4)
     # Requeued: the first allocation ended at T+130, the next began at T+145; the 15 s in the queue
-    # between held no GPU, and cost nothing.
-    requeued = losses(faulted, [held(T, 130), held(T + 145, 50)])
-    assert requeued.refundable == pytest.approx(4 * 55 / 3600, abs=1e-4)
+    # between held no GPU, and cost nothing. The second allocation held 8 GPUs: its share costs 8.
+    requeued = losses(faulted, [held(T, 130), held(T + 145, 50, gpus=8)], down)
+    assert requeued.refundable == pytest.approx((4 * 20 + 8 * 35) / 3600, abs=1e-4)
+    # A period that starts after the fault's first part (allocations clipped to it): only its share.
+    clipped = losses(faulted, [held(T + 160, 35)], down)
+    assert clipped.refundable == pytest.approx(4 * 20 / 3600, abs=1e-4)  # T+160..T+170 restarting, +10 redone
     preempted = run_folder(tmp_path, "preempted", [
         {"time": T, "job": "8", "event": "start"}, {"time": T + 125, "job": "8", "event": "end", "code": 8},
         {"time": T + 150, "job": "8", "event": "start"}, {"time": T + 195, "job": "8", "event": "end", "code": 0}],
-        [(T + 10 + 10 * s, s) for s in range(1, 11)] + [(T + 170, 11), (T + 180, 12)], [])
-    assert losses(preempted, [held(T, 130), held(T + 145, 50)]) == Losses(0.0, 0.0)
+        [(T + 10 + 10 * s, s) for s in range(1, 11)] + [(T + 170, 9), (T + 180, 10), (T + 190, 11)], [])
+    # Steps redone after a preemption are the free tier's bargain, not a fault's cost.
+    assert losses(preempted, [held(T, 130), held(T + 145, 50)], down) == Losses(0.0, 0.0, 0.0)
     nan = run_folder(tmp_path, "nan", [
         {"time": T, "job": "9", "event": "start"}, {"time": T + 360, "job": "9", "event": "end", "code": 4}],
         [(T + 10 * s, s) for s in range(1, 30)], [])
-    assert losses(nan, [held(T, 400, gpus=2)]) == Losses(0.0, 0.2)  # what a user error ended: 2 GPUs x 360 s
+    assert losses(nan, [held(T, 400, gpus=2)], []) == Losses(0.0, 0.2, 0.0)  # a user error ended: 2 GPUs x 360 s
 
 
 def test_without_accounting_the_run_records_give_each_allocation(tmp_path):
@@ -187,25 +221,18 @@ def test_a_job_across_the_months_start_is_charged_its_part_after_it():
     job = held(T - 3600, 7200)  # from an hour before `since` to an hour after
     assert within(job, T).seconds == 3600 and within(job, T).start == T
     assert within(held(T + 10, 50), T).seconds == 50
+    assert within(job, T - 3600, until=T).seconds == 3600  # --until: a past month alone
+    assert within(held(T + 10, 50), T - 100, until=T).seconds == 0
 
 
 def test_refunds_never_exceed_what_was_held(tmp_path):
-    """A run's files are its user's to write: whatever they claim was redone, no more than the
-    allocations held is refundable."""
+    """A run's files are its user's to write: whatever they claim was lost, no more than the
+    allocations held counts, and only what Slurm's node events confirm is refundable."""
     metrics = [(T + 10, 1)] + [(T + 10 + s, 1) for s in range(1, 2000)]  # step 1 'redone' 2000 times
-    forged = run_folder(tmp_path, "forged", [{"time": T, "job": "7", "event": "start"}], metrics, [])
-    lost = losses(forged, [held(T, 100)])
-    assert lost.refundable <= 4 * 100 / 3600 + 1e-9
-
-
-def test_a_run_folder_counts_only_for_the_jobs_it_records_and_its_owner_ran(tmp_path):
-    import pwd
-
-    from toolkit.cli.usage import _runs_these_jobs
-
-    folder = run_folder(tmp_path, "mine", [], [], [])
-    (folder / "run.json").write_text(json.dumps({"jobs": [{"job_id": "7"}]}))
-    me = pwd.getpwuid(os.getuid()).pw_name
-    assert _runs_these_jobs(folder, [Allocation("mine", "7", me, "a", "p", "COMPLETED", 4, 60, T)])
-    assert not _runs_these_jobs(folder, [Allocation("mine", "8", me, "a", "p", "COMPLETED", 4, 60, T)])
-    assert not _runs_these_jobs(folder, [Allocation("mine", "7", "someone-else", "a", "p", "COMPLETED", 4, 60, T)])
+    forged = run_folder(tmp_path, "forged", [
+        {"time": T, "job": "7", "event": "start"}, {"time": T + 5, "job": "7", "event": "restart"},
+        {"time": T + 6, "job": "7", "event": "start"}], metrics, [])
+    small, large = held(T, 31, gpus=1), held(T + 40, 4, gpus=8)
+    lost = losses(forged, [small, large], [NodeEvent("n1", T + 5)])
+    assert lost.refundable + lost.unconfirmed <= (1 * 31 + 8 * 4) / 3600 + 1e-9
+    assert losses(forged, [small, large], []).refundable == 0  # the run's word alone refunds nothing

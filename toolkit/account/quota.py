@@ -54,11 +54,13 @@ def queued(account: str, run: Callable = commands.run, now: float | None = None)
             continue
         found = usage.GPUS.search(str(job.get("tres_req_str", "")))
         gpus = int(found.group(1)) if found else 0
-        if job.get("job_state") == "RUNNING":
+        state = usage.state_of(job.get("job_state"))  # 22.05: a word; 23.02+: a list
+        end, limit = (usage.field_of(job, key) for key in ("end_time", "time_limit"))  # 23.02+: {"number"}
+        if state == "RUNNING":
             running += 1
-            running_left += gpus * max(float(job.get("end_time") or 0) - now, 0.0) / 3600
-        elif job.get("job_state") == "PENDING":
-            pending += gpus * float(job.get("time_limit") or 0) / 60
+            running_left += gpus * max(float(end or 0) - now, 0.0) / 3600
+        elif state == "PENDING":
+            pending += gpus * (float(limit) / 60 if isinstance(limit, int | float) and limit > 0 else 0.0)
     return running_left, pending, running
 
 

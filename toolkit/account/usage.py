@@ -55,6 +55,11 @@ class Allocation:
     start: float | None
     waited: float | None = None  # from eligible to start: the queue's wait (a requeue's own, too)
     qos: str = ""
+    nodes: tuple[str, ...] = ()
+
+    @property
+    def end(self) -> float | None:
+        return None if self.start is None else self.start + self.seconds
 
     @property
     def gpu_hours(self) -> float:
@@ -68,9 +73,23 @@ def allocated_gpus(resources) -> int:
 
 @dataclass
 class Losses:
-    """A run's GPU-hours lost to faults, by who is to blame (None: its records are not readable here)."""
+    """A run's GPU-hours lost to faults, by who is to blame (None: its records are not readable here).
+    refundable: lost to faults Slurm's own node events confirm; unconfirmed: lost to faults only the
+    run's records tell of (a rank's own crash or hang, or a record written to claim a refund)."""
     refundable: float | None = None
     user_error: float | None = None
+    unconfirmed: float | None = None
+
+
+@dataclass(frozen=True)
+class NodeEvent:
+    """A node going down or drained, as slurmdbd recorded it (`sacctmgr show event`): Slurm's, its
+    health check's or an admin's word, never a job user's."""
+    node: str
+    start: float
+
+
+CONFIRMS_WITHIN_S = 300.0  # a node event this close to a fault episode confirms it
 
 
 @dataclass(frozen=True)
@@ -126,7 +145,7 @@ def state_of(current: object) -> str:
 
 def parse_sacct(answer: object, ft_only: bool = True, by_comment: bool = True) -> list[Allocation]:
     """`sacct --json --duplicates` (Slurm 22.05's shape, 23.02's numbers too): every allocation once;
-    ft's jobs only, or every job (each under its own name). A pending job has held nothing yet."""
+    ft's jobs only, or every job (a job not ft's has no run: ""). A pending job has held nothing yet."""
     jobs = answer.get("jobs") if isinstance(answer, dict) else None
     found = []
     for job in jobs if isinstance(jobs, list) else []:
@@ -142,10 +161,11 @@ def parse_sacct(answer: object, ft_only: bool = True, by_comment: bool = True) -
         began = float(began) if isinstance(began, int) and began > 0 else None
         ready = float(ready) if isinstance(ready, int) and ready > 0 else None
         waited = max(began - ready, 0.0) if began is not None and ready is not None else None
-        found.append(Allocation(run or str(job.get("name") or ""), str(job.get("job_id", "")),
+        found.append(Allocation(run or "", str(job.get("job_id", "")),
                                 *(str(job.get(key) or "") for key in ("user", "account", "partition")),
                                 state_of(field_of(job, "state", "current")), int(gpus), float(elapsed),
-                                began, waited, str(job.get("qos") or "")))
+                                began, waited, str(job.get("qos") or ""),
+                                tuple(commands.expand_hostlist(str(job.get("nodes") or "")))))
     return found
 
 
@@ -155,28 +175,34 @@ def what_slurm_keeps(run: Callable = commands.run) -> Accounting:
 
 
 def from_slurm(since: float, run: Callable = commands.run, ft_only: bool = True,
-               account: str | None = None, by_comment: bool = True) -> list[Allocation]:
-    """Every allocation of ft's jobs (or of all jobs; of one account's) since `since`, from slurmdbd;
-    FtError where accounting is off."""
-    start = datetime.fromtimestamp(since).strftime("%Y-%m-%dT%H:%M:%S")
+               account: str | None = None, by_comment: bool = True, until: float | None = None) -> list[Allocation]:
+    """Every allocation of ft's jobs (or of all jobs; of one account's) between `since` and `until`
+    (default: now), each clipped to the period, from slurmdbd; FtError where accounting is off."""
+    def stamp(when: float) -> str:
+        return datetime.fromtimestamp(when).strftime("%Y-%m-%dT%H:%M:%S")
+
     result = run([*SACCT, *([f"--accounts={account.lower()}"] if account else []),
-                  f"--starttime={start}", "--endtime=now"], timeout=60)
+                  f"--starttime={stamp(since)}", f"--endtime={stamp(until) if until else 'now'}"], timeout=60)
     try:
         answer = json.loads(result.stdout)
     except ValueError as exc:
         raise FtError(f"sacct printed no JSON: {exc}") from None
-    return [within(allocation, since) for allocation in parse_sacct(answer, ft_only, by_comment)]
+    return [within(allocation, since, until) for allocation in parse_sacct(answer, ft_only, by_comment)]
 
 
-def within(allocation: Allocation, since: float) -> Allocation:
-    """The part of an allocation after `since` (a job running across the month's start is charged to
-    each month its own part, as Slurm's usage counts it)."""
-    if allocation.start is None or allocation.start >= since:
+def within(allocation: Allocation, since: float, until: float | None = None) -> Allocation:
+    """The part of an allocation inside the period (a job running across the month's start is charged
+    to each month its own part, as Slurm's usage counts it)."""
+    if allocation.start is None:
         return allocation
-    return replace(allocation, seconds=max(allocation.start + allocation.seconds - since, 0.0), start=since)
+    begin = max(allocation.start, since)
+    end = allocation.end if until is None else min(allocation.end, until)
+    if (begin, end) == (allocation.start, allocation.end):
+        return allocation
+    return replace(allocation, seconds=max(end - begin, 0.0), start=begin)
 
 
-def from_records(runs: Iterable[tuple[str, Path]], gpus_of: Callable[[Path], int], now: float,
+def from_records(runs: Iterable[tuple[str, Path]], gpus_of: Callable[[Path], int | None], now: float,
                  since: float, limit_of: Callable[[Path], float] = lambda _: float("inf")) -> list[Allocation]:
     """The allocations the run records describe (attempts.jsonl: a line per start; `restart` 0 opens
     an allocation), each until the next opened or the job's last event, and never past its time
@@ -187,7 +213,9 @@ def from_records(runs: Iterable[tuple[str, Path]], gpus_of: Callable[[Path], int
 
     found = []
     for run_id, run_dir in runs:
-        layout = RunLayout(run_dir)
+        layout, gpus = RunLayout(run_dir), gpus_of(run_dir)
+        if gpus is None:  # its recipe is not readable here: what it held is unknown, not nothing
+            continue
         opened = [a for a in read_lines(layout.attempts, {"job_id": str, "started": (int, float)})
                   if a.get("restart", 0) == 0]
         events = read_lines(layout.events, {"time": (int, float), "event": str})
@@ -197,31 +225,66 @@ def from_records(runs: Iterable[tuple[str, Path]], gpus_of: Callable[[Path], int
             end = min(end, attempt["started"] + limit_of(run_dir))  # Slurm ends a job at its limit
             if end < since:
                 continue
-            found.append(Allocation(run_id, attempt["job_id"], "", "", "", "", gpus_of(run_dir),
+            found.append(Allocation(run_id, attempt["job_id"], "", "", "", "", gpus,
                                     max(end - max(attempt["started"], since), 0.0), attempt["started"]))
     return found
 
 
-def losses(run_dir: Path, allocations: list[Allocation]) -> Losses:
-    """What faults cost the run, in GPU-hours: its timeline's lost time while an allocation held
-    GPUs (a requeued job waiting in the queue holds none), and the time of the allocation a user
-    error ended."""
+def node_events(since: float, run: Callable = commands.run) -> list[NodeEvent]:
+    """Every node event since `since` (down, drained, failing); FtError where accounting is off."""
+    begin = datetime.fromtimestamp(since - CONFIRMS_WITHIN_S).strftime("%Y-%m-%dT%H:%M:%S")
+    result = run(["sacctmgr", "--noheader", "--parsable2", "show", "event", f"start={begin}",
+                  "format=nodename,start"], timeout=30)
+    found = []
+    for line in result.stdout.splitlines():
+        node, _, start = line.partition("|")
+        began = commands.slurm_time(start.strip())
+        if node and began is not None:  # a cluster's own events name no node
+            found.append(NodeEvent(node, began))
+    return found
+
+
+def losses(run_dir: Path, allocations: list[Allocation], events: list[NodeEvent] | None) -> Losses:
+    """What faults cost the run, in GPU-hours: each fault episode's lost time (its timeline's: the
+    wait to the next start, that start, the steps redone) while an allocation held GPUs, times that
+    allocation's GPUs; refundable where a node event of Slurm's on one of the allocation's nodes
+    confirms it (`events`; None: Slurm could not be asked, nothing is confirmed). And the time of the
+    allocation a user error ended. Never more than the allocations held. Allocations clipped to the
+    period give the period's share."""
     from toolkit.runs.timeline import timeline
 
     try:
         spent = timeline(run_dir)
     except OSError:
         return Losses()
-    if spent is None or not allocations:
-        return Losses(0.0, 0.0)
-    gpus = allocations[-1].gpus
-    held = [(a.start, a.start + a.seconds) for a in allocations if a.start is not None]
-    waited = sum(overlap(span, held) for span in spent["recovering_spans"])
-    # Steps and starts run inside an allocation; the files say how long, and never more than was held.
-    refundable = min(spent["redone_s"] + spent["restarting_s"] + waited, sum(a.seconds for a in allocations))
-    end = spent["last_end"]
-    user_error = overlap((end["began"], end["time"]), held) if end and end["code"] in USER_ERRORS else 0.0
-    return Losses(round(gpus * refundable / 3600, 4), round(gpus * user_error / 3600, 4))
+    held = [a for a in allocations if a.start is not None]
+    if spent is None or not held:
+        return Losses(0.0, 0.0, 0.0)
+    confirmed = unconfirmed = 0.0  # GPU-seconds
+    for episode in spent["episodes"]:
+        for allocation in held:
+            cost = allocation.gpus * sum(overlap(span, [(allocation.start, allocation.end)])
+                                         for span in episode["spans"])
+            if cost and confirms(events or [], episode, allocation):
+                confirmed += cost
+            else:
+                unconfirmed += cost
+    total = sum(a.gpus * a.seconds for a in held)
+    confirmed = min(confirmed, total)
+    unconfirmed = min(unconfirmed, total - confirmed)
+    last, user_error = spent["last_end"], 0.0
+    if last and last["code"] in USER_ERRORS:
+        user_error = sum(a.gpus * overlap((last["began"], last["time"]), [(a.start, a.end)]) for a in held)
+    return Losses(*(round(seconds / 3600, 4) for seconds in (confirmed, user_error, unconfirmed)))
+
+
+def confirms(events: list[NodeEvent], episode: dict, allocation: Allocation) -> bool:
+    """Whether Slurm saw one of the allocation's nodes (or a node the episode names) go down or be
+    drained around the episode's fault."""
+    nodes = set(allocation.nodes) | set(episode.get("nodes") or [])
+    since = episode["time"] - CONFIRMS_WITHIN_S
+    until = (episode["spans"][0][1] if episode["spans"] else episode["time"]) + CONFIRMS_WITHIN_S
+    return any(event.node in nodes and since <= event.start <= until for event in events)
 
 
 def overlap(span: tuple[float, float] | list[float], held: list[tuple[float, float]]) -> float:
@@ -230,13 +293,19 @@ def overlap(span: tuple[float, float] | list[float], held: list[tuple[float, flo
     return sum(max(min(to, end) - max(since, start), 0.0) for start, end in held)
 
 
+NOT_FT = "(not ft)"  # the run row of jobs that are not ft's: every GPU-hour is in some row
+
+
 @dataclass
 class Row:
     key: str
+    user: str | None = None  # a run's row: its user (two users' runs of one name are two rows)
     runs: set[str] = field(default_factory=set)
     allocations: int = 0
     gpu_hours: float = 0.0
+    cost: float | None = 0.0
     refundable_gpu_hours: float | None = 0.0
+    unconfirmed_fault_gpu_hours: float | None = 0.0
     user_error_gpu_hours: float | None = 0.0
     waits: list[float] = field(default_factory=list)  # each allocation's wait in the queue
 
@@ -248,42 +317,70 @@ class Row:
     def longest_wait_s(self) -> float | None:
         return max(self.waits) if self.waits else None
 
-    def to_dict(self, price: float) -> dict:
-        row = {key: value for key, value in asdict(self).items() if key != "waits"} | {"runs": len(self.runs)}
-        cost = round(self.gpu_hours * price, 2) if price else None  # no price: no cost, not a free run
-        return row | {"gpu_hours": round(self.gpu_hours, 4), "cost": cost,
-                      "median_wait_s": self.median_wait_s, "longest_wait_s": self.longest_wait_s}
+    def to_dict(self) -> dict:
+        row = {key: value for key, value in asdict(self).items() if key not in ("waits", "user")}
+        return row | {"runs": len(self.runs - {""}), "gpu_hours": round(self.gpu_hours, 4),
+                      "cost": None if self.cost is None else round(self.cost, 2),
+                      "median_wait_s": self.median_wait_s, "longest_wait_s": self.longest_wait_s} \
+            | ({"user": self.user} if self.user is not None else {})
 
 
-def summarise(allocations: list[Allocation], by: str, tiers: dict[str, str],
-              run_losses: dict[str, Losses], qos_tiers: dict[str, str] | None = None) -> list[Row]:
-    """Rows per `by` (run, user, account, tier), largest first. A job's tier is its QOS's (`qos_tiers`:
-    the tiers are QOS), else its partition's (`tiers`), else its partition. A run's losses count in the
-    row of its latest allocation (a run moves between rows only if requeued to another tier)."""
-    qos_tiers = qos_tiers or {}
+@dataclass(frozen=True)
+class Tiers:
+    """What the profile says of its tiers: a partition's tier (each slice's partitions too), a QOS's
+    tier, and each tier's price per GPU-hour (0: none set)."""
+    of_partition: dict[str, str]
+    of_qos: dict[str, str]
+    price: dict[str, float]
+    default_price: float = 0.0
 
+    def tier(self, allocation: Allocation) -> str:
+        """The tier a job was served in: its partition's (its priority and preemption are the
+        partition's; a cheaper QOS asked for on a dearer partition buys nothing), else its QOS's."""
+        return (self.of_partition.get(allocation.partition) or self.of_qos.get(allocation.qos)
+                or allocation.partition or "-")
+
+    def price_of(self, allocation: Allocation) -> float:
+        return self.price.get(self.tier(allocation)) or self.default_price
+
+
+def summarise(allocations: list[Allocation], by: str, tiers: Tiers, run_losses: dict[tuple[str, str], Losses]
+              ) -> list[Row]:
+    """Rows per `by` (run, user, account, tier), largest first; every job in some row (by run, the
+    jobs not ft's in one row per user). A run is one user's: a job of another user naming the same
+    run is a row of its own. A run's losses count in the row of its latest allocation (a run moves
+    between rows only if requeued to another tier). Cost at each allocation's tier's price (none
+    where no price is set)."""
     def key_of(allocation: Allocation) -> str:
         if by == "tier":
-            return qos_tiers.get(allocation.qos) or tiers.get(allocation.partition, allocation.partition) or "-"
-        return getattr(allocation, by) or "-"  # run, user, account
+            return tiers.tier(allocation)
+        if by == "run":
+            return allocation.run or NOT_FT
+        return getattr(allocation, by) or "-"  # user, account
 
-    rows: dict[str, Row] = {}
-    latest: dict[str, Allocation] = {}
+    def row_of(allocation: Allocation) -> tuple[str, str]:
+        return key_of(allocation), allocation.user if by == "run" else ""
+
+    rows: dict[tuple[str, str], Row] = {}
+    latest: dict[tuple[str, str], Allocation] = {}
     for allocation in allocations:
-        key = key_of(allocation)
-        row = rows.setdefault(key, Row(key))
+        row = rows.setdefault(row_of(allocation), Row(key_of(allocation), allocation.user if by == "run" else None))
         row.runs.add(allocation.run)
         row.allocations += 1
         row.gpu_hours += allocation.gpu_hours
+        price = tiers.price_of(allocation)
+        row.cost = None if row.cost is None or not price else row.cost + allocation.gpu_hours * price
         if allocation.waited is not None:
             row.waits.append(allocation.waited)
-        if allocation.run not in latest or (allocation.start or 0) >= (latest[allocation.run].start or 0):
-            latest[allocation.run] = allocation
+        run = (allocation.run, allocation.user)
+        if allocation.run and (run not in latest or (allocation.start or 0) >= (latest[run].start or 0)):
+            latest[run] = allocation
     for run, allocation in latest.items():
-        row, lost = rows[key_of(allocation)], run_losses.get(run, Losses())
+        row, lost = rows[row_of(allocation)], run_losses.get(run, Losses())
         row.refundable_gpu_hours = add(row.refundable_gpu_hours, lost.refundable)
+        row.unconfirmed_fault_gpu_hours = add(row.unconfirmed_fault_gpu_hours, lost.unconfirmed)
         row.user_error_gpu_hours = add(row.user_error_gpu_hours, lost.user_error)
-    return sorted(rows.values(), key=lambda row: (-row.gpu_hours, row.key))
+    return sorted(rows.values(), key=lambda row: (-row.gpu_hours, row.key, row.user or ""))
 
 
 def add(total: float | None, value: float | None) -> float | None:
@@ -295,9 +392,11 @@ def month_start(now: datetime) -> float:
 
 
 def parse_since(text: str | None, now: datetime) -> float:
-    if not text:
-        return month_start(now)
+    return month_start(now) if not text else parse_date(text, "--since")
+
+
+def parse_date(text: str, flag: str) -> float:
     try:
         return datetime.fromisoformat(text).timestamp()
     except ValueError:
-        raise FtError(f"--since {text!r} is not a date", hint="give it as YYYY-MM-DD (or YYYY-MM-DDTHH:MM)") from None
+        raise FtError(f"{flag} {text!r} is not a date", hint="give it as YYYY-MM-DD (or YYYY-MM-DDTHH:MM)") from None

@@ -42,7 +42,7 @@ class TierTarget(BaseModel):
     partition: str
     qos: str | None = None
     # The tier's own price per GPU-hour (a free tier's is lower, a premium one's higher); None: the profile's.
-    price_per_gpu_hour: float | None = Field(None, ge=0)
+    price_per_gpu_hour: float | None = Field(None, ge=0, allow_inf_nan=False)
 
     _names = field_validator("partition", "qos")(slurm_name)
 
@@ -50,8 +50,10 @@ class TierTarget(BaseModel):
 class AccountQuota(BaseModel):
     """An account's share of the cluster (the inventory's slurm_accounting_accounts, through ft_profile)."""
     model_config = ConfigDict(extra="forbid")
-    budget_gpu_hours: float | None = Field(None, ge=0)  # a month's: past it, ft warns and flags the overage
-    cap_gpu_hours: float | None = Field(None, ge=0)  # a month's: past it, ft refuses and Slurm holds the jobs
+    # A month's GPU-hours: past the budget ft warns and flags the overage; past the cap ft refuses and
+    # Slurm holds the jobs.
+    budget_gpu_hours: float | None = Field(None, ge=0, allow_inf_nan=False)
+    cap_gpu_hours: float | None = Field(None, ge=0, allow_inf_nan=False)
     max_running_jobs: int | None = Field(None, ge=0)  # runs at once; more wait in the queue
 
 
@@ -78,7 +80,7 @@ class ClusterProfile(BaseModel):
     container_image: str = ""
     modules: list[str] = []
     srun_extra_args: list[str] = []
-    price_per_gpu_hour: float = 0.0
+    price_per_gpu_hour: float = Field(0.0, ge=0, allow_inf_nan=False)
     # Whether compute nodes reach the internet. Without (the lab, air-gapped sites), W&B logs offline
     # and is synced from the login node (`wandb sync`), and `ft doctor` probes no public endpoint.
     compute_internet: bool = True

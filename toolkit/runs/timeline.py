@@ -37,6 +37,15 @@ def record(run_dir: Path, event: str, **fields) -> None:
         handle.write(line + "\n")
 
 
+def add_span(episode: dict, since: float, to: float) -> None:
+    """A span of time an episode cost, joined to its last one where they touch (steps in a row)."""
+    spans = episode["spans"]
+    if spans and abs(spans[-1][1] - since) < 1e-9:
+        spans[-1][1] = to
+    else:
+        spans.append([since, to])
+
+
 def plausible_time(value) -> bool:
     return type(value) in (int, float) and EARLIEST <= value <= LATEST  # False for NaN, inf and huge ints
 
@@ -75,48 +84,56 @@ def timeline(run_dir: Path, now: float | None = None) -> dict | None:
     end = max(events[-1]["time"] if ended else (now or time.time()), starts[0])
     wall = max(end - starts[0], 1e-9)
     metrics = [m for m in metrics if starts[0] <= m["time"] <= end]  # clocks of other nodes may disagree
-    after_fault, faulted = set(), False  # the starts a fault made (not a preemption's, not a time limit's)
+    # Each fault episode (the faults between two starts: a node lost, then its ranks restarted) and
+    # the time it cost: the wait from its last step to the next start, that start, and the steps it
+    # redid. Usage refunds an episode where Slurm's own node events agree (toolkit/account/usage.py).
+    episodes, episode_of_start, current = [], {}, None
+    stamps = [m["time"] for m in metrics]
     for event in events:
         if event["event"] in FAULTS:
-            faulted = True
-        elif event["event"] == "start":
-            if faulted:
-                after_fault.add(event["time"])
-            faulted = False
+            if current is None:
+                # The start the fault ended: the one before it (a spare's start is stamped with the
+                # fault's very time); detection counts from its last step before the fault.
+                began = starts[max(bisect.bisect_left(starts, event["time"]) - 1, 0)]
+                last = bisect.bisect_right(stamps, event["time"]) - 1
+                current = {"time": event["time"], "events": [], "nodes": [], "spans": [],
+                           "from": max(stamps[last], began) if last >= 0 else event["time"]}
+                episodes.append(current)
+            current["events"].append(event["event"])
+            if isinstance(event.get("node"), str) and event["node"] not in current["nodes"]:
+                current["nodes"].append(event["node"])
+        elif event["event"] == "start" and current is not None:
+            current["spans"].append([current.pop("from"), event["time"]])  # recovering
+            episode_of_start[event["time"]] = current
+            current = None
+    if current is not None:
+        current["spans"].append([current.pop("from"), end])
+    recovering = sum(to - since for episode in episodes for since, to in episode["spans"])
     productive = redone = starting = restarting = 0.0
     best, previous = 0, None
     for entry in metrics:
         began = starts[max(bisect.bisect_right(starts, entry["time"]) - 1, 0)]
+        episode = episode_of_start.get(began)  # the fault this start recovers from, if one
         if previous is None or began > previous["time"]:  # a start's first step: the wait was starting
             starting += entry["time"] - began
-            restarting += entry["time"] - began if began in after_fault else 0.0
+            if episode is not None:
+                restarting += entry["time"] - began
+                add_span(episode, began, entry["time"])
         elif entry["step"] > best:
             productive += entry["time"] - previous["time"]
         else:
             redone += entry["time"] - previous["time"]
+            if episode is not None:  # redone after a preemption or a time limit is no fault's cost
+                add_span(episode, previous["time"], entry["time"])
         best, previous = max(best, entry["step"]), entry
-    spans, fault = [], None  # each fault's [from, to]: usage counts only the part an allocation held
-    stamps = [m["time"] for m in metrics]
-    for event in events:  # from a fault (its last step before: detection counts) to the next start
-        if event["event"] in ("node_lost", "restart") and fault is None:
-            # The start the fault ended: the one before it (a spare's start is stamped with the
-            # fault's very time).
-            began = starts[max(bisect.bisect_left(starts, event["time"]) - 1, 0)]
-            last = bisect.bisect_right(stamps, event["time"]) - 1
-            fault = max(stamps[last], began) if last >= 0 else event["time"]
-        elif event["event"] == "start" and fault is not None:
-            spans.append((fault, event["time"]))
-            fault = None
-    if fault is not None:
-        spans.append((fault, end))
-    recovering = sum(to - since for since, to in spans)
     faults = [{key: value for key, value in e.items() if key != "job"} for e in events if e["event"] in FAULTS]
     last_end = next((e for e in reversed(events) if e["event"] == "end"), None)
     accounted = productive + redone + starting + recovering
     return {"wall_s": round(wall, 1), "productive_s": round(productive, 1), "redone_s": round(redone, 1),
             "starting_s": round(starting, 1), "restarting_s": round(restarting, 1),
             "recovering_s": round(recovering, 1),
-            "recovering_spans": [[round(since, 3), round(to, 3)] for since, to in spans[-1000:]],
+            "episodes": [episode | {"spans": [[round(a, 3), round(b, 3)] for a, b in episode["spans"][-1000:]]}
+                         for episode in episodes[-1000:]],
             "other_s": round(max(wall - accounted, 0.0), 1), "goodput": round(min(productive / wall, 1.0), 3),
             "starts": len(starts), "faults": faults, "finished": ended,
             # The newest end and the start it ended (what a user error cost: toolkit/account/usage.py).

@@ -36,6 +36,34 @@ def parse_config(text: str) -> dict[str, str]:
     return config
 
 
+def expand_hostlist(text: str) -> list[str]:
+    """Slurm's host list as names: node[1-3,07],gpu-a -> node1 node2 node3 node07 gpu-a (several
+    bracketed ranges in one name too: rack[1-2]-n[1-2]). What scontrol show hostnames does, without
+    a call per list."""
+    names, depth, start = [], 0, 0
+    for index, char in enumerate(text + ","):
+        depth += (char == "[") - (char == "]")
+        if char == "," and depth == 0:
+            names += _expand_one(text[start:index].strip())
+            start = index + 1
+    return [name for name in names if name]
+
+
+def _expand_one(name: str) -> list[str]:
+    head, bracket, rest = name.partition("[")
+    if not bracket or "]" not in rest:
+        return [name]
+    ranges, _, tail = rest.partition("]")
+    found = []
+    for part in ranges.split(","):
+        low, _, high = part.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()) or (high and int(high) - int(low) > 100_000):
+            return [name]  # not a range Slurm writes: the name as it is
+        for number in range(int(low), int(high or low) + 1):
+            found += [f"{head}{number:0{len(low)}d}{more}" for more in _expand_one(tail)]
+    return found
+
+
 class SlurmUnavailable(FtError):
     """The Slurm tools are missing or the controller does not answer."""
 

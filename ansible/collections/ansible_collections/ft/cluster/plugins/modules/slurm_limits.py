@@ -11,10 +11,12 @@ description:
     from the wanted state; nothing is set where nothing differs.
   - In check mode nothing is set; what would be is reported as changed, with a diff (a cap raised
     by hand, a QOS whose priority was edited: the drift a site's check run is for).
-  - The tiers' QOS are allowed on the root association of the cluster, so every account and user
-    inherits them. A cap is GrpTRESMins=gres/gpu (GPU-minutes: Slurm's usage, reset monthly with
-    PriorityUsageResetPeriod=MONTHLY); concurrent runs GrpJobs. An account without a cap or limit
-    has it cleared (-1).
+  - The tiers' QOS are added to those the root association of the cluster allows (a site's own
+    stay), so every account and user inherits them. A cap is GrpTRESMins=gres/gpu (GPU-minutes,
+    rounded down: Slurm's usage, reset monthly with PriorityUsageResetPeriod=MONTHLY); concurrent runs
+    GrpJobs. An account without a cap or limit has it cleared (-1).
+  - Names are kept lowercase, as slurmdbd keeps them; a name sacctmgr would read as a list or a
+    condition, a cap that is not a number of 0 or more, fails the task before anything is set.
   - slurmctld registers gres/gpu with slurmdbd as it starts; a cap set before that is refused, so
     a refused set is tried again for up to I(wait) seconds.
 options:
@@ -39,9 +41,57 @@ options:
 author: ft
 """
 
+import math
+import re
 import time
 
 SACCTMGR = ["sacctmgr", "--noheader", "--parsable2"]
+# Names as slurmdbd keeps them (lowercase); nothing sacctmgr would read as a list (",") or a
+# condition ("=", a space).
+NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+
+
+class Invalid(ValueError):
+    """The inventory asks for what cannot be set: said as the task's failure, never a traceback."""
+
+
+def checked(qos, accounts):
+    """The inventory's tiers and accounts, validated and in slurmdbd's words (names lowercase, the cap
+    in whole GPU-minutes rounded down: never looser than the hours asked)."""
+    tiers = []
+    for tier in qos:
+        name = str(tier.get("name", "")).lower()
+        if not NAME.fullmatch(name):
+            raise Invalid(f"QOS name {tier.get('name')!r}: use letters, digits, '.', '_' and '-'")
+        tiers.append({"name": name, "priority": whole(tier.get("priority"), f"QOS {name}: priority")})
+    found = []
+    for account in accounts:
+        name = str(account.get("name", "")).lower()
+        if not NAME.fullmatch(name):
+            raise Invalid(f"account name {account.get('name')!r}: use letters, digits, '.', '_' and '-'")
+        hours = account.get("cap_gpu_hours")
+        if hours is not None:
+            try:
+                hours = float(hours)
+            except (TypeError, ValueError):
+                raise Invalid(f"account {name}: cap_gpu_hours {hours!r} is not a number") from None
+            if not math.isfinite(hours) or hours < 0:
+                raise Invalid(f"account {name}: cap_gpu_hours {hours!r} must be 0 or more")
+        jobs = account.get("max_running_jobs")
+        found.append({"name": name, "cap_minutes": "" if hours is None else str(math.floor(hours * 60 + 1e-9)),
+                      "max_running_jobs": "" if jobs is None else whole(jobs, f"account {name}: max_running_jobs")})
+    return tiers, found
+
+
+def whole(value, what):
+    """A count or priority: a whole number, 0 or more ("20" and 20.0 are 20)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise Invalid(f"{what} {value!r} is not a number") from None
+    if not math.isfinite(number) or number < 0 or number != int(number):
+        raise Invalid(f"{what} {value!r} must be a whole number, 0 or more")
+    return str(int(number))
 
 
 def parse_qos(text):
@@ -69,23 +119,12 @@ def parse_accounts(text):
     return found
 
 
-def cap_minutes(account):
-    """The cap as Slurm holds it: GPU-minutes ("" where none)."""
-    hours = account.get("cap_gpu_hours")
-    return "" if hours is None else str(int(round(float(hours) * 60)))
-
-
-def running_jobs(account):
-    """The limit of running jobs as Slurm holds it ("" where none)."""
-    jobs = account.get("max_running_jobs")
-    return "" if jobs is None else str(int(jobs))
-
-
 def plan(cluster, qos_state, accounts_state, qos, accounts):
-    """The sacctmgr calls that make the state the wanted one: [(what, argv)], in order."""
+    """The sacctmgr calls that make the state the wanted one: [(what, argv)], in order. `qos` and
+    `accounts` as checked() gives them."""
     changes = []
     for tier in qos:
-        name, priority = tier["name"], str(tier["priority"])
+        name, priority = tier["name"], tier["priority"]
         if name not in qos_state:
             changes.append((f"create QOS {name} (priority {priority})",
                             ["sacctmgr", "--immediate", "add", "qos", name, f"priority={priority}"]))
@@ -93,15 +132,15 @@ def plan(cluster, qos_state, accounts_state, qos, accounts):
             changes.append((f"QOS {name}: priority {qos_state[name]} -> {priority}",
                             ["sacctmgr", "--immediate", "modify", "qos", "where", f"name={name}", "set",
                              f"priority={priority}"]))
-    tier_qos = sorted({"normal", *(tier["name"] for tier in qos)})
-    if qos and accounts_state.get("root", {}).get("qos") != tier_qos:
-        changes.append((f"every association may use {','.join(tier_qos)}",
+    missing = sorted({"normal", *(tier["name"] for tier in qos)} - set(accounts_state.get("root", {}).get("qos", [])))
+    if qos and missing:  # added to what root allows: a site's own QOS there stay
+        changes.append((f"every association may use {','.join(missing)}",
                         ["sacctmgr", "--immediate", "modify", "account", "where", "name=root",
-                         f"cluster={cluster}", "set", f"qos={','.join(tier_qos)}"]))
+                         f"cluster={cluster}", "set", f"qos+={','.join(missing)}"]))
     for account in accounts:
-        name = account["name"].lower()
+        name = account["name"]
         held = accounts_state.get(name, {"cap_minutes": "", "max_running_jobs": ""})
-        cap, jobs = cap_minutes(account), running_jobs(account)
+        cap, jobs = account["cap_minutes"], account["max_running_jobs"]
         if (held["cap_minutes"], held["max_running_jobs"]) != (cap, jobs):
             changes.append((f"account {name}: GPU-minutes cap {held['cap_minutes'] or 'none'} -> {cap or 'none'}, "
                             f"running jobs {held['max_running_jobs'] or 'any'} -> {jobs or 'any'}",
@@ -124,13 +163,14 @@ def describe(qos_state, accounts_state, names):
 
 def wanted_state(qos_state, accounts_state, qos, accounts):
     """The state once the plan is carried out (for the diff's after)."""
-    qos_after = dict(qos_state) | {tier["name"]: str(tier["priority"]) for tier in qos}
+    qos_after = dict(qos_state) | {tier["name"]: tier["priority"] for tier in qos}
     accounts_after = {name: dict(value) for name, value in accounts_state.items()}
     if qos:
-        accounts_after.setdefault("root", {})["qos"] = sorted({"normal", *(tier["name"] for tier in qos)})
+        root = accounts_after.setdefault("root", {})
+        root["qos"] = sorted({*root.get("qos", []), "normal", *(tier["name"] for tier in qos)})
     for account in accounts:
-        accounts_after.setdefault(account["name"].lower(), {}).update(
-            {"cap_minutes": cap_minutes(account), "max_running_jobs": running_jobs(account)})
+        accounts_after.setdefault(account["name"], {}).update(
+            {"cap_minutes": account["cap_minutes"], "max_running_jobs": account["max_running_jobs"]})
     return qos_after, accounts_after
 
 
@@ -171,10 +211,16 @@ def main():
         supports_check_mode=True,
     )
     params = module.params
+    if not NAME.fullmatch(params["cluster"]):
+        module.fail_json(msg=f"cluster name {params['cluster']!r}: use letters, digits, '.', '_' and '-'")
+    try:
+        qos, accounts = checked(params["qos"], params["accounts"])
+    except Invalid as exc:
+        module.fail_json(msg=str(exc))
     qos_state, accounts_state = read(module, params["cluster"])
-    changes = plan(params["cluster"], qos_state, accounts_state, params["qos"], params["accounts"])
-    names = [account["name"].lower() for account in params["accounts"]]
-    qos_after, accounts_after = wanted_state(qos_state, accounts_state, params["qos"], params["accounts"])
+    changes = plan(params["cluster"], qos_state, accounts_state, qos, accounts)
+    names = [account["name"] for account in accounts]
+    qos_after, accounts_after = wanted_state(qos_state, accounts_state, qos, accounts)
     diff = {"before": describe(qos_state, accounts_state, names),
             "after": describe(qos_after, accounts_after, names)}
     if not module.check_mode:
