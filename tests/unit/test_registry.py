@@ -85,6 +85,14 @@ def test_a_version_is_named_by_any_unique_prefix_of_its_id(registry, tmp_path):
         registry.version("../x")
 
 
+def test_a_prefix_that_names_several_versions_is_refused(registry, tmp_path):
+    ids = [registered(registry, tmp_path, seed).id for seed in range(17)]  # two share a first digit
+    shared = next(version_id[0] for version_id in ids if sum(other[0] == version_id[0] for other in ids) > 1)
+    with pytest.raises(UsageError, match=f"{shared} names [0-9]+ versions") as refused:
+        registry.version(shared)
+    assert refused.value.exit_code == 2 and refused.value.hint == "give more of the id"
+
+
 def test_a_failure_half_way_leaves_no_version_and_no_staging(registry, tmp_path, monkeypatch):
     def broken(folder):
         raise OSError("disk full")

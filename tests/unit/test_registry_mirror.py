@@ -89,7 +89,7 @@ def test_a_store_that_fails_loses_nothing_and_sync_uploads_it_later(tmp_path, ur
     version = registry.register(write_adapter(tmp_path / "adapter"), record())
     registry.promote(version.id)
     assert [w.split(" (")[0] for w in warnings] == [
-        f"version {version.short_id} is not in the mirror {url} yet", f"the states of tiny-lora-sft is not in the "
+        f"version {version.short_id} is not in the mirror {url} yet", f"the log of tiny-lora-sft is not in the "
                                                                        f"mirror {url} yet"]
     assert all("the shared filesystem has it, and `ft adapters sync` uploads it" in w for w in warnings)
     assert registry.version(version.id).state == State.promoted  # the truth is the shared filesystem's
@@ -111,6 +111,15 @@ def test_an_upload_cut_short_is_no_version_in_the_mirror_until_sync_finishes_it(
     report = make(tmp_path, url)[0].sync()
     assert report.versions == [version.id]
     assert f"versions/{version.id}/version.json" in mirrored(url)
+
+
+def test_a_failing_store_stops_sync_at_once(tmp_path, url):
+    registry, _ = make(tmp_path, url, Breaking(allowed=0))
+    for seed in range(3):
+        registry.register(write_adapter(tmp_path / f"adapter-{seed}", seed), record())
+    report = registry.sync()
+    assert len(report.problems) == 2 and "ConnectionError: the store went away" in report.problems[0]
+    assert report.problems[1] == "the store is failing: 3 more left for a later sync"  # 2 versions and a name
 
 
 def test_a_version_whose_files_changed_is_not_mirrored(tmp_path, url):

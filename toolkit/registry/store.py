@@ -26,13 +26,13 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from toolkit.cache_entries import discard, staging_path
-from toolkit.data.object_store import within
+from toolkit.data.object_store import Answer, within
 from toolkit.errors import FtError, UsageError
 from toolkit.registry import handoff
 from toolkit.registry.adapter import (
@@ -45,7 +45,7 @@ from toolkit.registry.adapter import (
     read_bounded,
 )
 from toolkit.registry.layout import ADAPTER, ID_PATTERN, REGISTRY, SERVING, SHORT_ID, VERSION_RECORD, RegistryLayout
-from toolkit.registry.mirror import MAX_RECORD_BYTES, RegistryMirror
+from toolkit.registry.mirror import MAX_RECORD_BYTES, MirrorProblem, RegistryMirror
 from toolkit.registry.records import AdapterRecord, VersionRecord, promotion_problem
 from toolkit.registry.states import History, State, Transition, append, locked, read_history
 from toolkit.shared_dirs import common_dir, login_name, private_dir, shared_root_path, user_name, write_atomically
@@ -336,7 +336,7 @@ class Registry:
             raise RegistryError(f"the log of {name} could not be written: {exc}",
                                 hint="nothing was changed; try again") from None
         if written and self.mirror:
-            self._mirrored(f"the states of {name}", lambda: self.mirror.push_name(self.layout, name))
+            self._mirrored(f"the log of {name}", lambda: self.mirror.push_name(self.layout, name))
         return Change(self._load(version.id), written)
 
     def _point(self, name: str, history: History) -> None:
@@ -350,25 +350,30 @@ class Registry:
     # -- the mirror --------------------------------------------------------------------------
     def _mirrored(self, what: str, upload: Callable[[], object]) -> None:
         answer = within(upload, MIRROR_DEADLINE_S)
-        if answer.error is None and answer.in_time:
-            return
-        why = f"{type(answer.error).__name__}: {answer.error}" if answer.error else \
-            f"no end within {MIRROR_DEADLINE_S:.0f} s"
-        self.warn(f"{what} is not in the mirror {self.mirror} yet ({why}); the shared filesystem has it, and "
-                  "`ft adapters sync` uploads it")
+        if answer.error is not None or not answer.in_time:
+            self.warn(f"{what} is not in the mirror {self.mirror} yet ({_why(answer)}); the shared filesystem has "
+                      "it, and `ft adapters sync` uploads it")
 
     def sync(self) -> SyncReport:
-        """Upload what the mirror lacks: versions it has not whole, logs and promoted.json that differ."""
+        """Upload what the mirror lacks: versions it has not whole, logs and promoted.json that differ. A
+        version that cannot go up as it is does not stop the others; a failing store stops them all."""
         if self.mirror is None:
             raise UsageError(f"the registry {self} has no mirror", hint="set s3_prefix in the cluster profile")
         report = SyncReport()
-        for version in self.versions():
-            answer = within(lambda record=version.record: self.mirror.push_version(self.layout, record),
-                            MIRROR_DEADLINE_S)
-            _tally(report, report.versions, version.id, answer)
-        for name in self._names():
-            answer = within(lambda name=name: self.mirror.push_name(self.layout, name), MIRROR_DEADLINE_S)
-            _tally(report, report.names, name, answer)
+        uploads = [(version.short_id, report.versions, version.id,
+                    partial(self.mirror.push_version, self.layout, version.record)) for version in self.versions()]
+        uploads += [(name, report.names, name, partial(self.mirror.push_name, self.layout, name))
+                    for name in self._names()]
+        for index, (label, done, key, upload) in enumerate(uploads):
+            answer = within(upload, MIRROR_DEADLINE_S)
+            if answer.in_time and answer.error is None:
+                if answer.value:
+                    done.append(key)
+                continue
+            report.problems.append(f"{label}: {_why(answer)}")
+            if not isinstance(answer.error, MirrorProblem):
+                report.problems.append(f"the store is failing: {len(uploads) - index - 1} more left for a later sync")
+                break
         return report
 
     def _names(self) -> list[str]:
@@ -390,12 +395,9 @@ def _move(version_id: str, from_state: State, to_state: State, reason: str) -> T
     return Transition(version_id, from_state, to_state, _user(), os.getuid(), time.time(), reason[:MAX_REASON])
 
 
-def _tally(report: SyncReport, uploaded: list[str], what: str, answer) -> None:
-    if answer.error is not None or not answer.in_time:
-        why = f"{type(answer.error).__name__}: {answer.error}" if answer.error else "no end in time"
-        report.problems.append(f"{what[:SHORT_ID] if ID_PATTERN.fullmatch(what) else what}: {why}")
-    elif answer.value:
-        uploaded.append(what)
+def _why(answer: Answer) -> str:
+    return f"{type(answer.error).__name__}: {answer.error}" if answer.error else \
+        f"no end within {MIRROR_DEADLINE_S:.0f} s"
 
 
 def _unseal(staging: Path) -> None:
