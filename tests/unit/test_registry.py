@@ -21,6 +21,7 @@ from toolkit.registry.layout import RegistryLayout
 from toolkit.registry.mirror import RegistryMirror
 from toolkit.registry.states import State
 from toolkit.registry.store import PromotionRefused, Registry, RegistryError
+from toolkit.shared_dirs import SharedFolderError
 
 OTHER_UID = 4242
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="plays another user with chown, which needs root")
@@ -321,6 +322,14 @@ def test_a_version_whose_record_claims_another_creator_is_not_a_version(registry
     assert registry.versions() == []
     with pytest.raises(RegistryError, match="names another id or creator than its folder's"):
         registry.version(version.id)
+
+
+@needs_root
+def test_a_registry_folder_another_user_made_is_never_read(registry, tmp_path):
+    registered(registry, tmp_path)
+    os.chown(registry.layout.versions, OTHER_UID, OTHER_UID)  # they could rename anything in it
+    with pytest.raises(SharedFolderError, match=f"versions belongs to uid {OTHER_UID}"):
+        registry.versions()
 
 
 @pytest.mark.parametrize("made", ["writable by others", "a symlink"])

@@ -80,7 +80,10 @@ def show(version: str = typer.Argument(..., help="A version id, or a unique pref
     """One version: its record, evaluation, files, handoff and history."""
     registry = _registry(cluster)
     found = registry.version(version)
-    history = [move for move in registry.history(found.name).transitions if move.version == found.id]
+    log = registry.history(found.name)
+    for skipped in log.skipped:  # damage the log's owner should know of
+        err_console.print(f"[yellow]warning:[/] the log of {plain(found.name)} has a line left out: {plain(skipped)}")
+    history = [move for move in log.transitions if move.version == found.id]
     if as_json:
         print_json({**found.to_dict(), "history": [move.to_dict() for move in history]})
         return

@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from toolkit.cache_entries import discard, staging_path
 from toolkit.data.object_store import Answer, within
 from toolkit.errors import FtError, UsageError
+from toolkit.recipe.schema import NAME_PATTERN
 from toolkit.registry import handoff
 from toolkit.registry.adapter import (
     AdapterRefused,
@@ -48,7 +49,15 @@ from toolkit.registry.layout import ADAPTER, ID_PATTERN, REGISTRY, SERVING, SHOR
 from toolkit.registry.mirror import MAX_RECORD_BYTES, MirrorProblem, RegistryMirror
 from toolkit.registry.records import AdapterRecord, VersionRecord, promotion_problem
 from toolkit.registry.states import History, State, Transition, append, locked, read_history
-from toolkit.shared_dirs import common_dir, login_name, private_dir, shared_root_path, user_name, write_atomically
+from toolkit.shared_dirs import (
+    common_dir,
+    login_name,
+    private_dir,
+    require_trusted,
+    shared_root_path,
+    user_name,
+    write_atomically,
+)
 
 MIRROR_DEADLINE_S = 600.0  # an upload past it goes on in the background; `ft adapters sync` finishes it
 MAX_REASON = 1000
@@ -138,8 +147,19 @@ class Registry:
         self._folder(self.layout.names)
         return self.layout
 
+    def _trusted(self, *folders: Path) -> bool:
+        """Whether the registry's folders are there to read; SharedFolderError for one that is not to be
+        trusted (another user's, a symlink): what it holds could be anything."""
+        for folder in (self.layout.root, *folders):
+            if not os.path.lexists(folder):
+                return False
+            require_trusted(folder)
+        return True
+
     def name_owner(self, name: str) -> int | None:
         """The uid whose folder holds the name's log; None while nobody registered the name."""
+        if not self._trusted(self.layout.names):
+            return None
         folder = self.layout.name(name)
         try:
             info = os.lstat(folder)
@@ -197,10 +217,9 @@ class Registry:
         return Version(record, (history or self.history)(record.name).state(version_id), folder)
 
     def _ids(self) -> list[str]:
-        try:
-            return sorted(name for name in os.listdir(self.layout.versions) if ID_PATTERN.fullmatch(name))
-        except FileNotFoundError:
+        if not self._trusted(self.layout.versions):
             return []
+        return sorted(name for name in os.listdir(self.layout.versions) if ID_PATTERN.fullmatch(name))
 
     def versions(self, name: str | None = None, state: State | None = None) -> list[Version]:
         """Every usable version, newest first (a damaged or forged one is left out: `show` says why)."""
@@ -377,14 +396,10 @@ class Registry:
         return report
 
     def _names(self) -> list[str]:
-        from toolkit.recipe.schema import NAME_PATTERN
-
-        try:
-            listed = os.listdir(self.layout.names)
-        except FileNotFoundError:
+        if not self._trusted(self.layout.names):
             return []
         trusted = []
-        for name in sorted(listed):
+        for name in sorted(os.listdir(self.layout.names)):
             with contextlib.suppress(RegistryError):
                 if re.fullmatch(NAME_PATTERN, name) and self.name_owner(name) is not None:
                     trusted.append(name)
