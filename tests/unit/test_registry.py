@@ -245,6 +245,16 @@ def test_deprecating_the_promoted_version_leaves_its_name_serving_none(registry,
     assert pointer == {"format": FORMAT, "name": "tiny-lora-sft", "version": None}
 
 
+def test_promoted_json_follows_the_log_and_a_lost_one_is_mended_by_the_next_move(registry, tmp_path):
+    version = registered(registry, tmp_path)
+    registry.promote(version.id)
+    pointer = registry.layout.promoted("tiny-lora-sft")
+    written = pointer.read_text()
+    pointer.unlink()  # a failure after the log was written
+    assert registry.promote(version.id).transitions == []
+    assert pointer.read_text() == written
+
+
 def test_a_version_whose_files_changed_since_it_was_registered_is_never_promoted(registry, tmp_path):
     version = registered(registry, tmp_path)
     weights = version.adapter / "adapter_model.safetensors"

@@ -46,10 +46,6 @@ def _kind(mode: int) -> str:
     return next((what for test, what in _KINDS if test(mode)), "not a regular file")
 
 
-def _plain_name(name: str) -> bool:
-    return _PLAIN.fullmatch(name) is not None
-
-
 def adapter_files(folder: Path) -> list[str]:
     """The names of an adapter folder's files, sorted; AdapterRefused, saying what, for anything that is
     not a whole LoRA adapter: a symlink, a subfolder, a FIFO or a device in it, too many files or bytes,
@@ -65,15 +61,15 @@ def adapter_files(folder: Path) -> list[str]:
         for entry in entries:
             if len(names) == MAX_FILES:
                 raise AdapterRefused(f"{folder} holds more than {MAX_FILES} files: not an adapter folder")
-            mode = entry.stat(follow_symlinks=False).st_mode
-            if not stat.S_ISREG(mode):
-                raise AdapterRefused(f"{folder / entry.name} is {_kind(mode)}: an adapter folder holds regular "
-                                     "files only", hint="register the adapter's own folder (the run's output/)")
-            if not _plain_name(entry.name):
+            info = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(info.st_mode):
+                raise AdapterRefused(f"{folder / entry.name} is {_kind(info.st_mode)}: an adapter folder holds "
+                                     "regular files only", hint="register the adapter's own folder (the run's output/)")
+            if not _PLAIN.fullmatch(entry.name):
                 raise AdapterRefused(f"{folder} holds {entry.name!r}: file names in an adapter are plain "
                                      "(letters, digits, '.', '_', '+', '-'; no hidden files)")
             names.append(entry.name)
-            total += entry.stat(follow_symlinks=False).st_size
+            total += info.st_size
     if total > MAX_ADAPTER_BYTES:
         raise AdapterRefused(f"{folder} holds {total / 2**30:.1f} GiB: over the registry's "
                              f"{MAX_ADAPTER_BYTES >> 30} GiB for one adapter")
@@ -95,7 +91,7 @@ def open_regular(path: Path) -> tuple[int, int]:
     info = os.fstat(descriptor)
     if not stat.S_ISREG(info.st_mode):
         os.close(descriptor)
-        raise AdapterRefused(f"{path} is {_kind(info.st_mode)}, not a regular file")
+        raise OSError(f"{path} is {_kind(info.st_mode)}, not a regular file")
     return descriptor, info.st_size
 
 
@@ -157,7 +153,7 @@ def read_bounded(path: Path, limit: int) -> bytes:
     descriptor, size = open_regular(path)
     try:
         if size > limit:
-            raise AdapterRefused(f"{path} is over {limit} bytes")
+            raise OSError(f"{path} is over {limit} bytes")
         return os.read(descriptor, limit + 1)
     finally:
         os.close(descriptor)
@@ -173,7 +169,7 @@ def lora_shape(folder: Path) -> LoraShape:
     AdapterRefused for a config that is not a LoRA's, or weights that are not whole safetensors."""
     try:
         config = json.loads(read_bounded(folder / CONFIG, MAX_CONFIG_BYTES))
-    except (AdapterRefused, ValueError, RecursionError):
+    except (OSError, ValueError, RecursionError):
         config = None
     if not isinstance(config, dict):
         raise AdapterRefused(f"{CONFIG} is not a JSON object of at most {MAX_CONFIG_BYTES >> 20} MiB")

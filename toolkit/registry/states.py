@@ -87,8 +87,10 @@ class History:
     def apply(self, move: Transition) -> str | None:
         """Take a move in, or say why it does not follow (and leave it out)."""
         now = self.state(move.version)
-        if move.from_state != now or (move.from_state, move.to_state) not in MOVES:
+        if move.from_state != now:
             return f"{move.version[:12]} {move.from_state} -> {move.to_state}, but it was {now}"
+        if (move.from_state, move.to_state) not in MOVES:
+            return f"{move.version[:12]} {move.from_state} -> {move.to_state} is no move a version makes"
         if move.to_state == State.promoted and self.promoted:
             return f"{move.version[:12]} promoted while {self.promoted[:12]} still was"
         self.states[move.version] = move.to_state

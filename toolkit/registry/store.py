@@ -206,8 +206,8 @@ class Registry:
                                                                     MAX_RECORD_BYTES))
         except FileNotFoundError:
             raise RegistryError(f"no version {version_id[:SHORT_ID]} in {self}", hint="see `ft adapters ls`") from None
-        except (OSError, AdapterRefused, ValidationError, ValueError) as exc:
-            why = exc.message if isinstance(exc, FtError) else str(exc).splitlines()[0]
+        except (OSError, ValidationError, ValueError) as exc:
+            why = str(exc).splitlines()[0]
             raise RegistryError(f"{folder} is not a usable version ({why})",
                                 hint="ask its creator or the cluster's admins to remove it") from None
         if record.id != version_id or record.creator_uid != info.st_uid:
@@ -346,25 +346,27 @@ class Registry:
             with locked(self.layout.lock(name), owner):
                 history = read_history(self.layout.log(name), owner)
                 written = moves(history)
+                for move in written:
+                    history.apply(move)
+                pointer = self._pointer(name, history)  # read before anything is written
                 if written:
                     append(self.layout.log(name), written, owner)
-                    for move in written:
-                        history.apply(move)
-                    self._point(name, history)
+                # Rewritten from the log each time: one a failure left behind is mended by the next move.
+                write_atomically(self.layout.promoted(name), pointer, mode=0o644)
         except (OSError, TimeoutError) as exc:
             raise RegistryError(f"the log of {name} could not be written: {exc}",
-                                hint="nothing was changed; try again") from None
+                                hint="try again: a move is in the log whole or not at all") from None
         if written and self.mirror:
             self._mirrored(f"the log of {name}", lambda: self.mirror.push_name(self.layout, name))
         return Change(self._load(version.id), written)
 
-    def _point(self, name: str, history: History) -> None:
+    def _pointer(self, name: str, history: History) -> str:
+        """promoted.json as the history has it."""
         promoted = history.promoted
         serving = json.loads(read_bounded(self.layout.serving(promoted), MAX_RECORD_BYTES)) if promoted else None
         promotion = next((move for move in reversed(history.transitions)
                           if move.version == promoted and move.to_state == State.promoted), None)
-        write_atomically(self.layout.promoted(name), json.dumps(handoff.promoted_pointer(name, serving, promotion),
-                                                                indent=2) + "\n", mode=0o644)
+        return json.dumps(handoff.promoted_pointer(name, serving, promotion), indent=2) + "\n"
 
     # -- the mirror --------------------------------------------------------------------------
     def _mirrored(self, what: str, upload: Callable[[], object]) -> None:
