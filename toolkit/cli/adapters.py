@@ -88,12 +88,13 @@ def show(version: str = typer.Argument(..., help="A version id, or a unique pref
         print_json({**found.to_dict(), "history": [move.to_dict() for move in history]})
         return
     record = found.record
+    modules = record.lora.target_modules  # a list, or peft's regular expression
+    modules = ", ".join(modules) if isinstance(modules, list) else modules
     console.print(f"version [bold]{found.id}[/] of [bold]{plain(record.name)}[/]: {_state(found.state)}")
     for label, value in (("base model", _base(record)), ("run", record.run_id or "-"),
                          ("account", record.account or "-"), ("creator", record.creator),
                          ("registered", _when(record.created)), ("ft", record.ft_version),
-                         ("lora", f"rank {record.lora.rank}, alpha {record.lora.alpha:g}, "
-                                  f"modules {record.lora.target_modules}"),
+                         ("lora", f"rank {record.lora.rank}, alpha {record.lora.alpha:g}, modules {modules}"),
                          ("adapter", found.adapter), ("handoff", found.to_dict()["serving"])):
         console.print(f"  {label}: {plain(value)}", soft_wrap=True)
     for file, digest in sorted(record.data_digests.items()):
