@@ -1,0 +1,98 @@
+"""The registry's copy in the object store: <s3_prefix>/registry/, the same paths as on the shared
+filesystem (toolkit/registry/layout.py), reached the way checkpoints are (fsspec + s3fs; the endpoint
+from AWS_ENDPOINT_URL, else the profile's s3_endpoint; credentials from the environment).
+
+The shared filesystem is the truth: the mirror is written after it, and a failed upload loses nothing
+there (`ft adapters sync` uploads what is missing). A version goes up files first and version.json
+last: a version in the mirror is whole once its record is there, and is never uploaded again (it is
+immutable). Each file is checked against the record as it goes up. A name's log and promoted.json go
+up whenever they differ from the mirror's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from toolkit.registry.adapter import digest_of, read_bounded
+from toolkit.registry.layout import RegistryLayout
+from toolkit.registry.records import FileDigest, VersionRecord
+from toolkit.registry.states import MAX_LOG_BYTES
+
+MAX_RECORD_BYTES = 4 << 20  # version.json (the evaluation's result is at most 256 KiB) and serving.json
+
+
+class MirrorProblem(Exception):
+    """A version that cannot go up as it is (its files no longer match its record)."""
+
+
+class RegistryMirror:
+    def __init__(self, url: str, endpoint: str = "", filesystem=None):
+        self.url = url.rstrip("/")
+        self.endpoint = endpoint
+        self._filesystem = filesystem
+
+    @classmethod
+    def for_prefix(cls, s3_prefix: str, endpoint: str = "") -> RegistryMirror | None:
+        """The registry's mirror under the cluster's s3_prefix (the checkpoints' too); None without one."""
+        return cls(f"{s3_prefix.rstrip('/')}/registry", endpoint) if s3_prefix else None
+
+    def __str__(self) -> str:
+        return self.url
+
+    @property
+    def filesystem(self):
+        """Made on first use: `ft adapters ls` never imports s3fs."""
+        if self._filesystem is None:
+            import fsspec
+
+            if self.url.startswith("s3://"):
+                from toolkit.data import object_store
+
+                object_store.configure(self.endpoint)
+            options = {"auto_mkdir": True} if self.url.startswith("file://") else {}
+            self._filesystem = fsspec.core.url_to_fs(self.url, **options)[0]
+        return self._filesystem
+
+    def uri(self, relative: str) -> str:
+        return f"{self.url}/{relative}"
+
+    def _key(self, relative: str) -> str:
+        return f"{self.filesystem._strip_protocol(self.url)}/{relative}"
+
+    def push_version(self, layout: RegistryLayout, record: VersionRecord) -> bool:
+        """Upload a version unless the mirror has it whole; True when it went up now."""
+        done = layout.relative(layout.version_record(record.id))
+        if self.filesystem.exists(self._key(done)):
+            return False
+        for name, digest in sorted(record.files.items()):
+            self._put(layout, layout.adapter(record.id) / name, digest)
+        self._put(layout, layout.serving(record.id))
+        self._put(layout, layout.version_record(record.id))
+        return True
+
+    def _put(self, layout: RegistryLayout, path: Path, expected: FileDigest | None = None) -> None:
+        key = self._key(layout.relative(path))
+        if expected is None:
+            self.filesystem.pipe_file(key, read_bounded(path, MAX_RECORD_BYTES))
+            return
+        with self.filesystem.open(key, "wb") as remote:
+            sent = digest_of(path, remote.write)
+        if sent != expected:
+            raise MirrorProblem(f"{path} is not the file registered (sha256 {sent.sha256[:12]}, recorded "
+                                f"{expected.sha256[:12]}): the version is not mirrored")
+
+    def push_name(self, layout: RegistryLayout, name: str) -> bool:
+        """Upload a name's log, then its promoted.json, where the mirror's differ; True when any went up."""
+        changed = False
+        for path in (layout.log(name), layout.promoted(name)):
+            if not path.exists():
+                continue
+            local, key = read_bounded(path, MAX_LOG_BYTES), self._key(layout.relative(path))
+            try:
+                remote = self.filesystem.cat_file(key)
+            except FileNotFoundError:
+                remote = None
+            if remote != local:
+                self.filesystem.pipe_file(key, local)
+                changed = True
+        return changed
