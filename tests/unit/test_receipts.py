@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.receipts import FakeSqueue, record_a_run, running_signer, site_key
-from toolkit.receipts.chain import Digest, Receipt, ReceiptError, entry_hash
+from toolkit.receipts.chain import Digest, Receipt, ReceiptError, canonical, entry_hash
 from toolkit.receipts.verify import FAILED_EXIT, verify
 
 
@@ -96,6 +96,15 @@ def test_a_removed_entry_is_named(run, site):
     found = findings(run, site)
     assert "entry 4: missing: removed from the receipt" in found
     assert "signature: signs 7 entries; the receipt has 6: entries were removed after signing" in found
+
+
+def test_removed_entries_are_named_as_one_span_however_far_a_seq_reaches(run, site):
+    original = lines(run)
+    run.path.write_bytes(b"".join(original[:1] + original[4:]))
+    assert "entries 2 to 4: missing: removed from the receipt" in findings(run, site)
+    forged = json.loads(original[1]) | {"seq": 10**15}
+    run.path.write_bytes(b"".join(original) + json.dumps(forged).encode() + b"\n")
+    assert "entries 8 to 999999999999999: missing: removed from the receipt" in findings(run, site)
 
 
 def test_a_reordered_pair_is_named(run, site):
@@ -221,6 +230,29 @@ def test_reading_a_hostile_receipt_is_bounded(tmp_path):
     layout.receipt.write_bytes(b"[" * 100_000 + b"\n" + b"x" * (2 << 20) + b"\n")
     assert [str(f) for f in verify(tmp_path, None).findings][:2] == [
         "line 1: nested too deeply: not an entry ft writes", "line 2: over 1048576 bytes: not an entry ft writes"]
+
+
+def test_a_receipt_naming_a_pseudo_file_is_not_read_for_ever(tmp_path):
+    """The chain's hashes are no secret: anyone can write a well-linked entry. A verifier (root, say)
+    never reads /proc/kcore for it, nor a file whose size already says it changed."""
+    receipt = Receipt(tmp_path)
+    receipt.append("eval", {}, {"kcore": Digest(Path("/proc/kcore"), 1 << 47, "a" * 64),
+                                "zero": Digest(Path("/dev/zero"), 1, "a" * 64)})
+    (tmp_path / "big").write_bytes(b"x" * 10)
+    receipt.append("eval", {}, {"big": Digest(tmp_path / "big", 1 << 40, "a" * 64)})
+    found = [str(f) for f in verify(tmp_path, None).findings]
+    assert found[1:] == [
+        "entry 1 (eval), artifact 'kcore': /proc/kcore is no file ft records (a receipt naming /proc/kcore would "
+        "keep a verifier reading)",
+        "entry 1 (eval), artifact 'zero': /dev/zero is no file ft records (a receipt naming /proc/kcore would keep a "
+        "verifier reading)",
+        f"entry 2 (eval), artifact 'big': changed: {tmp_path / 'big'} is 10 bytes; recorded {1 << 40} bytes"]
+    entry = {"seq": 3, "kind": "adapter", "time": 1.0, "body": {}, "artifacts": {"all": {"path": "/", "files": {}}},
+             "prev": json.loads(receipt.path.read_bytes().splitlines()[-1])["hash"]}
+    with open(receipt.path, "ab") as handle:
+        handle.write(canonical(entry | {"hash": entry_hash(entry)}) + b"\n")
+    assert [str(f) for f in verify(tmp_path, None).findings][-1] == \
+        "entry 3 (adapter), artifact 'all': changed: / holds more than 100 files that were not there when recorded"
 
 
 def test_an_append_after_a_damaged_last_line_is_refused(tmp_path):

@@ -42,7 +42,9 @@ MAX_RECEIPT_BYTES = 64 << 20  # thousands of entries; a larger file is refused, 
 HASH_BLOCK = 1 << 20
 KIND_PATTERN = re.compile(r"[a-z][a-z0-9_-]{0,39}")
 SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
-SEAL_TIMEOUT_S = 30.0  # the signer asks Slurm (squeue) before it answers
+# The signer asks Slurm (squeue, 10 s at most) before it answers; the seal holds the receipt's lock
+# meanwhile, and other appenders wait 30 s for it at most.
+SEAL_TIMEOUT_S = 20.0
 
 
 class ReceiptError(FtError):
@@ -106,11 +108,14 @@ def file_digest(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def folder_files(folder: Path) -> list[str]:
-    """Every file inside a folder, by its relative name, sorted (links to folders are not followed)."""
-    names = []
+def folder_files(folder: Path, limit: int | None = None) -> list[str]:
+    """Every file inside a folder, by its relative name, sorted (links to folders are not followed);
+    with a limit, the listing stops once it holds more than that many."""
+    names: list[str] = []
     for top, _, files in os.walk(folder, onerror=_raise):
         names += [(Path(top) / name).relative_to(folder).as_posix() for name in files]
+        if limit is not None and len(names) > limit:
+            break
     return sorted(names)
 
 

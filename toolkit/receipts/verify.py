@@ -32,6 +32,7 @@ from toolkit.shared_dirs import open_regular, user_name
 
 FAILED_EXIT = 3  # `ft receipt verify`'s exit when the receipt does not verify (2: usage, 1: ft could not check)
 MAX_SIGNATURE_BYTES = 64 << 10
+MAX_FILES_ADDED = 100  # files found in a recorded folder beyond its record, named one by one
 PAYLOAD_KEYS = {"run_id", "entries", "head", "uid", "user", "job_id", "signed_at", "key_id"}
 
 
@@ -118,9 +119,19 @@ def check_entries(lines: list[bytes], verdict: Verdict) -> list[tuple[int, dict]
             verdict.findings.append(Finding(label(entry, number), place))
         seen.add(entry["seq"])
         entries.append((number, entry))
-    missing = sorted(set(range(1, max(seen, default=0) + 1)) - seen)
-    verdict.findings += [Finding(f"entry {seq}", "missing: removed from the receipt") for seq in missing]
+    verdict.findings += gaps(seen)
     return entries
+
+
+def gaps(seen: set[int]) -> list[Finding]:
+    """The entries no line holds, one finding a run of them (a seq far out costs no more)."""
+    found, expected = [], 1
+    for seq in sorted(seen):
+        if seq > expected:
+            which = f"entry {expected}" if seq == expected + 1 else f"entries {expected} to {seq - 1}"
+            found.append(Finding(which, "missing: removed from the receipt"))
+        expected = max(expected, seq + 1)
+    return found
 
 
 def written_as(entry: dict, line: bytes) -> bool:
@@ -263,9 +274,17 @@ def file_problems(path: Path, recorded: object, now) -> list[str]:
     if not isinstance(recorded, dict) or type(recorded.get("bytes")) is not int \
             or not SHA256_PATTERN.fullmatch(str(recorded.get("sha256"))):
         return [f"{path}: not a file's record (bytes, sha256)"]
-    found = now(path)
-    if isinstance(found, FileNotFoundError):
+    if Path(os.path.realpath(path)).parts[1:2] in (("proc",), ("sys",), ("dev",)):
+        return [f"{path} is no file ft records (a receipt naming /proc/kcore would keep a verifier reading)"]
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
         return [f"missing: {path}"]
+    except OSError as exc:
+        return [f"{path} cannot be read: {exc}"]
+    if size != recorded["bytes"]:  # changed, whatever its digest: not read
+        return [f"changed: {path} is {size} bytes; recorded {recorded['bytes']} bytes"]
+    found = now(path)
     if isinstance(found, OSError):
         return [f"{path} cannot be read: {found}"]
     size, sha256 = found
@@ -281,9 +300,12 @@ def folder_problems(folder: Path, files: dict, now) -> list[str]:
     problems = []
     for name, recorded in sorted(files.items()):
         problems += file_problems(folder / str(name), recorded, now)
-    try:
-        present = set(folder_files(folder))
+    try:  # listed only so far: a receipt naming / as a folder never has the verifier walk every disk
+        present = folder_files(folder, limit=len(files) + MAX_FILES_ADDED)
     except OSError as exc:
         return [*problems, f"{folder} cannot be listed: {exc}"]
-    problems += [f"changed: {folder / name} was not there when recorded" for name in sorted(present - set(files))]
+    added = sorted(set(present) - set(files))
+    problems += [f"changed: {folder / name} was not there when recorded" for name in added[:MAX_FILES_ADDED]]
+    if len(added) > MAX_FILES_ADDED:
+        problems.append(f"changed: {folder} holds more than {MAX_FILES_ADDED} files that were not there when recorded")
     return problems
