@@ -34,7 +34,8 @@ RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "llama3-8b-lora-s
                                   ["render", RECIPE, "--cluster", "hyperpod"], ["ls", "--json"],
                                   ["status", "no-such-run"], ["cluster", "ls"], ["cluster", "show", "lab"],
                                   ["doctor", "--cluster", "hyperpod", "--login-only"],
-                                  ["report", "r1"], ["sync", "r1"]])
+                                  ["report", "r1"], ["sync", "r1"], ["receipt", "verify", "r1"],
+                                  ["receipt", "show", "r1"]])
 def test_login_node_commands_never_import_the_training_stack(argv, tmp_path):
     (tmp_path / "r1").mkdir()
     (tmp_path / "r1" / "run.json").write_text(json.dumps({

@@ -89,7 +89,8 @@ def test_run_directory_names_are_spelled_only_by_the_layout():
 
     names = {layout.RECORD, layout.RECIPE_SOURCE, layout.RECIPE_RESOLVED, layout.SCRIPT, layout.DATA_REPORT,
              layout.SPEC, layout.ATTEMPTS, layout.EVENTS, layout.EXIT_STATUS, layout.METRICS, layout.TRACKING,
-             layout.SUMMARY, layout.LAUNCH_FAILURES}
+             layout.SUMMARY, layout.LAUNCH_FAILURES, layout.RECEIPT,
+             layout.RECEIPT_SIGNATURE}
     offenders = []
     for path in sorted(TOOLKIT.rglob("*.py")):
         if path.name == "layout.py":

@@ -11,7 +11,20 @@ os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
 import typer  # noqa: E402
 
 from toolkit import __version__  # noqa: E402
-from toolkit.cli import adapters, chaos, cluster, data, doctor, lab, model, plan, recipe, runs, usage  # noqa: E402
+from toolkit.cli import (  # noqa: E402
+    adapters,
+    chaos,
+    cluster,
+    data,
+    doctor,
+    lab,
+    model,
+    plan,
+    receipt,
+    recipe,
+    runs,
+    usage,
+)
 from toolkit.cli.output import print_error  # noqa: E402
 from toolkit.errors import FtError  # noqa: E402
 
@@ -29,6 +42,7 @@ app.add_typer(chaos.app, name="chaos")
 app.add_typer(model.app, name="model")
 app.add_typer(cluster.app, name="cluster")
 app.add_typer(adapters.app, name="adapters")
+app.add_typer(receipt.app, name="receipt")
 app.command()(data.validate)
 app.command("render")(recipe.render_command)
 app.command()(runs.submit)

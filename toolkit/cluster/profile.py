@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from toolkit.checkpoint.cadence import DEFAULT_NODE_MTBF_HOURS
 from toolkit.errors import FtError
+from toolkit.receipts.keys import key_id, public_key_bytes
 from toolkit.recipe.schema import ENV_NAME_PATTERN, NAME_PATTERN
 from toolkit.recipe.yaml_source import YamlError, load_trusted_yaml, load_yaml
 
@@ -57,6 +58,30 @@ class AccountQuota(BaseModel):
     max_running_jobs: int | None = Field(None, ge=0)  # runs at once; more wait in the queue
 
 
+class ReceiptSigning(BaseModel):
+    """The site's receipt signer (ansible/roles/ft_signer writes this section): the key `ft receipt
+    verify` checks signatures with, and the socket a job asks for one on (toolkit/receipts)."""
+    model_config = ConfigDict(extra="forbid")
+    public_key: str  # base64 of the raw 32-byte ed25519 public key
+    key_id: str  # the first 16 hex digits of its sha256: what a signature names
+    socket: str = "/run/ft-signer/receipt.sock"
+
+    @model_validator(mode="after")
+    def key_id_is_the_key_s(self) -> ReceiptSigning:
+        wanted = key_id(public_key_bytes(self.public_key))  # ValueError: not a public key
+        if self.key_id != wanted:
+            raise ValueError(f"key_id {self.key_id!r} is not this public key's ({wanted}): copy both from the "
+                             "signer's key (python -m toolkit.receipts.keys KEYFILE)")
+        return self
+
+    @field_validator("socket")
+    @classmethod
+    def socket_path(cls, value: str) -> str:
+        if not value.startswith("/") or any(ch in value for ch in "\n\r\0"):
+            raise ValueError(f"{value!r}: the signer's socket is an absolute path on one line")
+        return value
+
+
 class ClusterProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -96,6 +121,8 @@ class ClusterProfile(BaseModel):
     #   container  `container_image` holds ft[train]; jobs run `python` (default python3) inside it
     environment: Literal["", "venv", "container"] = ""
     python: str = ""
+    # The site's receipt signer; None: runs' receipts stay unsigned (`ft receipt verify` says so).
+    receipts: ReceiptSigning | None = None
 
     _names = field_validator("name", "default_account")(slurm_name)
 

@@ -18,6 +18,8 @@
     eval-base.json    the base model's evaluation, measured before the first step
     eval.json         the trained model's evaluation beside the base's, the gates, and the verdict
     plan.json         where `ft submit --cluster auto` put the run, and why (the options it weighed)
+    receipt.jsonl     the run's receipt: hash-linked entries of what it used and made (.receipt.lock
+                      serializes its appends); receipt.sig, the site signer's signature over it
     checkpoints/      the checkpoints, unless the recipe stages them elsewhere
     output/           the adapter or the weights, with the tokenizer
     logs/             slurm-<job>.out, node-<host>.log, rank-<n>.log, warm-<host>.log, stacks/
@@ -68,6 +70,9 @@ LAUNCH_FAILURES = "launch-failures"
 PREFLIGHT = "preflight"
 CACHE = "cache"
 RANKS = "ranks"
+RECEIPT = "receipt.jsonl"
+RECEIPT_LOCK = ".receipt.lock"
+RECEIPT_SIGNATURE = "receipt.sig"
 
 # A run id names a folder and a Slurm comment, and is typed by users: plain characters only.
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
@@ -168,6 +173,19 @@ class RunLayout:
     def plan(self) -> Path:
         """Where `ft submit --cluster auto` put the run, and why (toolkit/cluster/broker.py)."""
         return self.root / PLAN
+
+    @property
+    def receipt(self) -> Path:
+        """The run's hash-linked receipt (toolkit/receipts/chain.py)."""
+        return self.root / RECEIPT
+
+    @property
+    def receipt_lock(self) -> Path:
+        return self.root / RECEIPT_LOCK
+
+    @property
+    def receipt_signature(self) -> Path:
+        return self.root / RECEIPT_SIGNATURE
 
     @property
     def checkpoints(self) -> Path:

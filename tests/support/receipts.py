@@ -1,0 +1,86 @@
+"""What the receipts' tests share: the site's key, a signer on a temporary socket, and a run that
+records what a LoRA run records. The lab is not used: a fake squeue stands in for Slurm's answer
+(the signer's Slurm query takes a runner), so these tests never touch a running cluster."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from toolkit.cluster.profile import ReceiptSigning
+from toolkit.receipts import keys, signer
+from toolkit.receipts.chain import Receipt
+from toolkit.shared_dirs import login_name
+from toolkit.slurm.commands import CommandResult
+
+
+def squeue_answer(*jobs: dict) -> str:
+    """`squeue --all --json` as Slurm answers it, with these jobs."""
+    return json.dumps({"jobs": [{"job_id": 100 + index, "job_state": "RUNNING", "user_name": login_name(os.getuid()),
+                                 "batch_host": "node1", "comment": "ft-run=run-1"} | job
+                                for index, job in enumerate(jobs)]})
+
+
+class FakeSqueue:
+    """Stands in for squeue: the lab is busy with other tests and is not this suite's to ask."""
+
+    def __init__(self, *jobs: dict):
+        self.text, self.calls = squeue_answer(*jobs), 0
+
+    def __call__(self, argv, timeout):
+        assert list(argv) == ["squeue", "--all", "--json"]
+        self.calls += 1
+        return CommandResult(tuple(argv), 0, self.text, "")
+
+
+def site_key(folder: Path):
+    """A key made as Ansible makes it, and the profile section naming its public half."""
+    path = folder / "signing" / "receipt.key"
+    keys.generate(path)
+    private = keys.load_private_key(path)
+    raw = keys.raw_public(private)
+    return private, ReceiptSigning(public_key=base64.b64encode(raw).decode(), key_id=keys.key_id(raw),
+                                   socket=str(folder / "signer.sock"))
+
+
+@contextlib.contextmanager
+def running_signer(private_key, socket_path: Path, squeue: Callable):
+    """A signer serving on `socket_path` in this process, asking `squeue` (a FakeSqueue, or a runner that fails)."""
+    server = signer.SignerServer(socket_path, signer.Signer(private_key, signer.RunningJobs(squeue)))
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def record_a_run(run_dir: Path, data: Path) -> Receipt:
+    """The entries of a LoRA run: submit (its data), two attempts, two checkpoints (their manifests),
+    the adapter folder, its evaluation."""
+    (run_dir / "checkpoints" / "step-00000010").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step-00000020").mkdir(parents=True)
+    (run_dir / "output").mkdir()
+    (run_dir / "recipe.resolved.yaml").write_text("model: tiny\n")
+    for step in (10, 20):
+        (run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json").write_text(json.dumps({"step": step}))
+    (run_dir / "output" / "adapter_model.safetensors").write_bytes(os.urandom(4096))
+    (run_dir / "output" / "adapter_config.json").write_text('{"r": 16}')
+    (run_dir / "eval.json").write_text('{"loss": 1.5}')
+    receipt = Receipt(run_dir)
+    receipt.append("submit", {"ft_version": "0.1.0", "commit": "abc"},
+                   {"data": data, "recipe": run_dir / "recipe.resolved.yaml"})
+    receipt.append("attempt", {"job_id": "100", "nodes": ["node1", "node2"]})
+    receipt.append("attempt", {"job_id": "100", "exit_class": "node_lost"})
+    for step in (10, 20):
+        receipt.append("checkpoint", {"step": step},
+                       {"manifest": run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json"}, prunable=True)
+    receipt.append("adapter", {"method": "lora"}, {"adapter": run_dir / "output"})
+    receipt.append("eval", {"loss": 1.5}, {"results": run_dir / "eval.json"})
+    return receipt

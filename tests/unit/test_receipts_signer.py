@@ -1,0 +1,176 @@
+"""The receipt signer: it signs only for a user Slurm runs a job of that run for, whoever asks; it
+outlives any client; as a process it gives up root for good. Slurm's answer is a fake squeue (the
+signer's query takes a runner): the lab is busy with other tests and is not this suite's to ask."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.receipts import FakeSqueue, running_signer, site_key
+from toolkit.receipts import signer
+from toolkit.receipts.chain import ReceiptError
+from toolkit.receipts.keys import key_id, public_key_bytes, verify_signature
+from toolkit.shared_dirs import login_name
+
+HEAD = "ab" * 32
+
+
+def ask(socket_path: Path, run_id: str = "run-1", entries: int = 3, head: str = HEAD) -> dict:
+    return signer.request_signature(socket_path, run_id, entries, head, timeout=10)
+
+
+def raw_reply(socket_path: Path, data: bytes) -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        connection.settimeout(10)
+        connection.connect(str(socket_path))
+        connection.sendall(data)
+        connection.shutdown(socket.SHUT_WR)
+        return connection.recv(65536)
+
+
+@pytest.fixture
+def key(tmp_path):
+    return site_key(tmp_path)
+
+
+def test_it_signs_for_the_user_slurm_runs_the_run_s_job_for(key, tmp_path):
+    private, signing = key
+    with running_signer(private, tmp_path / "s.sock", FakeSqueue({"job_id": 41})):
+        signed = ask(tmp_path / "s.sock")
+    payload = signed["payload"]
+    assert payload | {"signed_at": 0} == {"run_id": "run-1", "entries": 3, "head": HEAD, "uid": os.getuid(),
+                                          "user": login_name(os.getuid()), "job_id": "41", "signed_at": 0,
+                                          "key_id": signing.key_id}
+    assert abs(payload["signed_at"] - time.time()) < 60
+    assert verify_signature(public_key_bytes(signing.public_key), payload, signed["signature"])
+    assert signing.key_id == key_id(public_key_bytes(signing.public_key))
+
+
+@pytest.mark.parametrize("job, why", [
+    ({"user_name": "someone-else"}, "Slurm runs no job of run run-1 for"),  # the run's job, another user's
+    ({"comment": "ft-run=run-2"}, "Slurm runs no job of run run-1 for"),  # the user's job, another run's
+    ({"job_state": "PENDING"}, "Slurm runs no job of run run-1 for"),  # not started, or ended
+    ({"job_state": "COMPLETED"}, "Slurm runs no job of run run-1 for"),
+    ({"comment": "my notes"}, "Slurm runs no job of run run-1 for"),  # not ft's
+])
+def test_it_refuses_a_user_without_a_running_job_of_that_run(key, tmp_path, job, why):
+    with running_signer(key[0], tmp_path / "s.sock", FakeSqueue(job)), pytest.raises(ReceiptError, match=why):
+        ask(tmp_path / "s.sock")
+
+
+def test_what_the_client_says_of_itself_counts_for_nothing(key, tmp_path):
+    """The user and job are Slurm's and the kernel's word: a request naming them is refused as malformed."""
+    with running_signer(key[0], tmp_path / "s.sock", FakeSqueue({})):
+        reply = raw_reply(tmp_path / "s.sock", json.dumps({"run_id": "run-1", "entries": 1, "head": HEAD,
+                                                           "user": "root", "uid": 0}).encode() + b"\n")
+    assert json.loads(reply) == {"error": "the request is not {run_id, entries, head}"}
+
+
+def test_it_asks_slurm_afresh_after_each_request_arrives(key, tmp_path):
+    """A job that ended a moment ago is not taken for running from an older answer."""
+    squeue = FakeSqueue({})
+    with running_signer(key[0], tmp_path / "s.sock", squeue):
+        ask(tmp_path / "s.sock")
+        squeue.text = json.dumps({"jobs": []})
+        with pytest.raises(ReceiptError, match="Slurm runs no job"):
+            ask(tmp_path / "s.sock")
+    assert squeue.calls == 2
+
+
+def test_it_signs_nothing_when_slurm_does_not_answer(key, tmp_path):
+    from toolkit.slurm.commands import SlurmUnavailable
+
+    def silent(argv, timeout):
+        raise SlurmUnavailable("squeue did not answer within 10 s")
+
+    with running_signer(key[0], tmp_path / "s.sock", silent), pytest.raises(ReceiptError, match="Slurm did not answer"):
+        ask(tmp_path / "s.sock")
+
+
+@pytest.mark.parametrize("request_bytes, error", [
+    (b"\x00\xff garbage \n", "the request is not one JSON line"),
+    (b"[" * 3000 + b"\n", "the request is not one JSON line"),
+    (b"x" * 10_000, "the request is over 4096 bytes"),
+    (json.dumps({"run_id": "../etc", "entries": 1, "head": HEAD}).encode(), "run_id is not a run id"),
+    (json.dumps({"run_id": "run-1", "entries": 0, "head": HEAD}).encode(), "entries is not a count of entries"),
+    (json.dumps({"run_id": "run-1", "entries": 1, "head": HEAD.upper()}).encode(), "head is not a sha256"),
+])
+def test_it_answers_a_bad_request_and_serves_the_next_client(key, tmp_path, request_bytes, error):
+    with running_signer(key[0], tmp_path / "s.sock", FakeSqueue({})):
+        assert json.loads(raw_reply(tmp_path / "s.sock", request_bytes))["error"].startswith(error)
+        assert ask(tmp_path / "s.sock")["payload"]["entries"] == 3
+
+
+def test_it_outlives_clients_that_go_silent_or_leave(key, tmp_path, monkeypatch):
+    monkeypatch.setattr(signer, "CLIENT_TIMEOUT_S", 0.5)
+    with running_signer(key[0], tmp_path / "s.sock", FakeSqueue({})):
+        silent = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(4)]
+        for connection in silent:
+            connection.connect(str(tmp_path / "s.sock"))  # and never a byte
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as leaving:
+            leaving.connect(str(tmp_path / "s.sock"))
+            leaving.sendall(b'{"run_id": "run-1", ')
+        assert ask(tmp_path / "s.sock")["payload"]["run_id"] == "run-1"  # served beside the silent ones
+        time.sleep(1.0)
+        assert all(connection.recv(1) == b"" for connection in silent)  # cut off after the timeout
+        for connection in silent:
+            connection.close()
+        assert ask(tmp_path / "s.sock")["payload"]["run_id"] == "run-1"
+
+
+def test_no_signer_is_an_error_that_says_where_it_looked(tmp_path):
+    with pytest.raises(ReceiptError, match=f"the receipt signer at {tmp_path / 'none.sock'} did not answer"):
+        ask(tmp_path / "none.sock")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the daemon starts as root and becomes another user")
+def test_the_daemon_loads_the_key_as_root_and_serves_as_another_user(key, tmp_path):
+    """`python -m toolkit.receipts.signer` as Ansible starts it: the key readable by root alone, the
+    daemon then nobody. Without squeue on its PATH it asks no Slurm (the lab's is not this test's),
+    and says so to the client instead of signing."""
+    key_file = tmp_path / "signing" / "receipt.key"
+    assert key_file.stat().st_mode & 0o777 == 0o600 and key_file.stat().st_uid == 0
+    socket_dir = tmp_path / "socket"
+    socket_dir.mkdir()
+    os.chown(socket_dir, 65534, -1)
+    no_slurm = tmp_path / "bin"
+    no_slurm.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "toolkit.receipts.signer", "--key", str(key_file), "--socket",
+         str(socket_dir / "receipt.sock"), "--user", "nobody"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PATH": str(no_slurm), "SLURM_CONF": str(tmp_path / "no-slurm.conf")})
+    try:
+        assert "ft receipt signer on" in process.stdout.readline()
+        status = Path(f"/proc/{process.pid}/status").read_text()
+        assert "\nUid:\t65534\t65534\t65534\t65534\n" in status
+        assert (socket_dir / "receipt.sock").stat().st_mode & 0o777 == 0o666
+        with pytest.raises(ReceiptError, match="Slurm did not answer"):
+            ask(socket_dir / "receipt.sock")
+        assert json.loads(raw_reply(socket_dir / "receipt.sock", b"junk\n"))["error"]
+        assert process.poll() is None
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=10)
+    assert process.returncode == 0
+
+
+def test_the_key_is_made_once_and_never_replaced(tmp_path):
+    from toolkit.receipts.keys import generate, load_private_key, raw_public
+
+    path = tmp_path / "signing" / "receipt.key"
+    assert generate(path) is True
+    first = raw_public(load_private_key(path))
+    assert generate(path) is False
+    assert raw_public(load_private_key(path)) == first
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    assert [p.name for p in path.parent.iterdir()] == ["receipt.key"]  # no temporary left

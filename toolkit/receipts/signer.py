@@ -1,0 +1,261 @@
+"""The site's receipt signer: a small daemon on each compute node (ansible/roles/ft_signer starts it)
+that signs a run's receipt for the run's own job, and for nobody else.
+
+    python -m toolkit.receipts.signer --key /etc/ft/signing/receipt.key \\
+        --socket /run/ft-signer/receipt.sock --user ft-signer
+
+It starts as root, loads the key (only its user reads it), binds a Unix socket every user may
+connect to, and becomes --user for good. A client sends one JSON line, {run_id, entries, head} (its
+receipt's entry count and last hash), and gets one back: {payload, signature}, or {error}. It signs
+
+    {run_id, entries, head, uid, user, job_id, signed_at, key_id}
+
+for the client the kernel names (SO_PEERCRED: its uid, not anything it says) only while Slurm runs a
+job of that user whose comment names that run (`squeue --all --json`; the job's user is Slurm's
+word). Once the run's job has ended, nobody, its user included, can have a changed receipt signed.
+Each client has CLIENT_TIMEOUT_S and REQUEST_MAX_BYTES; at most MAX_CLIENTS are served at once
+(more are turned away); whatever one client sends costs only its own request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import json
+import os
+import signal
+import socket
+import socketserver
+import stat
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit.errors import FtError
+from toolkit.receipts import keys
+from toolkit.receipts.chain import SHA256_PATTERN, ReceiptError, canonical
+from toolkit.runs.layout import RUN_ID_PATTERN
+from toolkit.shared_dirs import login_name
+from toolkit.slurm import commands
+from toolkit.watch import run_targets
+from toolkit.watch.cluster_metrics import drop_privileges
+
+REQUEST_MAX_BYTES = 4096
+REPLY_MAX_BYTES = 64 << 10
+CLIENT_TIMEOUT_S = 5.0  # for the whole request: a client that trickles bytes is cut off
+MAX_CLIENTS = 16
+SQUEUE_TIMEOUT_S = 10.0
+PEERCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+class Refused(Exception):
+    """Why a request is not signed (said to the client)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    run_id: str
+    entries: int
+    head: str
+
+
+def parse_request(data: bytes) -> Request:
+    try:
+        raw = json.loads(data)
+    except (ValueError, RecursionError):
+        raise Refused("the request is not one JSON line") from None
+    if not isinstance(raw, dict) or set(raw) != {"run_id", "entries", "head"}:
+        raise Refused("the request is not {run_id, entries, head}")
+    run_id, entries, head = raw["run_id"], raw["entries"], raw["head"]
+    if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id):
+        raise Refused("run_id is not a run id")
+    if type(entries) is not int or not 0 < entries < 1 << 40:
+        raise Refused("entries is not a count of entries")
+    if not isinstance(head, str) or not SHA256_PATTERN.fullmatch(head):
+        raise Refused("head is not a sha256 in lowercase hex")
+    return Request(run_id, entries, head)
+
+
+def read_line(connection: socket.socket, limit: int, deadline: float) -> bytes:
+    """One line (or all until the other side stops writing) of at most `limit` bytes, by `deadline`
+    (time.monotonic): ValueError when longer, TimeoutError when later."""
+    received = bytearray()
+    while b"\n" not in received:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("too slow")
+        connection.settimeout(remaining)
+        chunk = connection.recv(4096)
+        if not chunk:
+            break
+        received += chunk
+        if len(received) > limit + 1:
+            raise ValueError(f"over {limit} bytes")
+    line = bytes(received).split(b"\n", 1)[0]
+    if len(line) > limit:
+        raise ValueError(f"over {limit} bytes")
+    return line
+
+
+def peer_uid(connection: socket.socket) -> int:
+    return PEERCRED.unpack(connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))[1]
+
+
+class RunningJobs:
+    """ft's running jobs, as Slurm says (squeue --json). Asked afresh for each request: a burst of
+    requests shares one answer, begun after each of them arrived (never an older one)."""
+
+    def __init__(self, run: Callable = commands.run):
+        self.run = run  # unit tests give a fake squeue here
+        self.lock = threading.Lock()
+        self.asked, self.jobs = float("-inf"), {}
+
+    def since(self, arrived: float) -> dict[str, run_targets.RunningJob]:
+        with self.lock:
+            if self.asked < arrived:
+                started = time.monotonic()
+                answer = self.run(run_targets.SQUEUE_JOBS, timeout=SQUEUE_TIMEOUT_S)
+                self.jobs, self.asked = run_targets.parse_running(answer.stdout), started
+            return self.jobs
+
+
+class Signer:
+    def __init__(self, private_key, jobs: RunningJobs, now: Callable[[], float] = time.time):
+        self.key, self.jobs, self.now = private_key, jobs, now
+        self.key_id = keys.key_id(keys.raw_public(private_key))
+
+    def sign(self, request: Request, uid: int, arrived: float) -> dict:
+        """The signed payload and its signature, for a client of this uid; Refused saying why not."""
+        user = login_name(uid)
+        if user is None:
+            raise Refused(f"uid {uid} has no account here")
+        running = [job for job in self.jobs.since(arrived).values() if job.run == request.run_id and job.user == user]
+        if not running:
+            raise Refused(f"Slurm runs no job of run {request.run_id} for {user}: a receipt is signed only while "
+                          "its run's job runs")
+        job = min(running, key=lambda job: int(job.job_id))
+        payload = {"run_id": request.run_id, "entries": request.entries, "head": request.head, "uid": uid,
+                   "user": job.user, "job_id": job.job_id, "signed_at": self.now(), "key_id": self.key_id}
+        return {"payload": payload, "signature": base64.b64encode(self.key.sign(keys.signed_message(payload))).decode()}
+
+
+class Handler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        arrived = time.monotonic()
+        connection, signer = self.request, self.server.signer
+        uid = peer_uid(connection)
+        try:
+            request = parse_request(read_line(connection, REQUEST_MAX_BYTES, arrived + CLIENT_TIMEOUT_S))
+            reply = signer.sign(request, uid, arrived)
+            said = (f"signed run {request.run_id} ({request.entries} entries) for uid {uid}, "
+                    f"job {reply['payload']['job_id']}")
+        except Refused as refusal:
+            reply, said = {"error": str(refusal)}, f"refused uid {uid}: {refusal}"
+        except ValueError as error:
+            reply, said = {"error": f"the request is {error}"}, f"refused uid {uid}: request {error}"
+        except FtError as error:  # Slurm did not answer: nothing is signed on no word of Slurm's
+            reply, said = {"error": f"Slurm did not answer: {error.message}"}, f"Slurm did not answer: {error.message}"
+        print(said, flush=True)
+        connection.settimeout(CLIENT_TIMEOUT_S)
+        connection.sendall(canonical(reply) + b"\n")
+
+
+class SignerServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+    def __init__(self, path: Path, signer: Signer):
+        self.signer = signer
+        self.slots = threading.BoundedSemaphore(MAX_CLIENTS)
+        remove_stale_socket(path)
+        super().__init__(str(path), Handler)
+        os.chmod(path, 0o666)  # every user's jobs connect; who they are is the kernel's word
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)  # too many at once: this one is turned away, the others served
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        print(f"a client's request failed: {sys.exc_info()[1]!r}", flush=True)
+
+
+def remove_stale_socket(path: Path) -> None:
+    """A socket left by an earlier signer goes; anything else there is never removed (started as root)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise SystemExit(f"{path} is there and is not a socket: not replaced")
+    os.unlink(path)
+
+
+def request_signature(socket_path: Path, run_id: str, entries: int, head: str, timeout: float) -> dict:
+    """Ask the signer at `socket_path` to sign a receipt of `entries` entries ending in `head`:
+    {payload, signature}, or ReceiptError saying why not."""
+    deadline = time.monotonic() + timeout
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.settimeout(timeout)
+            connection.connect(str(socket_path))
+            connection.sendall(canonical({"run_id": run_id, "entries": entries, "head": head}) + b"\n")
+            reply = json.loads(read_line(connection, REPLY_MAX_BYTES, deadline))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ReceiptError(f"the receipt signer at {socket_path} did not answer: {exc}",
+                           hint="ask the cluster's admins (Ansible role ft_signer)") from None
+    if isinstance(reply, dict) and "error" in reply:
+        raise ReceiptError(f"the receipt signer refused: {reply['error']}")
+    payload = reply.get("payload") if isinstance(reply, dict) else None
+    if not isinstance(payload, dict) or not isinstance(reply.get("signature"), str) \
+            or (payload.get("run_id"), payload.get("entries"), payload.get("head")) != (run_id, entries, head):
+        raise ReceiptError(f"the receipt signer at {socket_path} answered something else than a signature of "
+                           "this receipt")
+    return {"payload": payload, "signature": reply["signature"]}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m toolkit.receipts.signer",
+                                     description="Sign runs' receipts for their running jobs.")
+    parser.add_argument("--key", type=Path, required=True, help="the site's ed25519 key (PEM)")
+    parser.add_argument("--socket", type=Path, required=True, help="the Unix socket jobs connect to")
+    parser.add_argument("--user", default=None, help="started as root: become this user once listening")
+    options = parser.parse_args(argv)
+    try:
+        private_key = keys.load_private_key(options.key)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"cannot load the key {options.key}: {exc}") from None
+    signer = Signer(private_key, RunningJobs())
+    # One signature before root is given up: everything signing uses is loaded while ft's Python
+    # can still be read (it may sit where only root reads).
+    signer.key.sign(keys.signed_message({}))
+    server = SignerServer(options.socket, signer)
+    if options.user:
+        drop_privileges(options.user)
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    threading.Thread(target=server.serve_forever, name="ft-signer", daemon=True).start()
+    print(f"ft receipt signer on {options.socket}, key {signer.key_id}"
+          + (f", as {options.user}" if options.user else ""), flush=True)
+    while not stopped.wait(1.0):
+        pass
+    server.shutdown()
+    server.server_close()
+    with contextlib.suppress(OSError):
+        os.unlink(options.socket)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

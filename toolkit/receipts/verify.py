@@ -1,0 +1,311 @@
+"""Whether a run's receipt holds (`ft receipt verify RUN`): every entry as written (its hash), in its
+place (seq and the link to the entry before: a changed, removed, inserted or reordered entry is
+named), signed by the site's key over exactly this chain (the signed count and last hash: entries
+added or removed after signing), for the run folder's owner, and every recorded file as it was
+then (bytes and sha256). An unsigned receipt does not verify: it is said, not passed.
+
+Each problem is a Finding: where ("entry 5 (checkpoint)", "signature", "receipt") and what.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from toolkit.cluster.profile import ReceiptSigning
+from toolkit.receipts.chain import (
+    GENESIS,
+    SHA256_PATTERN,
+    ReceiptError,
+    canonical,
+    entry_hash,
+    file_digest,
+    folder_files,
+    parse_entry,
+    read_receipt,
+)
+from toolkit.receipts.keys import public_key_bytes, verify_signature
+from toolkit.runs.layout import RunLayout
+from toolkit.shared_dirs import open_regular, user_name
+
+FAILED_EXIT = 3  # `ft receipt verify`'s exit when the receipt does not verify (2: usage, 1: ft could not check)
+MAX_SIGNATURE_BYTES = 64 << 10
+MAX_FILES_ADDED = 100  # files found in a recorded folder beyond its record, named one by one
+PAYLOAD_KEYS = {"run_id", "entries", "head", "uid", "user", "job_id", "signed_at", "key_id"}
+
+
+@dataclass(frozen=True)
+class Finding:
+    where: str
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.what}"
+
+
+@dataclass
+class Verdict:
+    run_dir: Path
+    entries: int = 0
+    signed: dict | None = None  # the payload, once its signature holds with the site's key
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def verified(self) -> bool:
+        return not self.findings
+
+    def to_dict(self) -> dict:
+        return {"run_id": self.run_dir.name, "run_dir": str(self.run_dir), "verified": self.verified,
+                "entries": self.entries, "signed": self.signed,
+                "findings": [asdict(finding) for finding in self.findings], "notes": self.notes}
+
+
+def verify(run_dir: Path, signing: ReceiptSigning | None) -> Verdict:
+    """Check the receipt of the run in `run_dir` against the site's signer key (None: the cluster
+    has no signer)."""
+    verdict = Verdict(run_dir)
+    layout = RunLayout(run_dir)
+    lines = receipt_lines(layout.receipt, verdict)
+    entries = check_entries(lines, verdict)
+    verdict.entries = len(lines)
+    check_signature(layout, len(lines), entries, signing, verdict)
+    check_artifacts(run_dir, entries, verdict)
+    return verdict
+
+
+def label(entry: dict, line: int) -> str:
+    """How a finding names an entry: by its seq and kind, and its line where that is not its seq."""
+    return f"entry {entry['seq']} ({entry['kind'][:40]})" + (f" at line {line}" if line != entry["seq"] else "")
+
+
+def receipt_lines(path: Path, verdict: Verdict) -> list[bytes]:
+    """The receipt's lines; a last line cut short (no line end) is a finding, not an entry."""
+    try:
+        data = read_receipt(path)
+    except FileNotFoundError:
+        verdict.findings.append(Finding("receipt", f"{path} does not exist: the run recorded nothing"))
+        return []
+    except (OSError, ReceiptError) as exc:
+        verdict.findings.append(Finding("receipt", f"{path} cannot be read: {exc}"))
+        return []
+    if not data:
+        verdict.findings.append(Finding("receipt", f"{path} is empty"))
+    lines = data.split(b"\n")
+    if lines[-1]:
+        verdict.findings.append(Finding(f"line {len(lines)}", "cut short (no line end): the receipt was truncated"))
+    return lines[:-1]
+
+
+def check_entries(lines: list[bytes], verdict: Verdict) -> list[tuple[int, dict]]:
+    """Each line's entry as written (hash, canonical form) and in its place; the entries that parse,
+    with their line numbers."""
+    entries: list[tuple[int, dict]] = []
+    seen: set[int] = set()
+    for number, line in enumerate(lines, 1):
+        try:
+            entry = parse_entry(line)
+        except ValueError as exc:
+            verdict.findings.append(Finding(f"line {number}", str(exc)))
+            continue
+        if entry_hash(entry) != entry["hash"]:
+            verdict.findings.append(Finding(label(entry, number), "changed: its content does not match its hash"))
+        elif not written_as(entry, line):
+            verdict.findings.append(Finding(label(entry, number), "changed: the line is not as ft wrote it"))
+        place = misplaced(entry, entries[-1][1] if entries else None, seen)
+        if place:
+            verdict.findings.append(Finding(label(entry, number), place))
+        seen.add(entry["seq"])
+        entries.append((number, entry))
+    verdict.findings += gaps(seen)
+    return entries
+
+
+def gaps(seen: set[int]) -> list[Finding]:
+    """The entries no line holds, one finding a run of them (a seq far out costs no more)."""
+    found, expected = [], 1
+    for seq in sorted(seen):
+        if seq > expected:
+            which = f"entry {expected}" if seq == expected + 1 else f"entries {expected} to {seq - 1}"
+            found.append(Finding(which, "missing: removed from the receipt"))
+        expected = max(expected, seq + 1)
+    return found
+
+
+def written_as(entry: dict, line: bytes) -> bool:
+    try:
+        return canonical(entry) == line
+    except ValueError:  # NaN or Infinity: never written by ft
+        return False
+
+
+def misplaced(entry: dict, before: dict | None, seen: set[int]) -> str | None:
+    """Why an entry is not where the chain puts it (after `before`), or None."""
+    seq, last = entry["seq"], before["seq"] if before else 0
+    if seq in seen:
+        return "appears more than once: an entry was inserted or copied"
+    if seq < last:
+        return f"out of order: found after entry {last}"
+    if seq > last + 1:
+        return None  # the entries between are missing: said once each, below
+    if entry["prev"] != (before["hash"] if before else GENESIS):
+        return f"does not link to the entry before it ({f'entry {last}' if before else 'the start'}): " \
+               "an entry was changed, inserted or reordered"
+    return None
+
+
+def check_signature(layout: RunLayout, count: int, entries: list[tuple[int, dict]], signing: ReceiptSigning | None,
+                    verdict: Verdict) -> None:
+    try:
+        with open_regular(layout.receipt_signature) as handle:
+            raw = handle.read(MAX_SIGNATURE_BYTES + 1)
+    except FileNotFoundError:
+        why = ("this cluster has no receipt signer (its profile has no receipts section)" if signing is None
+               else "it was never sealed, or its signature was removed")
+        verdict.findings.append(Finding("signature", f"the receipt is not signed: {why}"))
+        return
+    except OSError as exc:
+        verdict.findings.append(Finding("signature", f"{layout.receipt_signature} cannot be read: {exc}"))
+        return
+    payload, signature = parse_signature(raw)
+    if payload is None:
+        verdict.findings.append(Finding("signature", f"{layout.receipt_signature} is not a signature ft wrote"))
+        return
+    if signing is None:
+        verdict.findings.append(Finding("signature", "cannot be checked: this cluster's profile names no signer key "
+                                                     "(receipts.public_key)"))
+        return
+    if payload["key_id"] != signing.key_id:
+        verdict.findings.append(Finding("signature", f"made with key {str(payload['key_id'])[:40]!r}, not this "
+                                                     f"site's key {signing.key_id}"))
+        return
+    if not verify_signature(public_key_bytes(signing.public_key), payload, signature):
+        verdict.findings.append(Finding("signature", "does not verify with the site's key: the signature or what "
+                                                     "it signs was changed, or another key made it"))
+        return
+    verdict.signed = payload
+    check_signed_chain(layout, payload, count, entries, verdict)
+
+
+def parse_signature(raw: bytes) -> tuple[dict | None, str]:
+    try:
+        document = json.loads(raw) if len(raw) <= MAX_SIGNATURE_BYTES else None
+    except (ValueError, RecursionError):
+        return None, ""
+    if not isinstance(document, dict) or not isinstance(document.get("signature"), str):
+        return None, ""
+    payload = document.get("payload")
+    if not isinstance(payload, dict) or set(payload) != PAYLOAD_KEYS:
+        return None, ""
+    return payload, document["signature"]
+
+
+def check_signed_chain(layout: RunLayout, payload: dict, count: int, entries: list[tuple[int, dict]],
+                       verdict: Verdict) -> None:
+    """What was signed is this run's chain as it is now, for the run folder's owner."""
+    signed = payload["entries"]
+    if payload["run_id"] != layout.root.name:
+        verdict.findings.append(Finding("signature", f"signs run {str(payload['run_id'])[:120]!r}, not "
+                                                     f"{layout.root.name}"))
+    if count > signed:
+        added = f"entry {count}" if count == signed + 1 else f"entries {signed + 1} to {count}"
+        verdict.findings.append(Finding("signature", f"signs {signed} entries; {added} added after signing"))
+    elif count < signed:
+        verdict.findings.append(Finding("signature", f"signs {signed} entries; the receipt has {count}: entries "
+                                                     "were removed after signing"))
+    for line, entry in entries:
+        if entry["seq"] == signed and entry["hash"] != payload["head"]:
+            verdict.findings.append(Finding(label(entry, line), "is not the entry signed (its hash is not the "
+                                                                "signed head)"))
+    try:
+        owner = os.stat(layout.root).st_uid
+    except OSError as exc:
+        verdict.findings.append(Finding("receipt", f"the run folder cannot be read: {exc}"))
+        return
+    if payload["uid"] != owner:
+        uid = payload["uid"] if type(payload["uid"]) is int else -1
+        verdict.findings.append(Finding("signature", f"signed for {user_name(uid)}; the run folder is "
+                                                     f"{user_name(owner)}'s"))
+
+
+def check_artifacts(run_dir: Path, entries: list[tuple[int, dict]], verdict: Verdict) -> None:
+    """Every recorded file as it was recorded: each read once, however many entries record it."""
+    digests: dict[Path, tuple[int, str] | OSError] = {}
+
+    def now(path: Path) -> tuple[int, str] | OSError:
+        if path not in digests:
+            try:
+                digests[path] = file_digest(path)
+            except OSError as exc:
+                digests[path] = exc
+        return digests[path]
+
+    for line, entry in entries:
+        for name, artifact in sorted(entry["artifacts"].items()):
+            where = f"{label(entry, line)}, artifact {str(name)[:80]!r}"
+            if gone_as_allowed(run_dir, artifact):
+                verdict.notes.append(f"{where}: {artifact['path']} is gone (recorded as one that may be pruned)")
+                continue
+            verdict.findings += [Finding(where, problem) for problem in artifact_problems(run_dir, artifact, now)]
+
+
+def recorded_at(run_dir: Path, path: str) -> Path:
+    return Path(path) if os.path.isabs(path) else run_dir / path
+
+
+def gone_as_allowed(run_dir: Path, artifact: object) -> bool:
+    """A file recorded as prunable (an older checkpoint's manifest) that is no longer there."""
+    return isinstance(artifact, dict) and artifact.get("prunable") is True and isinstance(artifact.get("path"), str) \
+        and not os.path.lexists(recorded_at(run_dir, artifact["path"]))
+
+
+def artifact_problems(run_dir: Path, artifact: object, now) -> list[str]:
+    if not isinstance(artifact, dict) or not isinstance(artifact.get("path"), str):
+        return ["not an artifact record"]
+    path = recorded_at(run_dir, artifact["path"])
+    if isinstance(artifact.get("files"), dict):
+        return folder_problems(path, artifact["files"], now)
+    return file_problems(path, artifact, now)
+
+
+def file_problems(path: Path, recorded: object, now) -> list[str]:
+    if not isinstance(recorded, dict) or type(recorded.get("bytes")) is not int \
+            or not SHA256_PATTERN.fullmatch(str(recorded.get("sha256"))):
+        return [f"{path}: not a file's record (bytes, sha256)"]
+    if Path(os.path.realpath(path)).parts[1:2] in (("proc",), ("sys",), ("dev",)):
+        return [f"{path} is no file ft records (a receipt naming /proc/kcore would keep a verifier reading)"]
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return [f"missing: {path}"]
+    except OSError as exc:
+        return [f"{path} cannot be read: {exc}"]
+    if size != recorded["bytes"]:  # changed, whatever its digest: not read
+        return [f"changed: {path} is {size} bytes; recorded {recorded['bytes']} bytes"]
+    found = now(path)
+    if isinstance(found, OSError):
+        return [f"{path} cannot be read: {found}"]
+    size, sha256 = found
+    if (size, sha256) != (recorded["bytes"], recorded["sha256"]):
+        return [f"changed: {path} is {size} bytes, sha256 {sha256[:16]}…; recorded {recorded['bytes']} bytes, "
+                f"sha256 {recorded['sha256'][:16]}…"]
+    return []
+
+
+def folder_problems(folder: Path, files: dict, now) -> list[str]:
+    if not folder.is_dir():
+        return [f"missing: {folder}"]
+    problems = []
+    for name, recorded in sorted(files.items()):
+        problems += file_problems(folder / str(name), recorded, now)
+    try:  # listed only so far: a receipt naming / as a folder never has the verifier walk every disk
+        present = folder_files(folder, limit=len(files) + MAX_FILES_ADDED)
+    except OSError as exc:
+        return [*problems, f"{folder} cannot be listed: {exc}"]
+    added = sorted(set(present) - set(files))
+    problems += [f"changed: {folder / name} was not there when recorded" for name in added[:MAX_FILES_ADDED]]
+    if len(added) > MAX_FILES_ADDED:
+        problems.append(f"changed: {folder} holds more than {MAX_FILES_ADDED} files that were not there when recorded")
+    return problems
