@@ -25,3 +25,9 @@ if [[ "$state" != COMPLETED ]]; then
     exit 1
 fi
 echo "[demo] adapter: $("$ft" status "$run_id" --json | "$repo/.venv/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["run_dir"])')/output"
+# Its evaluation passed its gates into the registry, and its receipt is signed: both checked here.
+"$ft" adapters ls --name tiny-lora-sft
+"$ft" receipt verify "$run_id" || {
+    echo "[demo] the receipt of run $run_id does not verify (the findings are above)" >&2
+    exit 1
+}

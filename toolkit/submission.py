@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from toolkit.errors import FtError
+from toolkit.receipts import entries as receipt_entries
 from toolkit.recipe.resolve import ResolvedRecipe, resolve
 from toolkit.render.sbatch import RunPlacement, render
 from toolkit.runs.layout import RunLayout
@@ -118,6 +119,23 @@ def script_directives_win():
         os.environ.update(overriding)
 
 
+def data_digests(resolved: ResolvedRecipe) -> dict:
+    """Each data file's sha256 for the run's receipt (a local file's size and path with it: `ft
+    receipt verify` reads it again); the data checks hashed it already (one read, remembered)."""
+    from toolkit.data.cache import file_digest
+    from toolkit.receipts.chain import Digest
+
+    found = {}
+    for role, path in resolved.recipe.data_files().items():
+        try:
+            digest = file_digest(path)
+            found[role] = digest if "://" in path else Digest(Path(path), os.path.getsize(path), digest)
+        except (OSError, FtError) as exc:
+            raise SubmitError(f"the {role} data {path} cannot be read for the run's receipt: {exc}",
+                              hint="check the path (ft validate names what is wrong with the data)") from None
+    return found
+
+
 def require_training_environment(resolved: ResolvedRecipe) -> None:
     """The compute nodes must have something to train with before a job is queued: the check
     `ft doctor` makes from the login node (a prepared venv of this very ft, or an interpreter with
@@ -194,6 +212,11 @@ def _submit_new(resolved: ResolvedRecipe, store: RunStore, key: str | None, mode
                          json.dumps([report.to_dict() for report in reports], indent=1) + "\n")
     record = RunRecord(run_id, resolved.recipe.name, str(resolved.path.resolve()), resolved.profile.name, mode,
                        time.time(), key)
+    try:
+        receipt_entries.submitted(run_dir, resolved, data_digests(resolved))
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     store.save(record)
     try:
         job_id = _sbatch(run_dir, script)

@@ -49,9 +49,11 @@ def site_key(folder: Path):
 
 
 @contextlib.contextmanager
-def running_signer(private_key, socket_path: Path, squeue: Callable):
-    """A signer serving on `socket_path` in this process, asking `squeue` (a FakeSqueue, or a runner that fails)."""
-    server = signer.SignerServer(socket_path, signer.Signer(private_key, signer.RunningJobs(squeue)))
+def running_signer(private_key, socket_path: Path, squeue: Callable, ledger: Path | None = None):
+    """A signer serving on `socket_path` in this process, asking `squeue` (a FakeSqueue, or a runner
+    that fails), remembering what it signed in `ledger` (a folder) where one is given."""
+    server = signer.SignerServer(socket_path, signer.Signer(private_key, signer.RunningJobs(squeue),
+                                                            ledger=signer.Ledger(ledger)))
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:

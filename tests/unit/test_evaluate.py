@@ -208,8 +208,8 @@ def test_task_metrics_score_each_greedy_completion_against_its_reference():
 
 def test_the_base_is_measured_before_the_first_step_and_the_trained_adapter_is_judged_against_it(
         model, tmp_path):
-    from toolkit.train.evaluation import Evaluator, EvalSets
     from toolkit.runs.layout import RunLayout
+    from toolkit.train.evaluation import EvalSets, Evaluator
     from toolkit.train.objectives import Sft
 
     class Progress:

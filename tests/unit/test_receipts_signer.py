@@ -49,7 +49,7 @@ def test_it_signs_for_the_user_slurm_runs_the_run_s_job_for(key, tmp_path):
     payload = signed["payload"]
     assert payload | {"signed_at": 0} == {"run_id": "run-1", "entries": 3, "head": HEAD, "uid": os.getuid(),
                                           "user": login_name(os.getuid()), "job_id": "41", "signed_at": 0,
-                                          "key_id": signing.key_id}
+                                          "key_id": signing.key_id, "history": []}
     assert abs(payload["signed_at"] - time.time()) < 60
     assert verify_signature(public_key_bytes(signing.public_key), payload, signed["signature"])
     assert signing.key_id == key_id(public_key_bytes(signing.public_key))

@@ -156,6 +156,11 @@ def _evaluation_lines(results: dict | None) -> list[str]:
                 shown.append(f"{metric} {value:.3f}" + (f" (base {was:.3f})" if was is not None else ""))
         lines = [f"eval: {', '.join(shown) or 'no data to measure'}",
                  f"eval: {results['state']}: {results['why']}"]
+        registry = results.get("registry")
+        if isinstance(registry, dict):
+            lines.append(f"registry: {registry['name']} version {registry['version'][:12]} {registry['state']}"
+                         + (f" ({registry['why']})" if registry.get("why") else "") if "version" in registry
+                         else f"registry: not registered ({registry.get('error')})")
     except (AttributeError, KeyError, TypeError, ValueError):  # a file damaged by hand
         return ["eval: the results (eval.json) cannot be read"]
     return lines

@@ -28,11 +28,26 @@ FLUSH_EVERY = 1 << 20  # values buffered before they go to disk: memory stays bo
 FILES = {"tokens": "i", "labels": "i", "offsets": "q", "eval": "B"}  # name -> array typecode
 
 
+# A local file's digest, once per process while its size and mtime hold: a run's workers key the
+# token cache by it, and its receipt and registry entry record it (one read of the data, not three).
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
 def file_digest(url: str) -> str:
     import fsspec
 
+    try:
+        info = os.stat(url) if "://" not in url else None
+    except OSError:
+        info = None
+    known = (url, info.st_size, info.st_mtime_ns) if info else None
+    if known in _DIGESTS:
+        return _DIGESTS[known]
     with fsspec.open(url, "rb") as handle:
-        return stream_digest(handle)
+        digest = stream_digest(handle)
+    if known:
+        _DIGESTS[known] = digest
+    return digest
 
 
 def stream_digest(handle) -> str:

@@ -28,7 +28,7 @@ def judge(gates: GateSpec, base: dict, adapter: dict) -> list[GateResult]:
     if gates.golden_loss_rise is not None:
         found.append(loss_rise(base.get("golden"), adapter.get("golden"), gates.golden_loss_rise))
     if gates.golden_metric_drop is not None:
-        metrics = sorted(((base.get("golden") or {}).get("metrics") or {}))
+        metrics = sorted((base.get("golden") or {}).get("metrics") or {})
         found.extend(metric_drop(name, base.get("golden"), adapter.get("golden"), gates.golden_metric_drop)
                      for name in metrics or ["(none measured)"])
     return found

@@ -8,11 +8,16 @@ It starts as root, loads the key (only its user reads it), binds a Unix socket e
 connect to, and becomes --user for good. A client sends one JSON line, {run_id, entries, head} (its
 receipt's entry count and last hash), and gets one back: {payload, signature}, or {error}. It signs
 
-    {run_id, entries, head, uid, user, job_id, signed_at, key_id}
+    {run_id, entries, head, uid, user, job_id, signed_at, key_id, history}
 
 for the client the kernel names (SO_PEERCRED: its uid, not anything it says) only while Slurm runs a
 job of that user whose comment names that run (`squeue --all --json`; the job's user is Slurm's
-word). Once the run's job has ended, nobody, its user included, can have a changed receipt signed.
+word). `history` is every (entries, head) it signed for that user's run before, from its ledger
+(--ledger: a folder on the shared filesystem only the signer writes, one file per user and run, so
+every node's signer knows them): a receipt whose entries were changed after they were signed fails
+`ft receipt verify` whichever job asked for the new signature (a later job of the same user may
+carry the run's name in its comment: Slurm lets anyone set their job's comment). A request for fewer
+entries than were signed before is refused.
 Each client has CLIENT_TIMEOUT_S and REQUEST_MAX_BYTES; at most MAX_CLIENTS are served at once
 (more are turned away); whatever one client sends costs only its own request.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -46,6 +52,7 @@ from toolkit.watch import run_targets
 from toolkit.watch.cluster_metrics import drop_privileges
 
 REQUEST_MAX_BYTES = 4096
+LEDGER_MAX_BYTES = 4 << 20
 REPLY_MAX_BYTES = 64 << 10
 CLIENT_TIMEOUT_S = 5.0  # for the whole request: a client that trickles bytes is cut off
 MAX_CLIENTS = 16
@@ -124,10 +131,49 @@ class RunningJobs:
             return self.jobs
 
 
+class Ledger:
+    """The points the signer signed, per user and run: <root>/<uid>/<run>.jsonl, one {entries, head,
+    job_id, signed_at} per line, appended under the file's flock (signers on several nodes share it).
+    No root: no memory (a signature carries no history)."""
+
+    MAX_POINTS = 10_000  # seals of one run: a start's end and the run's end each seal once
+
+    def __init__(self, root: Path | None):
+        self.root = root
+
+    @contextlib.contextmanager
+    def points(self, uid: int, run_id: str):
+        """The run's signed points as [[entries, head], ...], and a function recording a new one,
+        all under the run's lock."""
+        if self.root is None:
+            yield [], lambda *_: None
+            return
+        folder = self.root / str(uid)
+        folder.mkdir(mode=0o755, exist_ok=True)
+        descriptor = os.open(folder / f"{run_id}.jsonl", os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(descriptor, "r+b") as handle:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+            handle.seek(0)
+            found = []
+            for line in handle.read(LEDGER_MAX_BYTES).splitlines():
+                with contextlib.suppress(ValueError, TypeError, KeyError):
+                    point = json.loads(line)
+                    found.append([int(point["entries"]), str(point["head"])])
+
+            def add(entries: int, head: str, job_id: str, signed_at: float) -> None:
+                handle.write(canonical({"entries": entries, "head": head, "job_id": job_id,
+                                        "signed_at": signed_at}) + b"\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            yield found, add
+
+
 class Signer:
-    def __init__(self, private_key, jobs: RunningJobs, now: Callable[[], float] = time.time):
+    def __init__(self, private_key, jobs: RunningJobs, now: Callable[[], float] = time.time,
+                 ledger: Ledger | None = None):
         self.key, self.jobs, self.now = private_key, jobs, now
         self.key_id = keys.key_id(keys.raw_public(private_key))
+        self.ledger = ledger or Ledger(None)
 
     def sign(self, request: Request, uid: int, arrived: float) -> dict:
         """The signed payload and its signature, for a client of this uid; Refused saying why not."""
@@ -139,9 +185,18 @@ class Signer:
             raise Refused(f"Slurm runs no job of run {request.run_id} for {user}: a receipt is signed only while "
                           "its run's job runs")
         job = min(running, key=lambda job: int(job.job_id))
-        payload = {"run_id": request.run_id, "entries": request.entries, "head": request.head, "uid": uid,
-                   "user": job.user, "job_id": job.job_id, "signed_at": self.now(), "key_id": self.key_id}
-        return {"payload": payload, "signature": base64.b64encode(self.key.sign(keys.signed_message(payload))).decode()}
+        with self.ledger.points(uid, request.run_id) as (history, add):
+            if history and request.entries < max(entries for entries, _ in history):
+                raise Refused(f"run {request.run_id} had {max(e for e, _ in history)} entries signed before: "
+                              f"a receipt of {request.entries} is one with entries removed")
+            if len(history) >= Ledger.MAX_POINTS:
+                raise Refused(f"run {request.run_id} was signed {len(history)} times already")
+            payload = {"run_id": request.run_id, "entries": request.entries, "head": request.head, "uid": uid,
+                       "user": job.user, "job_id": job.job_id, "signed_at": self.now(), "key_id": self.key_id,
+                       "history": [point for point in history if point != [request.entries, request.head]]}
+            signature = base64.b64encode(self.key.sign(keys.signed_message(payload))).decode()
+            add(request.entries, request.head, job.job_id, payload["signed_at"])
+        return {"payload": payload, "signature": signature}
 
 
 class Handler(socketserver.BaseRequestHandler):
@@ -231,12 +286,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--key", type=Path, required=True, help="the site's ed25519 key (PEM)")
     parser.add_argument("--socket", type=Path, required=True, help="the Unix socket jobs connect to")
     parser.add_argument("--user", default=None, help="started as root: become this user once listening")
+    parser.add_argument("--ledger", type=Path, default=None,
+                        help="a folder on the shared filesystem only the signer writes: what it signed, per run")
     options = parser.parse_args(argv)
     try:
         private_key = keys.load_private_key(options.key)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"cannot load the key {options.key}: {exc}") from None
-    signer = Signer(private_key, RunningJobs())
+    signer = Signer(private_key, RunningJobs(), ledger=Ledger(options.ledger))
     # One signature before root is given up: everything signing uses is loaded while ft's Python
     # can still be read (it may sit where only root reads).
     signer.key.sign(keys.signed_message({}))

@@ -33,7 +33,7 @@ from toolkit.shared_dirs import open_regular, user_name
 FAILED_EXIT = 3  # `ft receipt verify`'s exit when the receipt does not verify (2: usage, 1: ft could not check)
 MAX_SIGNATURE_BYTES = 64 << 10
 MAX_FILES_ADDED = 100  # files found in a recorded folder beyond its record, named one by one
-PAYLOAD_KEYS = {"run_id", "entries", "head", "uid", "user", "job_id", "signed_at", "key_id"}
+PAYLOAD_KEYS = {"run_id", "entries", "head", "uid", "user", "job_id", "signed_at", "key_id", "history"}
 
 
 @dataclass(frozen=True)
@@ -197,9 +197,16 @@ def parse_signature(raw: bytes) -> tuple[dict | None, str]:
     if not isinstance(document, dict) or not isinstance(document.get("signature"), str):
         return None, ""
     payload = document.get("payload")
-    if not isinstance(payload, dict) or set(payload) != PAYLOAD_KEYS:
+    if not isinstance(payload, dict) or set(payload) != PAYLOAD_KEYS or not history_points(payload["history"]):
         return None, ""
     return payload, document["signature"]
+
+
+def history_points(history: object) -> bool:
+    """Whether a payload's history is what the signer writes: [[entries, head], ...]."""
+    return isinstance(history, list) and all(
+        isinstance(point, list) and len(point) == 2 and type(point[0]) is int and isinstance(point[1], str)
+        for point in history)
 
 
 def check_signed_chain(layout: RunLayout, payload: dict, count: int, entries: list[tuple[int, dict]],
@@ -215,10 +222,18 @@ def check_signed_chain(layout: RunLayout, payload: dict, count: int, entries: li
     elif count < signed:
         verdict.findings.append(Finding("signature", f"signs {signed} entries; the receipt has {count}: entries "
                                                      "were removed after signing"))
+    # The points the signer signed before (its ledger's): an entry changed since then, and the chain
+    # signed again by a later job of the same user, is still found.
+    heads = {entries: head for entries, head in payload["history"]} | {signed: payload["head"]}
     for line, entry in entries:
-        if entry["seq"] == signed and entry["hash"] != payload["head"]:
-            verdict.findings.append(Finding(label(entry, line), "is not the entry signed (its hash is not the "
-                                                                "signed head)"))
+        if entry["seq"] in heads and entry["hash"] != heads[entry["seq"]]:
+            when = "signed head" if entry["seq"] == signed else \
+                f"head signed when the receipt had {entry['seq']} entries"
+            verdict.findings.append(Finding(label(entry, line), f"is not the entry signed (its hash is not the "
+                                                                f"{when}): it was changed after it was signed"))
+    if any(entries > signed for entries in heads):
+        verdict.findings.append(Finding("signature", f"signs {signed} entries, but {max(heads)} were signed before: "
+                                                     "entries were removed and the rest signed again"))
     try:
         owner = os.stat(layout.root).st_uid
     except OSError as exc:

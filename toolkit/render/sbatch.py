@@ -66,6 +66,8 @@ def environment(resolved: ResolvedRecipe) -> list[tuple[str, str]]:
     merged = dict(resolved.profile.nccl_env)
     merged["FT_DIST_BACKEND"] = resolved.profile.distributed_backend
     merged["FT_SHARED_ROOT"] = resolved.profile.shared_root
+    if resolved.profile.receipts:  # the site's receipt signer (toolkit/receipts/entries.py)
+        merged["FT_RECEIPT_SIGNER"] = str(resolved.profile.receipts.socket)
     merged.update(resolved.recipe.env)
     return sorted(merged.items())
 

@@ -39,8 +39,9 @@ class Checkpointer:
     def __init__(self, tiers: Tiers, engine, dist, rank: int, world: int, progress, log: Callable[[str], None],
                  frozen_excluded: bool, lineage: str, asynchronous: bool, board: StatusBoard,
                  every: float | AutoCadence | None = None, history: tuple[int, float] = (0, 0.0),
-                 before_file: Callable[[], None] = lambda: None):
+                 before_file: Callable[[], None] = lambda: None, run_dir: Path | None = None):
         self.tiers, self.engine, self.dist, self.rank = tiers, engine, dist, rank
+        self.run_dir = run_dir if rank == 0 else None  # where each whole checkpoint is recorded (receipt)
         self.progress, self.log, self.frozen_excluded, self.lineage = progress, log, frozen_excluded, lineage
         self.board = board
         self.mirror = Mirror(tiers.remote, tiers.shared, board, log, before_file=before_file) \
@@ -60,6 +61,11 @@ class Checkpointer:
     def _published(self, published: manifest.Manifest) -> None:
         self.board.published(published.step)
         self.log(f"checkpoint step {published.step} written to {self.tiers.shared}")
+        if self.run_dir:
+            from toolkit.receipts import entries as receipt_entries
+
+            receipt_entries.checkpoint(self.run_dir, published.step,
+                                       self.tiers.shared.root / tag_for(published.step) / manifest.MANIFEST)
         if self.mirror:
             self.mirror.offer(published)
 
@@ -225,4 +231,4 @@ def checkpointer_for(layout, spec, engine, dist, progress, log: Callable[[str], 
                         frozen_excluded=recipe.method.kind != "full", lineage=lineage_of(recipe),
                         asynchronous=recipe.checkpoint.asynchronous, board=board,
                         every=every * 60 if isinstance(every, float | int) else every, history=history,
-                        before_file=before_file)
+                        before_file=before_file, run_dir=layout.root)

@@ -104,8 +104,10 @@ class Evaluator:
             return None
         judged = gates.judge(self.recipe.eval.gates, base or {}, adapter)
         state, why = gates.verdict(judged, self.recipe.eval.promote)
+        # passed: no gate failed (what the registry asks before any promotion, by hand too).
         results = {"step": step, "time": time.time(), "seconds": round(time.monotonic() - began, 2),
-                   "base": base, "adapter": adapter, "gates": gates.as_dicts(judged), "state": state, "why": why}
+                   "base": base, "adapter": adapter, "gates": gates.as_dicts(judged),
+                   "passed": all(result.passed for result in judged), "state": state, "why": why}
         write_json(self.layout.evaluation, results)
         self.log(f"evaluated the trained model: {brief(adapter)}; base: {brief(base)}; {state}: {why}")
         return results

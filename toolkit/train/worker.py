@@ -66,7 +66,8 @@ PRELOAD = ("torch", "torch.distributed", "deepspeed", "peft", "transformers",
            "transformers.models.llama.modeling_llama", "toolkit.data.encode", "toolkit.data.object_store",
            "toolkit.data.readers", "toolkit.train.checkpoint", "toolkit.train.compiled_ops",
            "toolkit.train.dataset", "toolkit.train.engine", "toolkit.train.evaluation", "toolkit.train.faults",
-           "toolkit.train.loop", "toolkit.train.models", "toolkit.train.objectives", "toolkit.train.snapshot", "toolkit.train.tracking")
+           "toolkit.train.loop", "toolkit.train.models", "toolkit.train.objectives", "toolkit.train.publish",
+           "toolkit.train.snapshot", "toolkit.train.tracking")
 
 
 def preload() -> None:
@@ -86,13 +87,14 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     from toolkit.recipe.run_spec import batch_plan
     from toolkit.train import compiled_ops
     from toolkit.train.checkpoint import END_UPLOAD_WAIT_S, STOP_UPLOAD_WAIT_S, checkpointer_for
-    from toolkit.train.evaluation import Evaluator, Ranks
     from toolkit.train.dataset import cache_root, load_eval_sets, load_examples, total_steps
     from toolkit.train.engine import deepspeed_config
+    from toolkit.train.evaluation import Evaluator, Ranks
     from toolkit.train.faults import Faults
     from toolkit.train.loop import Loop
     from toolkit.train.models import resolve_model, trainable_model
     from toolkit.train.objectives import objective_for
+    from toolkit.train.publish import publish
     from toolkit.train.tracking import Tracker, write_summary
 
     recipe = spec.recipe
@@ -156,6 +158,10 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
               "checkpoint_seconds": round(checkpointer.seconds, 2), "checkpoints": checkpointer.written,
               "checkpoint_write_seconds": round(checkpointer.writer.write_seconds, 2)}
     if rank == 0:
+        published = time.monotonic()
+        publish(layout, recipe, evaluation, step, log)  # the registry, the receipt's last entry
+        timing |= {"eval_seconds": evaluation["seconds"] if evaluation else 0.0,
+                   "publish_seconds": round(time.monotonic() - published, 2)}
         write_summary(layout, recipe, step, loop.tokens * world, timing)
         if evaluation:
             tracker.evaluation(evaluation)

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from toolkit.errors import FtError
 from toolkit.launch.rendezvous import job_secret
+from toolkit.receipts import entries as receipt_entries
 from toolkit.runs.layout import RunLayout, RunSpecError
 from toolkit.runs.timeline import record
 from toolkit.slurm.client import CliSlurmClient, SlurmClient
@@ -173,6 +174,7 @@ class Supervisor:
         log(f"start {start}: training on {', '.join(nodes)}"
             + (f" (spare: {', '.join(self.spares())})" if self.spares() else ""))
         record(self.run_dir, "start", start=start, nodes=nodes, spares=self.spares())
+        receipt_entries.attempt(self.run_dir, start, nodes, self.spares())
         self.err_seen = self.srun_errors_size()
         return subprocess.Popen(argv, env=env)
 
@@ -336,8 +338,14 @@ class Supervisor:
         exits.clear_exit_status(self.run_dir)
         if code:
             exits.leave_exit_status(self.run_dir, code)
-        record(self.run_dir, "end", code=code, **why)
+        self.record_end(code, **why)
         return code
+
+    def record_end(self, code: int | None, **why) -> None:
+        """A start's end in the timeline and the receipt (sealed: what the job did so far is signed
+        while the job still runs)."""
+        record(self.run_dir, "end", code=code, **why)
+        receipt_entries.attempt_ended(self.run_dir, code, str(why.get("why")) if why.get("why") else None)
 
     # -- the warm templates -------------------------------------------------------------------------
     def start_warm(self, nodes: list[str] | None = None) -> None:
@@ -455,11 +463,11 @@ class Supervisor:
             elif outcome.code == 0 or self.stopping.is_set() or self.auto_resume or outcome.code in exits.NOT_RESTARTED:
                 # Out of memory is the job script's to retry, a stop the next job's to resume.
                 self.for_good = outcome.code in (exits.DONE, exits.USER_ERROR) and not self.stopping.is_set()
-                record(self.run_dir, "end", code=outcome.code)
+                self.record_end(outcome.code)
                 return outcome.code if outcome.code is not None else 1
             elif self.unstarted(nodes):  # a node lost at step launch, or refused it: the job script's to judge
                 self.handing_back = True
-                record(self.run_dir, "end", code=outcome.code, why="the step did not start on every node",
+                self.record_end(outcome.code, why="the step did not start on every node",
                        nodes=self.unstarted(nodes))
                 return outcome.code
             if self.finished():
