@@ -48,6 +48,10 @@ class RecordingRun:
         assert options == {}, "a step= below W&B's last one is dropped: ft never passes one"
         self.logged.append(values)
 
+    @property
+    def summary(self) -> dict:
+        return self.__dict__.setdefault("_summary", {})
+
 
 def test_steps_redone_after_a_restart_reach_wb_along_the_training_step(tmp_path, monkeypatch):
     """A start after a fault resumes from its checkpoint and redoes the steps since: W&B keeps them,
@@ -69,3 +73,24 @@ def test_steps_redone_after_a_restart_reach_wb_along_the_training_step(tmp_path,
     assert ("train/*", {"step_metric": "train/step"}) in run.defined
     assert [values["train/step"] for values in run.logged] == [1, 2, 3, 4, 5, 4, 5, 6]
     assert run.logged[-1] == {"train/step": 6, "train/loss": 0.5, "train/lr": 1e-4, "train/tokens": 600}
+
+
+def test_the_evaluation_reaches_the_wb_summary_per_model_split_and_gate(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    run = RecordingRun()
+    run.url, run.dir = "https://wandb.example/run", str(tmp_path / "wandb" / "files")
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **options: run))
+    base = run_spec().recipe
+    recipe = base.model_validate(base.model_dump(mode="json") | {"tracking": {"wandb": {"mode": "offline"}}})
+    tracker = Tracker(RunLayout(tmp_path), recipe, rank=0)
+    tracker.evaluation({"base": {"held_out": {"loss": 6.2}, "golden": None},
+                        "adapter": {"held_out": {"loss": 1.4, "perplexity": 4.1},
+                                    "golden": {"loss": 1.3, "metrics": {"exact_match": 1.0}}},
+                        "gates": [{"name": "held_out_loss_drop", "passed": True, "detail": ""}],
+                        "state": "promoted"})
+    assert run.summary == {"eval/base/held_out/loss": 6.2, "eval/adapter/held_out/loss": 1.4,
+                           "eval/adapter/held_out/perplexity": 4.1, "eval/adapter/golden/loss": 1.3,
+                           "eval/adapter/golden/exact_match": 1.0, "eval/gates/held_out_loss_drop": 1,
+                           "eval/state": "promoted"}

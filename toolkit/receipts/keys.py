@@ -105,11 +105,16 @@ def generate(path: Path) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m toolkit.receipts.keys KEYFILE", file=sys.stderr)
+    """KEYFILE: make the key unless there is one, and print its public half; KEYFILE --check: make
+    nothing (Ansible's check mode), print what is there (nulls, created: true, where none is)."""
+    if len(argv) not in (1, 2) or argv[1:] not in ([], ["--check"]):
+        print("usage: python -m toolkit.receipts.keys KEYFILE [--check]", file=sys.stderr)
         return 2
     path = Path(argv[0])
-    created = generate(path)
+    if argv[1:] == ["--check"] and not path.exists():
+        print(json.dumps({"public_key": None, "key_id": None, "created": True}))
+        return 0
+    created = generate(path) if argv[1:] != ["--check"] else False
     raw = raw_public(load_private_key(path))
     print(json.dumps({"public_key": base64.b64encode(raw).decode(), "key_id": key_id(raw), "created": created}))
     return 0
