@@ -115,8 +115,9 @@ def test_any_changed_byte_of_an_entry_or_an_artifact_fails_verify_and_is_named(l
         flip(pristine / "receipt.jsonl", at)
         line = receipt_bytes[:at].count(b"\n") + 1
         assert not verdict.verified, f"byte {at} (line {line}) changed, and the receipt still verifies"
-        assert any(f"at line {line}" in finding.where or finding.where in (f"line {line}", "signature")
-                   or finding.where.startswith(f"entry {line} ") for finding in verdict.findings), (at, verdict.findings)
+        named = [finding for finding in verdict.findings if f"at line {line}" in finding.where
+                 or finding.where in (f"line {line}", "signature") or finding.where.startswith(f"entry {line} ")]
+        assert named, (at, verdict.findings)
 
     cases = {
         "adapter weights": lambda copy: flip(copy / "output" / "adapter_model.safetensors", 4096),
