@@ -6,6 +6,7 @@ beat its base stays a draft; and any byte changed in what the receipt records is
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 from pathlib import Path
 
@@ -36,6 +37,16 @@ def test_the_tiny_run_is_evaluated_promoted_and_its_receipt_verifies(lab, tiny_b
     assert serving["base_model"]["name"] == "tiny-llama"
     assert "adapter_model.safetensors" in serving["adapter"]["files"] and serving["lora"]["rank"] == 16
 
+    # Mirrored to the lab's S3 by `ft adapters sync` (the job had no object store credentials here:
+    # it said so, and kept the version on the shared filesystem).
+    synced = ft("adapters", "sync", "--json", env=lab.object_store.env)
+    assert synced.returncode == 0, synced.stdout + synced.stderr
+    from tests.support.s3 import filesystem
+
+    key = f"ft-checkpoints/registry/versions/{registry['version']}/adapter/adapter_model.safetensors"
+    local = Path(version["adapter"]) / "adapter_model.safetensors"
+    assert filesystem(lab.object_store.env).cat_file(key) == local.read_bytes()
+
     status = ft("status", run_id, runs_dir=run_dir.parent)
     assert "eval: promoted" in status.stdout and f"version {registry['version'][:12]} promoted" in status.stdout
 
@@ -62,7 +73,7 @@ def test_the_tiny_run_is_evaluated_promoted_and_its_receipt_verifies(lab, tiny_b
 
 def test_a_run_that_does_not_beat_its_base_stays_a_draft_and_is_never_promoted(lab, tmp_path):
     recipe = yaml.safe_load(TINY.read_text())
-    recipe["name"] = f"tiny-draft-{tmp_path.name[-8:].replace('_', '-').strip('-') or 'x'}"
+    recipe["name"] = f"tiny-draft-{secrets.token_hex(4)}"  # a name of its own: no earlier session's versions
     recipe["training"] |= {"steps": 4, "learning_rate": 1e-7, "warmup_steps": 0}
     recipe["checkpoint"] |= {"every_steps": 4}
     path = tmp_path / "draft.yaml"

@@ -78,8 +78,8 @@ def record_a_run(run_dir: Path, data: Path) -> Receipt:
     receipt = Receipt(run_dir)
     receipt.append("submit", {"ft_version": "0.1.0", "commit": "abc"},
                    {"data": data, "recipe": run_dir / "recipe.resolved.yaml"})
-    receipt.append("attempt", {"job_id": "100", "nodes": ["node1", "node2"]})
-    receipt.append("attempt", {"job_id": "100", "exit_class": "node_lost"})
+    receipt.append("attempt", {"job": "100", "nodes": ["node1", "node2"]})
+    receipt.append("attempt", {"job": "100", "exit_class": "node_lost"})
     for step in (10, 20):
         receipt.append("checkpoint", {"step": step},
                        {"manifest": run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json"}, prunable=True)

@@ -169,6 +169,8 @@ def test_the_held_out_loss_is_the_mean_per_labelled_token_in_any_batch_size(mode
         assert found["loss"] == pytest.approx(nll / tokens, rel=1e-5) and found["tokens"] == tokens
         assert found["perplexity"] == pytest.approx(math.exp(nll / tokens), rel=1e-5) and found["examples"] == 6
     assert losses(Engine(model), Sft(), [], ranks(), 4, pad_id=0) is None
+    unlabelled = [Example(row.input_ids, [IGNORE] * len(row.labels)) for row in rows]  # answers cut off
+    assert losses(Engine(model), Sft(), unlabelled, ranks(), 4, pad_id=0) is None  # not a loss of 0
 
 
 def test_dpo_is_measured_per_pair_and_starts_at_log_2(model):

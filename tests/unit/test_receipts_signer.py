@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -113,7 +114,8 @@ def test_it_answers_a_bad_request_and_serves_the_next_client(key, tmp_path, requ
 def test_it_outlives_clients_that_go_silent_or_leave(key, tmp_path, monkeypatch):
     monkeypatch.setattr(signer, "CLIENT_TIMEOUT_S", 0.5)
     with running_signer(key[0], tmp_path / "s.sock", FakeSqueue({})):
-        silent = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(4)]
+        # Within this user's slots: the silent ones, the one leaving, and the request served.
+        silent = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(signer.MAX_PER_USER - 2)]
         for connection in silent:
             connection.connect(str(tmp_path / "s.sock"))  # and never a byte
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as leaving:
@@ -174,3 +176,37 @@ def test_the_key_is_made_once_and_never_replaced(tmp_path):
     assert raw_public(load_private_key(path)) == first
     assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
     assert [p.name for p in path.parent.iterdir()] == ["receipt.key"]  # no temporary left
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a second user's connection needs root to become that user")
+def test_a_user_holding_connections_open_turns_away_only_their_own(key, tmp_path):
+    """Connections held open by one user fill that user's slots, never another user's: the other
+    user is still answered (here refused for having no job: answered all the same)."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="ft-signer-test-"))  # where another user reaches the socket
+    folder.chmod(0o755)
+    sock = folder / "s.sock"
+    with running_signer(key[0], sock, FakeSqueue({"job_id": 41})):
+        held = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(signer.MAX_PER_USER)]
+        for connection in held:
+            connection.connect(str(sock))
+        time.sleep(0.2)  # the server has accepted them all
+        try:
+            with pytest.raises(ReceiptError, match="did not answer"):
+                ask(sock)  # this user's next: turned away
+            other = subprocess.run(
+                [sys.executable, "-c",
+                 "import os, sys; sys.path.insert(0, sys.argv[2])\n"
+                 "from toolkit.receipts import signer\n"
+                 "os.setuid(65534)  # after the imports: ft's Python is root's to read here\n"
+                 "try:\n    signer.request_signature(sys.argv[1], 'run-1', 3, 'ab' * 32, timeout=10)\n"
+                 "except Exception as exc:\n    print(exc)",
+                 str(sock), str(Path(__file__).resolve().parents[2])], capture_output=True, text=True, timeout=60)
+            assert "refused" in other.stdout and "did not answer" not in other.stdout, other.stdout + other.stderr
+        finally:
+            for connection in held:
+                connection.close()
+        time.sleep(0.2)
+        assert ask(sock)["payload"]["job_id"] == "41"  # its slots back once it let go
+    shutil.rmtree(folder)

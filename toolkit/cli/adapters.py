@@ -37,7 +37,10 @@ def _state(state: State) -> str:
 
 
 def _when(seconds: float) -> str:
-    return datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M")
+    try:
+        return datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M")
+    except (OverflowError, OSError, ValueError):  # a time no clock shows: listed all the same
+        return "?"
 
 
 def _evaluation(record) -> str:
@@ -84,9 +87,14 @@ def show(version: str = typer.Argument(..., help="A version id, or a unique pref
     for skipped in log.skipped:  # damage the log's owner should know of
         err_console.print(f"[yellow]warning:[/] the log of {plain(found.name)} has a line left out: {plain(skipped)}")
     history = [move for move in log.transitions if move.version == found.id]
+    changed = registry.files_changed(found)
     if as_json:
-        print_json({**found.to_dict(), "history": [move.to_dict() for move in history]})
+        print_json({**found.to_dict(), "files_as_registered": not changed,
+                    "history": [move.to_dict() for move in history]})
         return
+    if changed:
+        err_console.print(f"[bold red]its files are not those registered[/]: a serving fleet must refuse them "
+                          f"(their sha256 are in {plain(found.to_dict()['serving'])})")
     record = found.record
     modules = record.lora.target_modules  # a list, or peft's regular expression
     modules = ", ".join(modules) if isinstance(modules, list) else modules

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from toolkit import __version__
@@ -49,7 +50,8 @@ def submitted(run_dir: Path, resolved, data_digests: dict[str, Digest | str]) ->
     layout, profile = RunLayout(run_dir), resolved.profile
     artifacts = {"recipe": layout.recipe_resolved, "job_script": layout.script}
     artifacts |= {f"data.{role}": digest for role, digest in data_digests.items() if isinstance(digest, Digest)}
-    body = {"ft_version": __version__, "code_commit": code_commit(), "recipe": resolved.recipe.name,
+    body = {"run_id": run_dir.name, "ft_version": __version__, "code_commit": code_commit(),
+            "recipe": resolved.recipe.name,
             "cluster": profile.name, "account": resolved.recipe.resources.account or profile.default_account,
             "data": {role: digest.sha256 if isinstance(digest, Digest) else digest
                      for role, digest in data_digests.items()},
@@ -72,14 +74,22 @@ def in_job(run_dir: Path, kind: str, body: dict, artifacts: dict | None = None, 
         sealed(receipt)
 
 
-def sealed(receipt: Receipt) -> None:
+SEAL_TRIES = 4  # a signer busy or restarting is asked again, 1, 2 then 4 s later
+
+
+def sealed(receipt: Receipt, pause: float = 1.0) -> None:
     socket = os.environ.get(SIGNER_ENV, "")
     if not socket:
         return  # no signer on this cluster: the receipt stays unsigned, and verify says so
-    try:
-        receipt.seal(socket)
-    except FtError as exc:
-        print(f"ft: the receipt was not signed: {exc.message}", file=sys.stderr, flush=True)
+    for attempt in range(SEAL_TRIES):
+        try:
+            receipt.seal(socket)
+            return
+        except FtError as exc:
+            if "did not answer" not in exc.message or attempt == SEAL_TRIES - 1:  # a refusal is final
+                print(f"ft: the receipt was not signed: {exc.message}", file=sys.stderr, flush=True)
+                return
+            time.sleep(pause * 2 ** attempt)
 
 
 def attempt(run_dir: Path, start: int, nodes: list[str], spares: list[str]) -> None:

@@ -19,7 +19,8 @@ every node's signer knows them): a receipt whose entries were changed after they
 carry the run's name in its comment: Slurm lets anyone set their job's comment). A request for fewer
 entries than were signed before is refused.
 Each client has CLIENT_TIMEOUT_S and REQUEST_MAX_BYTES; at most MAX_CLIENTS are served at once
-(more are turned away); whatever one client sends costs only its own request.
+(more are turned away), and at most MAX_PER_USER of one user; whatever one client sends costs only
+its own request.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ REQUEST_MAX_BYTES = 4096
 LEDGER_MAX_BYTES = 4 << 20
 REPLY_MAX_BYTES = 64 << 10
 CLIENT_TIMEOUT_S = 5.0  # for the whole request: a client that trickles bytes is cut off
-MAX_CLIENTS = 16
+MAX_CLIENTS = 64
+MAX_PER_USER = 4  # a user's jobs seal at a start's end and at the run's end: a few at once at most
 SQUEUE_TIMEOUT_S = 10.0
 PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
@@ -149,8 +151,8 @@ class Ledger:
             yield [], lambda *_: None
             return
         folder = self.root / str(uid)
-        folder.mkdir(mode=0o755, exist_ok=True)
-        descriptor = os.open(folder / f"{run_id}.jsonl", os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+        folder.mkdir(mode=0o700, exist_ok=True)  # the signer's alone: the points ride in signatures
+        descriptor = os.open(folder / f"{run_id}.jsonl", os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         with os.fdopen(descriptor, "r+b") as handle:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
             handle.seek(0)
@@ -189,6 +191,9 @@ class Signer:
             if history and request.entries < max(entries for entries, _ in history):
                 raise Refused(f"run {request.run_id} had {max(e for e, _ in history)} entries signed before: "
                               f"a receipt of {request.entries} is one with entries removed")
+            if any(entries == request.entries and head != request.head for entries, head in history):
+                raise Refused(f"run {request.run_id} was signed with {request.entries} entries and another last "
+                              "entry before: signed entries never change")
             if len(history) >= Ledger.MAX_POINTS:
                 raise Refused(f"run {request.run_id} was signed {len(history)} times already")
             payload = {"run_id": request.run_id, "entries": request.entries, "head": request.head, "uid": uid,
@@ -225,22 +230,44 @@ class SignerServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
 
     def __init__(self, path: Path, signer: Signer):
         self.signer = signer
-        self.slots = threading.BoundedSemaphore(MAX_CLIENTS)
+        self.lock = threading.Lock()
+        self.serving: dict[int, int] = {}  # uid -> its connections being served
         remove_stale_socket(path)
         super().__init__(str(path), Handler)
         os.chmod(path, 0o666)  # every user's jobs connect; who they are is the kernel's word
 
     def process_request(self, request, client_address) -> None:
-        if not self.slots.acquire(blocking=False):
-            self.shutdown_request(request)  # too many at once: this one is turned away, the others served
+        """At most MAX_PER_USER connections of one user at once, MAX_CLIENTS in all: a user holding
+        connections open turns away their own next ones, never another user's."""
+        try:
+            uid = peer_uid(request)
+        except OSError:
+            self.shutdown_request(request)
             return
-        super().process_request(request, client_address)
+        with self.lock:
+            full = self.serving.get(uid, 0) >= MAX_PER_USER or sum(self.serving.values()) >= MAX_CLIENTS
+            if not full:
+                self.serving[uid] = self.serving.get(uid, 0) + 1
+        if full:
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, (client_address, uid))
+        except BaseException:
+            self.release(uid)
+            raise
 
     def process_request_thread(self, request, client_address) -> None:
         try:
-            super().process_request_thread(request, client_address)
+            super().process_request_thread(request, client_address[0])
         finally:
-            self.slots.release()
+            self.release(client_address[1])
+
+    def release(self, uid: int) -> None:
+        with self.lock:
+            self.serving[uid] -= 1
+            if not self.serving[uid]:
+                del self.serving[uid]
 
     def handle_error(self, request, client_address) -> None:
         print(f"a client's request failed: {sys.exc_info()[1]!r}", flush=True)

@@ -222,18 +222,32 @@ def check_signed_chain(layout: RunLayout, payload: dict, count: int, entries: li
     elif count < signed:
         verdict.findings.append(Finding("signature", f"signs {signed} entries; the receipt has {count}: entries "
                                                      "were removed after signing"))
-    # The points the signer signed before (its ledger's): an entry changed since then, and the chain
-    # signed again by a later job of the same user, is still found.
-    heads = {entries: head for entries, head in payload["history"]} | {signed: payload["head"]}
-    for line, entry in entries:
-        if entry["seq"] in heads and entry["hash"] != heads[entry["seq"]]:
-            when = "signed head" if entry["seq"] == signed else \
-                f"head signed when the receipt had {entry['seq']} entries"
+    # The points the signer signed before (its ledger's), each checked on its own: an entry changed
+    # since then, the chain signed again by a later job of the same user, is still found (a point of
+    # the same count as the signed one, with another head, too).
+    by_seq = {entry["seq"]: (line, entry) for line, entry in entries}
+    for points, head in [*payload["history"], [signed, payload["head"]]]:
+        if points > signed:
+            verdict.findings.append(Finding("signature", f"signs {signed} entries, but {points} were signed before: "
+                                                         "entries were removed and the rest signed again"))
+        elif points in by_seq and by_seq[points][1]["hash"] != head:
+            line, entry = by_seq[points]
+            when = "signed head" if head == payload["head"] and points == signed else \
+                f"head signed when the receipt had {points} entries"
             verdict.findings.append(Finding(label(entry, line), f"is not the entry signed (its hash is not the "
                                                                 f"{when}): it was changed after it was signed"))
-    if any(entries > signed for entries in heads):
-        verdict.findings.append(Finding("signature", f"signs {signed} entries, but {max(heads)} were signed before: "
-                                                     "entries were removed and the rest signed again"))
+    # The job that asked for the signature ran this run: an attempt entry names it (a job of the
+    # same user whose comment names the run, but which never ran it, signs nothing of its).
+    ran = {str(entry["body"].get("job")) for _, entry in entries
+           if entry["kind"] == "attempt" and isinstance(entry.get("body"), dict) and entry["body"].get("job")}
+    if ran and str(payload["job_id"]) not in ran:
+        verdict.findings.append(Finding("signature", f"signed for job {str(payload['job_id'])[:20]}, which ran none "
+                                                     f"of the receipt's attempts (jobs {', '.join(sorted(ran))})"))
+    submitted = [entry for _, entry in entries if entry["kind"] == "submit" and isinstance(entry.get("body"), dict)]
+    named = submitted[0]["body"].get("run_id") if submitted else None
+    if named not in (None, layout.root.name):
+        verdict.findings.append(Finding("entry 1 (submit)",
+                                        f"records run {str(named)[:120]!r}, not {layout.root.name}"))
     try:
         owner = os.stat(layout.root).st_uid
     except OSError as exc:

@@ -17,6 +17,7 @@ from toolkit.registry.adapter import digest_of, read_bounded
 from toolkit.registry.layout import RegistryLayout
 from toolkit.registry.records import FileDigest, VersionRecord
 from toolkit.registry.states import MAX_LOG_BYTES
+from toolkit.shared_dirs import open_regular
 
 MAX_RECORD_BYTES = 4 << 20  # version.json (the evaluation's result is at most 256 KiB) and serving.json
 
@@ -60,10 +61,19 @@ class RegistryMirror:
         return f"{self.filesystem._strip_protocol(self.url)}/{relative}"
 
     def push_version(self, layout: RegistryLayout, record: VersionRecord) -> bool:
-        """Upload a version unless the mirror has it whole; True when it went up now."""
+        """Upload a version unless the mirror has it whole; True when it went up now. A file of it
+        missing or unreadable here is a MirrorProblem of this version alone."""
         done = layout.relative(layout.version_record(record.id))
         if self.filesystem.exists(self._key(done)):
             return False
+        for path in [*(layout.adapter(record.id) / name for name in record.files), layout.serving(record.id),
+                     layout.version_record(record.id)]:
+            try:
+                with open_regular(path):
+                    pass
+            except OSError as exc:
+                raise MirrorProblem(f"{path} cannot be read here ({exc.strerror or exc}): the version is not "
+                                    "mirrored") from None
         for name, digest in sorted(record.files.items()):
             self._put(layout, layout.adapter(record.id) / name, digest)
         self._put(layout, layout.serving(record.id))

@@ -82,7 +82,7 @@ class VersionRecord(AdapterRecord):
     id: str = Field(pattern=SHA256)
     creator: str = Field(max_length=100)
     creator_uid: int = Field(ge=0)
-    created: float
+    created: float = Field(ge=0, le=1e11, allow_inf_nan=False)  # a Unix time (anything else: not ft's)
     files: dict[str, FileDigest]
     lora: LoraShape
 

@@ -324,12 +324,17 @@ class Registry:
             return [] if now == State.deprecated else [_move(version.id, now, State.deprecated, reason)]
         return self._transact(version, moves)
 
-    def _unchanged(self, version: Version) -> None:
+    def files_changed(self, version: Version) -> bool:
+        """Whether the version's files are no longer those registered (each read and hashed again):
+        a serving fleet loads only files whose sha256 is the handoff's."""
         try:
             files = {name: digest_of(version.adapter / name) for name in adapter_files(version.adapter)}
-        except (OSError, AdapterRefused) as exc:
-            files = {"": str(exc)}
-        if files != version.record.files or content_id(files) != version.id:
+        except (OSError, AdapterRefused):
+            return True
+        return files != version.record.files or content_id(files) != version.id
+
+    def _unchanged(self, version: Version) -> None:
+        if self.files_changed(version):
             raise PromotionRefused(f"version {version.short_id}'s files are not those registered: it is never "
                                    "promoted", hint=f"register the adapter again; ask {version.record.creator} "
                                                     f"or the admins to remove {version.folder}")
@@ -361,9 +366,15 @@ class Registry:
         return Change(self._load(version.id), written)
 
     def _pointer(self, name: str, history: History) -> str:
-        """promoted.json as the history has it."""
+        """promoted.json as the history has it. The handoff is made again from the version's record
+        (its files' sha256 as registered), never copied from its serving.json: a version folder is its
+        creator's, who could point that file anywhere."""
         promoted = history.promoted
-        serving = json.loads(read_bounded(self.layout.serving(promoted), MAX_RECORD_BYTES)) if promoted else None
+        serving = None
+        if promoted:
+            record = self._load(promoted).record
+            s3_uri = self.mirror.uri(self.layout.relative(self.layout.adapter(record.id))) if self.mirror else None
+            serving = handoff.serving_manifest(record, self.layout.adapter(record.id), s3_uri)
         promotion = next((move for move in reversed(history.transitions)
                           if move.version == promoted and move.to_state == State.promoted), None)
         return json.dumps(handoff.promoted_pointer(name, serving, promotion), indent=2) + "\n"
@@ -392,6 +403,8 @@ class Registry:
                     done.append(key)
                 continue
             report.problems.append(f"{label}: {_why(answer)}")
+            # A version that cannot go up as it is (its files changed, or one of them is not readable
+            # here) costs only itself; anything else is the store failing.
             if not isinstance(answer.error, MirrorProblem):
                 report.problems.append(f"the store is failing: {len(uploads) - index - 1} more left for a later sync")
                 break

@@ -9,6 +9,7 @@ from pathlib import Path
 from toolkit.runs.layout import RunLayout
 from toolkit.runs.store import RunRecord, RunStore
 from toolkit.runs.timeline import read_lines, timeline
+from toolkit.shared_dirs import open_regular
 from toolkit.slurm.client import JobInfo, SlurmClient
 from toolkit.slurm.commands import SlurmCommandError, SlurmUnavailable
 
@@ -56,10 +57,15 @@ def read_attempts(run_dir: Path) -> list[dict]:
     return read_lines(RunLayout(run_dir).attempts, ATTEMPT_FIELDS)
 
 
+MAX_RUN_FILE_BYTES = 4 << 20  # a run's JSON files (summary, evaluation) are a few KiB
+
+
 def read_json(path: Path) -> dict | None:
-    """A JSON object from a run's file; None for anything else (missing, torn, a list, nested without end)."""
+    """A JSON object from a run's file; None for anything else (missing, torn, a list, nested without
+    end, a FIFO or a device in its place, larger than any ft writes)."""
     try:
-        value = json.loads(path.read_text())
+        with open_regular(path) as handle:
+            value = json.loads(handle.read(MAX_RUN_FILE_BYTES + 1))  # larger: cut, and no JSON
     except (OSError, ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None

@@ -175,7 +175,9 @@ def losses(engine, objective, examples: list[Example], ranks: Ranks, micro_batch
             for index, value in enumerate((loss, over, torch.ones_like(weights), accuracy)):
                 sums[index] += 0.0 if value is None else float((value * weights).sum())
     loss_sum, over, count, accuracy_sum = ranks.total(sums)
-    loss = loss_sum / max(over, 1.0)
+    if over <= 0:  # no labelled token (every answer cut off at max_seq_len): nothing was measured
+        return None
+    loss = loss_sum / over
     if paired:
         return {"loss": loss, "pairs": int(count), "reward_accuracy": accuracy_sum / max(count, 1.0)}
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": int(over), "examples": int(count)}

@@ -49,6 +49,7 @@ from pathlib import Path
 
 from toolkit.runs.layout import RunLayout
 from toolkit.runs.progress import WINDOW, number, read_progress
+from toolkit.runs.status import read_json
 
 PHASES = ("start", "step", "save", "export", "eval")  # toolkit/watch/progress.py's, and "start" before them
 
@@ -171,11 +172,8 @@ class RunCollector:
         before the exporter stops): each set's loss and task metric, per model, and the verdict."""
         from prometheus_client.core import GaugeMetricFamily
 
-        try:
-            results = json.loads(self.layout.evaluation.read_text())
-        except (OSError, ValueError, RecursionError):
-            return []
-        if not isinstance(results, dict):
+        results = read_json(self.layout.evaluation)  # a FIFO in its place never holds a scrape
+        if results is None:
             return []
         names, values = [*self.labels], list(self.labels.values())
         losses = GaugeMetricFamily("ft_run_eval_loss", "Loss per labelled token (per pair: DPO) after training",
