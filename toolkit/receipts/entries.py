@@ -61,9 +61,23 @@ def submitted(run_dir: Path, resolved, data_digests: dict[str, Digest | str]) ->
                                               if not isinstance(path, Path) or path.exists()})
 
 
+# This process's time in receipt work (appends, hashing, seals): rank 0 reports it in the run's
+# summary (receipt_seconds), against the run's wall clock (benchmarks/RECEIPTS.md).
+spent_seconds = 0.0
+
+
 def in_job(run_dir: Path, kind: str, body: dict, artifacts: dict | None = None, seal: bool = False,
            prunable: bool = False) -> None:
     """An entry from inside the job (and the seal after it): never fatal, said in the job's log."""
+    global spent_seconds
+    began = time.monotonic()
+    try:
+        record(run_dir, kind, body, artifacts, seal, prunable)
+    finally:
+        spent_seconds += time.monotonic() - began
+
+
+def record(run_dir: Path, kind: str, body: dict, artifacts: dict | None, seal: bool, prunable: bool) -> None:
     receipt = Receipt(run_dir)
     try:
         receipt.append(kind, body, artifacts, prunable=prunable)

@@ -84,6 +84,7 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     from transformers import AutoTokenizer
 
     from toolkit.data import object_store
+    from toolkit.receipts import entries as receipt_entries
     from toolkit.recipe.run_spec import batch_plan
     from toolkit.train import compiled_ops
     from toolkit.train.checkpoint import END_UPLOAD_WAIT_S, STOP_UPLOAD_WAIT_S, checkpointer_for
@@ -161,7 +162,8 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
         published = time.monotonic()
         publish(layout, recipe, evaluation, step, log)  # the registry, the receipt's last entry
         timing |= {"eval_seconds": evaluation["seconds"] if evaluation else 0.0,
-                   "publish_seconds": round(time.monotonic() - published, 2)}
+                   "publish_seconds": round(time.monotonic() - published, 2),
+                   "receipt_seconds": round(receipt_entries.spent_seconds, 3)}  # rank 0's, this start's
         write_summary(layout, recipe, step, loop.tokens * world, timing)
         if evaluation:
             tracker.evaluation(evaluation)
