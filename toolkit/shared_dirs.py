@@ -179,6 +179,23 @@ def open_regular(path: Path, text: bool = False):
         raise
 
 
+def flock_within(descriptor: int, path: Path, wait_s: float, pause: float = 0.05) -> None:
+    """An exclusive flock (across processes and nodes, on the shared filesystem), waited for at most
+    `wait_s` seconds: TimeoutError after, so that a stuck holder never holds a job or a command for good."""
+    import fcntl
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path} stayed locked for {wait_s:.0f} s") from None
+            time.sleep(pause)
+
+
 def write_atomically(path: Path, text: str, mode: int = 0o600) -> None:
     """Write a file so that readers see the old or the new content, never a half-written one. The
     mode is set explicitly, whatever the umask: ft's files are private to their owner by default."""

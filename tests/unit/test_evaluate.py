@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from tests.support.tiny_peft import Engine, lora_model
 from toolkit.evaluate import gates
 from toolkit.evaluate.scores import exact_match, token_f1
 from toolkit.recipe.schema import EvalSpec, GateSpec, Recipe
@@ -92,29 +93,7 @@ torch = pytest.importorskip("torch")
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from toolkit.train.tiny import build_model
-
-    path = tmp_path_factory.mktemp("tiny")
-    build_model(path, vocab_size=64, hidden=32, layers=1)
-    base = AutoModelForCausalLM.from_pretrained(path)
-    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                           task_type="CAUSAL_LM"))
-
-
-class Engine:
-    """What the evaluation uses of a DeepSpeed engine: calling it, its module, its ZeRO stage."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def __call__(self, **batch):
-        return self.module(**batch)
-
-    def zero_optimization_stage(self) -> int:
-        return 0
+    return lora_model(tmp_path_factory.mktemp("tiny"))
 
 
 class OneRank:

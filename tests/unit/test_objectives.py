@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from tests.support.tiny_peft import Engine, lora_model
 from toolkit.recipe.schema import ObjectiveSpec
 from toolkit.train.data import IGNORE, Example, collate
 from toolkit.train.objectives import Dpo, Sft, objective_for, sequence_logps
@@ -16,26 +17,7 @@ torch = pytest.importorskip("torch")
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from toolkit.train.tiny import build_model
-
-    path = tmp_path_factory.mktemp("tiny")
-    build_model(path, vocab_size=64, hidden=32, layers=1)
-    base = AutoModelForCausalLM.from_pretrained(path)
-    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                           task_type="CAUSAL_LM")).eval()
-
-
-class Engine:
-    """What the objectives use of a DeepSpeed engine: calling it, and its module."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def __call__(self, **batch):
-        return self.module(**batch)
+    return lora_model(tmp_path_factory.mktemp("tiny")).eval()
 
 
 def test_sequence_logps_sums_the_labelled_tokens_only():

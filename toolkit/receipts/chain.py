@@ -32,7 +32,7 @@ from pathlib import Path
 
 from toolkit.errors import FtError
 from toolkit.runs.layout import RunLayout
-from toolkit.runs.store import _locked
+from toolkit.runs.store import locked
 from toolkit.shared_dirs import open_regular, write_atomically
 
 GENESIS = "0" * 64
@@ -155,7 +155,7 @@ class Receipt:
             raise ReceiptError(f"{kind!r} is not an entry kind: 1-40 lowercase letters, digits, '_' or '-'")
         try:
             recorded = {name: self.artifact(source, prunable) for name, source in sorted((artifacts or {}).items())}
-            with _locked(self.layout.receipt_lock):
+            with locked(self.layout.receipt_lock):
                 last = self.last()
                 entry = {"seq": last["seq"] + 1 if last else 1, "kind": kind, "time": time.time(),
                          "body": dict(body or {}), "artifacts": recorded, "prev": last["hash"] if last else GENESIS}
@@ -234,7 +234,7 @@ class Receipt:
         from toolkit.receipts.signer import request_signature
 
         try:
-            with _locked(self.layout.receipt_lock):  # no entry slips in between what is signed and the file
+            with locked(self.layout.receipt_lock):  # no entry slips in between what is signed and the file
                 last = self.last()
                 if last is None:
                     raise ReceiptError(f"{self.path} has no entry to sign")

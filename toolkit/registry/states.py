@@ -14,16 +14,15 @@ not follow from those before are skipped, and said.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import stat
-import time
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
 from toolkit.registry.layout import ID_PATTERN
+from toolkit.shared_dirs import flock_within
 
 MAX_LOG_BYTES = 16 << 20  # some 50,000 moves
 LOCK_WAIT_S = 30.0
@@ -159,15 +158,7 @@ def locked(path: Path, owner: int, wait_s: float = LOCK_WAIT_S):
     the name's owner and root can each take it, whichever made the file."""
     descriptor = _open_owned(path, os.O_RDONLY | os.O_CREAT, owner)
     try:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{path} stayed locked for {wait_s:.0f} s") from None
-                time.sleep(0.02)
+        flock_within(descriptor, path, wait_s, pause=0.02)
         yield
     finally:
         os.close(descriptor)  # lets the lock go

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from toolkit.errors import FtError, UsageError
 from toolkit.runs.layout import RUN_ID_PATTERN, RunLayout
-from toolkit.shared_dirs import common_dir, private_dir, write_atomically
+from toolkit.shared_dirs import common_dir, flock_within, private_dir, write_atomically
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 _ID_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"  # no 0/o/1/l/i: ids are typed by people
@@ -150,7 +150,7 @@ class RunStore:
         job registers itself as it starts (toolkit/runs/register.py) while `ft submit` records
         it. `adopt`: the record of a run that has none yet (a script submitted with plain sbatch)."""
         layout = RunLayout(self.run_dir(run_id))
-        with _locked(layout.record_lock):
+        with locked(layout.record_lock):
             record = adopt() if adopt is not None and not layout.record.exists() else self.load(run_id)
             if job.job_id not in {known.job_id for known in record.jobs}:
                 record.jobs.append(job)
@@ -161,7 +161,7 @@ class RunStore:
         """The record of a rendered run no job has joined yet (`ft render -o`): written unless a
         job has (a render again of the same run id describes it anew)."""
         layout = RunLayout(self.run_dir(record.run_id))
-        with _locked(layout.record_lock):
+        with locked(layout.record_lock):
             if layout.record.exists() and self.load(record.run_id).jobs:
                 return
             self.save(record)
@@ -203,7 +203,7 @@ class RunStore:
 
     def key_lock(self, key: str):
         """Exclusive across processes and shells (flock on the shared filesystem)."""
-        return _locked(self._key_path(key, "lock"), wait_s=math.inf)  # held while the data is checked
+        return locked(self._key_path(key, "lock"), wait_s=math.inf)  # held while the data is checked
 
     def run_for_key(self, key: str) -> str | None:
         try:
@@ -224,7 +224,7 @@ LOCK_WAIT_S = 30.0
 
 
 @contextlib.contextmanager
-def _locked(path: Path, wait_s: float | None = None):
+def locked(path: Path, wait_s: float | None = None):
     """Exclusive across processes, shells and nodes (flock on the shared filesystem), for at most
     `wait_s` seconds of waiting (TimeoutError after): a stuck holder never holds a job or a command
     forever. The lock file is a regular file of this user's: never a symlink or a FIFO planted there."""
@@ -233,16 +233,7 @@ def _locked(path: Path, wait_s: float | None = None):
         info = os.fstat(descriptor)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
             raise OSError(f"{path} is not a lock file of yours")
-        wait_s = LOCK_WAIT_S if wait_s is None else wait_s
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{path} stayed locked for {wait_s:.0f} s") from None
-                time.sleep(0.05)
+        flock_within(descriptor, path, LOCK_WAIT_S if wait_s is None else wait_s)
         try:
             yield
         finally:
