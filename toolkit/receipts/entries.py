@@ -16,6 +16,7 @@ anything is queued. Sealing asks the site's signer (FT_RECEIPT_SIGNER, its socke
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -45,6 +46,14 @@ def code_commit() -> str | None:
     return found.stdout.strip() or None
 
 
+def image_digest(image: str) -> str | None:
+    """The container image's digest where its reference pins one (registry/image@sha256:...): a tag
+    can be moved to other bytes, a digest cannot. None for a tag (pin the profile's image by digest
+    to have it recorded) or no container."""
+    _, at, digest = (image or "").partition("@")
+    return digest if at and re.fullmatch(r"sha256:[0-9a-f]{64}", digest) else None
+
+
 def submitted(run_dir: Path, resolved, data_digests: dict[str, Digest | str]) -> None:
     """The first entry, written before the job is queued (FtError: nothing is submitted)."""
     layout, profile = RunLayout(run_dir), resolved.profile
@@ -56,6 +65,7 @@ def submitted(run_dir: Path, resolved, data_digests: dict[str, Digest | str]) ->
             "data": {role: digest.sha256 if isinstance(digest, Digest) else digest
                      for role, digest in data_digests.items()},
             "container_image": profile.container_image or None,
+            "container_digest": image_digest(profile.container_image),
             "container_runtime": profile.container_runtime or None}
     Receipt(run_dir).append("submit", body, {name: path for name, path in artifacts.items()
                                               if not isinstance(path, Path) or path.exists()})
