@@ -62,3 +62,25 @@ def test_a_signer_that_does_not_answer_is_asked_again_then_the_receipt_stays_uns
     monkeypatch.delenv(entries.SIGNER_ENV)
     entries.sealed(receipt, pause=0)  # no signer on this cluster: nothing asked, nothing said
     assert len(asked) == entries.SEAL_TRIES and capsys.readouterr().err == ""
+
+
+def test_the_runs_end_completes_its_receipt_whatever_the_registry_does(tmp_path, monkeypatch):
+    """A full disk or a stale handle in the registry (an OSError, not ft's own error) never fails the
+    run at its very end: the adapter entry is written all the same."""
+    from tests.support.run_specs import run_spec
+    from toolkit.runs.layout import RunLayout
+    from toolkit.train import publish
+
+    run_dir = tmp_path / "run-1"
+    (run_dir / "output").mkdir(parents=True)
+    (run_dir / "output" / "adapter_config.json").write_text("{}")
+
+    def failing(*_):
+        raise OSError(116, "Stale file handle")
+
+    monkeypatch.setattr(publish, "register", failing)
+    said = []
+    publish.publish(RunLayout(run_dir), run_spec().recipe, {"state": "promoted"}, 10, said.append)
+    (entry,) = [json.loads(line) for line in (run_dir / "receipt.jsonl").read_text().splitlines()]
+    assert entry["kind"] == "adapter" and "output" in entry["artifacts"]
+    assert "did not complete: [Errno 116] Stale file handle" in said[0]

@@ -393,3 +393,25 @@ def test_the_layout_names_the_same_paths_for_the_mirror(tmp_path):
     layout = RegistryLayout(tmp_path)
     assert layout.relative(layout.adapter("a" * 64)) == f"versions/{'a' * 64}/adapter"
     assert layout.relative(layout.log("tiny")) == "names/tiny/log.jsonl"
+
+
+def test_a_promoted_version_made_unusable_by_its_creator_serves_none_and_blocks_nothing(registry, tmp_path):
+    first, second = registered(registry, tmp_path, 0), registered(registry, tmp_path, 1)
+    registry.promote(first.id)
+    os.chmod(registry.layout.version(first.id), 0o777)  # its creator opens it to everyone: never trusted
+    registry.deprecate(second.id)  # the name's other moves go on
+    pointer = json.loads(registry.layout.promoted("tiny-lora-sft").read_text())
+    assert pointer["version"] is None  # nothing served rather than files anyone could change
+    os.chmod(registry.layout.version(first.id), 0o555)
+
+
+def test_a_file_of_another_size_is_a_change_found_without_hashing(registry, tmp_path, monkeypatch):
+    version = registered(registry, tmp_path, 0)
+    assert not registry.files_changed(version)
+    weights = version.adapter / "adapter_model.safetensors"
+    os.chmod(version.adapter, 0o755)
+    os.chmod(weights, 0o644)
+    with open(weights, "ab") as handle:
+        handle.write(b"\0")
+    monkeypatch.setattr("toolkit.registry.store.digest_of", lambda *_: pytest.fail("hashed"))
+    assert registry.files_changed(version)

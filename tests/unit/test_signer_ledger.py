@@ -26,6 +26,7 @@ def signed_run(tmp_path):
     run_dir.mkdir(parents=True)
     ledger = tmp_path / "ledger"
     ledger.mkdir()
+    signing = signing.model_copy(update={"ledger": str(ledger)})  # where verify reads what was signed
     with running_signer(private, Path(signing.socket), FakeSqueue({}), ledger=ledger):
         receipt = record_a_run(run_dir, data)
         receipt.seal(signing.socket)  # the run's own job, at its end
@@ -94,3 +95,35 @@ def test_a_signature_asked_by_a_job_that_ran_none_of_the_attempts_fails(tmp_path
         receipt.seal(signing.socket)
     found = [str(finding) for finding in verify(run_dir, signing).findings]
     assert found == ["signature: signed for job 777, which ran none of the receipt's attempts (jobs 100)"]
+
+
+def test_a_later_job_of_the_same_user_naming_the_run_gets_nothing_signed(signed_run, tmp_path):
+    receipt, signing, private = signed_run
+    other = tmp_path / "other.sock"
+    with running_signer(private, other, FakeSqueue({"job_id": 777}), ledger=Path(signing.ledger)):
+        receipt.append("attempt", {"job": "777"})
+        with pytest.raises(ReceiptError, match="is job 100's, which Slurm no longer runs"):
+            receipt.seal(other)
+
+
+def test_a_receipt_cut_back_to_an_earlier_seal_with_that_seals_signature_is_found(signed_run):
+    receipt, signing, _ = signed_run
+    kept_receipt, kept_signature = receipt.path.read_bytes(), receipt.layout.receipt_signature.read_bytes()
+    receipt.append("attempt_end", {"job": "100", "class": "user error"})
+    receipt.append("attempt", {"job": "100", "start": 2})
+    receipt.seal(signing.socket)
+    receipt.path.write_bytes(kept_receipt)  # the user error and what followed, cut away
+    receipt.layout.receipt_signature.write_bytes(kept_signature)
+    found = [str(finding) for finding in verify(receipt.layout.root, signing).findings]
+    assert found == ["signature: signs 7 entries, but 9 were signed before: entries were removed and the rest "
+                     "signed again"]
+
+
+def test_a_ledger_that_cannot_be_read_whole_signs_nothing(signed_run):
+    receipt, signing, _ = signed_run
+    (ledger_file,) = Path(signing.ledger).glob("*/run-1.jsonl")
+    with open(ledger_file, "ab") as handle:
+        handle.write(b'{"entries": 9, "hea')  # a write cut short
+    receipt.append("attempt", {"job": "100", "start": 2})
+    with pytest.raises(ReceiptError, match="has a line that is not a point"):
+        receipt.seal(signing.socket)

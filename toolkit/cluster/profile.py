@@ -65,6 +65,9 @@ class ReceiptSigning(BaseModel):
     public_key: str  # base64 of the raw 32-byte ed25519 public key
     key_id: str  # the first 16 hex digits of its sha256: what a signature names
     socket: str = "/run/ft-signer/receipt.sock"
+    # What the signers signed, per user and run, on the shared filesystem (None: not known here):
+    # verify finds a receipt cut back to an earlier seal there.
+    ledger: str | None = None
 
     @model_validator(mode="after")
     def key_id_is_the_key_s(self) -> ReceiptSigning:
@@ -74,11 +77,11 @@ class ReceiptSigning(BaseModel):
                              "signer's key (python -m toolkit.receipts.keys KEYFILE)")
         return self
 
-    @field_validator("socket")
+    @field_validator("socket", "ledger")
     @classmethod
-    def socket_path(cls, value: str) -> str:
-        if not value.startswith("/") or any(ch in value for ch in "\n\r\0"):
-            raise ValueError(f"{value!r}: the signer's socket is an absolute path on one line")
+    def socket_path(cls, value: str | None) -> str | None:
+        if value is not None and (not value.startswith("/") or any(ch in value for ch in "\n\r\0")):
+            raise ValueError(f"{value!r}: the signer's socket and ledger are absolute paths on one line")
         return value
 
 

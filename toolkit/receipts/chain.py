@@ -239,7 +239,7 @@ class Receipt:
                 if last is None:
                     raise ReceiptError(f"{self.path} has no entry to sign")
                 signed = request_signature(Path(socket_path), self.run_id, last["seq"], last["hash"], timeout)
-                write_atomically(self.layout.receipt_signature, json.dumps(signed, sort_keys=True) + "\n")
+                write_atomically(self.layout.receipt_signature, canonical(signed).decode() + "\n")
         except OSError as exc:
             raise ReceiptError(f"could not seal {self.path}: {exc}") from None
         return signed

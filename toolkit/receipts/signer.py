@@ -136,38 +136,50 @@ class RunningJobs:
 class Ledger:
     """The points the signer signed, per user and run: <root>/<uid>/<run>.jsonl, one {entries, head,
     job_id, signed_at} per line, appended under the file's flock (signers on several nodes share it).
-    No root: no memory (a signature carries no history)."""
+    World-readable: `ft receipt verify` reads a run's newest point there (a receipt cut back to an
+    earlier seal, with that seal's receipt.sig, is found); only the signer writes it. No root: no
+    memory (a signature carries no history)."""
 
-    MAX_POINTS = 10_000  # seals of one run: a start's end and the run's end each seal once
+    MAX_POINTS = 500  # seals of one run: each start's end and the run's end; a signature carries them all
 
     def __init__(self, root: Path | None):
         self.root = root
 
     @contextlib.contextmanager
     def points(self, uid: int, run_id: str):
-        """The run's signed points as [[entries, head], ...], and a function recording a new one,
-        all under the run's lock."""
+        """The run's signed points as (points [[entries, head], ...], the job that first signed, a
+        function recording a new one), all under the run's lock. Refused where the ledger cannot be
+        read whole: nothing is signed on a history ft cannot vouch for."""
         if self.root is None:
-            yield [], lambda *_: None
+            yield [], None, lambda *_: None
             return
         folder = self.root / str(uid)
-        folder.mkdir(mode=0o700, exist_ok=True)  # the signer's alone: the points ride in signatures
-        descriptor = os.open(folder / f"{run_id}.jsonl", os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        folder.mkdir(mode=0o755, exist_ok=True)
+        descriptor = os.open(folder / f"{run_id}.jsonl", os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
         with os.fdopen(descriptor, "r+b") as handle:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
             handle.seek(0)
-            found = []
-            for line in handle.read(LEDGER_MAX_BYTES).splitlines():
-                with contextlib.suppress(ValueError, TypeError, KeyError):
+            text = handle.read(LEDGER_MAX_BYTES + 1)
+            if len(text) > LEDGER_MAX_BYTES:
+                raise Refused(f"the ledger of run {run_id} is over {LEDGER_MAX_BYTES} bytes")
+            found, first_job = [], None
+            for line in text.splitlines():
+                try:
                     point = json.loads(line)
-                    found.append([int(point["entries"]), str(point["head"])])
+                    entries, head, job = int(point["entries"]), str(point["head"]), str(point["job_id"])
+                except (ValueError, TypeError, KeyError, RecursionError):
+                    raise Refused(f"the ledger of run {run_id} has a line that is not a point: ask the admins "
+                                  "(the signer signs nothing on a history it cannot read)") from None
+                first_job = first_job or job
+                if [entries, head] not in found:
+                    found.append([entries, head])
 
             def add(entries: int, head: str, job_id: str, signed_at: float) -> None:
                 handle.write(canonical({"entries": entries, "head": head, "job_id": job_id,
                                         "signed_at": signed_at}) + b"\n")
                 handle.flush()
                 os.fsync(handle.fileno())
-            yield found, add
+            yield found, first_job, add
 
 
 class Signer:
@@ -186,8 +198,14 @@ class Signer:
         if not running:
             raise Refused(f"Slurm runs no job of run {request.run_id} for {user}: a receipt is signed only while "
                           "its run's job runs")
-        job = min(running, key=lambda job: int(job.job_id))
-        with self.ledger.points(uid, request.run_id) as (history, add):
+        with self.ledger.points(uid, request.run_id) as (history, first_job, add):
+            # A run is one job's (a requeue keeps its id): once signed for it, the receipt is signed for
+            # that job alone. A later job of the same user whose comment names the run signs nothing.
+            pinned = [job for job in running if first_job is None or job.job_id == first_job]
+            if not pinned:
+                raise Refused(f"run {request.run_id} is job {first_job}'s, which Slurm no longer runs: its receipt "
+                              "is signed only while that job runs")
+            job = min(pinned, key=lambda job: int(job.job_id))
             if history and request.entries < max(entries for entries, _ in history):
                 raise Refused(f"run {request.run_id} had {max(e for e, _ in history)} entries signed before: "
                               f"a receipt of {request.entries} is one with entries removed")
@@ -200,7 +218,8 @@ class Signer:
                        "user": job.user, "job_id": job.job_id, "signed_at": self.now(), "key_id": self.key_id,
                        "history": [point for point in history if point != [request.entries, request.head]]}
             signature = base64.b64encode(self.key.sign(keys.signed_message(payload))).decode()
-            add(request.entries, request.head, job.job_id, payload["signed_at"])
+            if [request.entries, request.head] not in history:
+                add(request.entries, request.head, job.job_id, payload["signed_at"])
         return {"payload": payload, "signature": signature}
 
 
@@ -227,6 +246,9 @@ class Handler(socketserver.BaseRequestHandler):
 
 class SignerServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
+    # The kernel's queue of connections not accepted yet is every user's: a user connecting in a loop
+    # must not fill it for others (the per-user slots are counted once a connection is accepted).
+    request_queue_size = 1024
 
     def __init__(self, path: Path, signer: Signer):
         self.signer = signer
@@ -291,7 +313,14 @@ def request_signature(socket_path: Path, run_id: str, entries: int, head: str, t
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
             connection.settimeout(timeout)
-            connection.connect(str(socket_path))
+            while True:  # a queue full for a moment (another user's burst) is waited out, to the deadline
+                try:
+                    connection.connect(str(socket_path))
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.05)
             connection.sendall(canonical({"run_id": run_id, "entries": entries, "head": head}) + b"\n")
             reply = json.loads(read_line(connection, REPLY_MAX_BYTES, deadline))
     except (OSError, ValueError, RecursionError) as exc:

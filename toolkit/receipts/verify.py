@@ -9,6 +9,7 @@ Each problem is a Finding: where ("entry 5 (checkpoint)", "signature", "receipt"
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -27,11 +28,12 @@ from toolkit.receipts.chain import (
     read_receipt,
 )
 from toolkit.receipts.keys import public_key_bytes, verify_signature
+from toolkit.receipts.signer import LEDGER_MAX_BYTES, REPLY_MAX_BYTES
 from toolkit.runs.layout import RunLayout
 from toolkit.shared_dirs import open_regular, user_name
 
 FAILED_EXIT = 3  # `ft receipt verify`'s exit when the receipt does not verify (2: usage, 1: ft could not check)
-MAX_SIGNATURE_BYTES = 64 << 10
+MAX_SIGNATURE_BYTES = REPLY_MAX_BYTES + 1  # the signer's reply as it came, and its newline
 MAX_FILES_ADDED = 100  # files found in a recorded folder beyond its record, named one by one
 PAYLOAD_KEYS = {"run_id", "entries", "head", "uid", "user", "job_id", "signed_at", "key_id", "history"}
 
@@ -186,7 +188,7 @@ def check_signature(layout: RunLayout, count: int, entries: list[tuple[int, dict
                                                      "it signs was changed, or another key made it"))
         return
     verdict.signed = payload
-    check_signed_chain(layout, payload, count, entries, verdict)
+    check_signed_chain(layout, payload, count, entries, verdict, ledger_points(signing, layout))
 
 
 def parse_signature(raw: bytes) -> tuple[dict | None, str]:
@@ -209,8 +211,27 @@ def history_points(history: object) -> bool:
         for point in history)
 
 
+def ledger_points(signing: ReceiptSigning, layout: RunLayout) -> list[list]:
+    """What the signers signed for this run (their ledger, where the profile names it and it is
+    readable here): [[entries, head], ...]; [] where not known."""
+    if not signing.ledger:
+        return []
+    try:
+        owner = os.stat(layout.root).st_uid
+        with open_regular(Path(signing.ledger) / str(owner) / f"{layout.root.name}.jsonl") as handle:
+            text = handle.read(LEDGER_MAX_BYTES + 1)
+    except OSError:
+        return []
+    points = []
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError, TypeError, KeyError, RecursionError):
+            point = json.loads(line)
+            points.append([int(point["entries"]), str(point["head"])])
+    return points
+
+
 def check_signed_chain(layout: RunLayout, payload: dict, count: int, entries: list[tuple[int, dict]],
-                       verdict: Verdict) -> None:
+                       verdict: Verdict, ledger: list[list] = ()) -> None:
     """What was signed is this run's chain as it is now, for the run folder's owner."""
     signed = payload["entries"]
     if payload["run_id"] != layout.root.name:
@@ -226,7 +247,11 @@ def check_signed_chain(layout: RunLayout, payload: dict, count: int, entries: li
     # since then, the chain signed again by a later job of the same user, is still found (a point of
     # the same count as the signed one, with another head, too).
     by_seq = {entry["seq"]: (line, entry) for line, entry in entries}
-    for points, head in [*payload["history"], [signed, payload["head"]]]:
+    checked = []
+    for point in [*payload["history"], *ledger, [signed, payload["head"]]]:
+        if point not in checked:
+            checked.append(point)
+    for points, head in checked:
         if points > signed:
             verdict.findings.append(Finding("signature", f"signs {signed} entries, but {points} were signed before: "
                                                          "entries were removed and the rest signed again"))

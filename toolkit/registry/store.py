@@ -328,7 +328,11 @@ class Registry:
         """Whether the version's files are no longer those registered (each read and hashed again):
         a serving fleet loads only files whose sha256 is the handoff's."""
         try:
-            files = {name: digest_of(version.adapter / name) for name in adapter_files(version.adapter)}
+            names = adapter_files(version.adapter)
+            if sorted(names) != sorted(version.record.files) or any(
+                    os.lstat(version.adapter / name).st_size != version.record.files[name].bytes for name in names):
+                return True  # found without reading a byte
+            files = {name: digest_of(version.adapter / name) for name in names}
         except (OSError, AdapterRefused):
             return True
         return files != version.record.files or content_id(files) != version.id
@@ -372,9 +376,11 @@ class Registry:
         promoted = history.promoted
         serving = None
         if promoted:
-            record = self._load(promoted).record
-            s3_uri = self.mirror.uri(self.layout.relative(self.layout.adapter(record.id))) if self.mirror else None
-            serving = handoff.serving_manifest(record, self.layout.adapter(record.id), s3_uri)
+            with contextlib.suppress(RegistryError, OSError):  # a promoted version no longer usable serves none
+                record = self._load(promoted).record
+                adapter = self.layout.adapter(record.id)
+                s3_uri = self.mirror.uri(self.layout.relative(adapter)) if self.mirror else None
+                serving = handoff.serving_manifest(record, adapter, s3_uri)
         promotion = next((move for move in reversed(history.transitions)
                           if move.version == promoted and move.to_state == State.promoted), None)
         return json.dumps(handoff.promoted_pointer(name, serving, promotion), indent=2) + "\n"

@@ -13,6 +13,7 @@ would leave the others waiting for good.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -85,7 +86,8 @@ class Evaluator:
         began = time.monotonic()
         base = self.measure()
         if self.ranks.rank == 0:
-            write_json(self.layout.eval_base, base)
+            with contextlib.suppress(OSError):  # not written: the end measures the base itself (LoRA)
+                write_json(self.layout.eval_base, base)
             self.log(f"evaluated the base model in {time.monotonic() - began:.1f} s: {brief(base)}")
 
     def after(self, step: int) -> dict | None:
@@ -96,7 +98,9 @@ class Evaluator:
         adapter = self.measure()
         base = None
         if self.everyone(self.layout.eval_base.exists()):
-            base = json.loads(self.layout.eval_base.read_text())
+            from toolkit.runs.status import read_json
+
+            base = read_json(self.layout.eval_base)  # bounded, a regular file only; None: not measured
         elif self.recipe.method.kind in ("lora", "qlora"):  # a run resumed from before evaluations: the
             with self.engine.module.disable_adapter():      # base is the model with its adapter off
                 base = self.measure()
@@ -108,7 +112,10 @@ class Evaluator:
         results = {"step": step, "time": time.time(), "seconds": round(time.monotonic() - began, 2),
                    "base": base, "adapter": adapter, "gates": gates.as_dicts(judged),
                    "passed": all(result.passed for result in judged), "state": state, "why": why}
-        write_json(self.layout.evaluation, results)
+        try:
+            write_json(self.layout.evaluation, results)
+        except OSError as exc:  # a full disk: the results go on to the summary, W&B and the log
+            self.log(f"eval.json not written: {exc}")
         self.log(f"evaluated the trained model: {brief(adapter)}; base: {brief(base)}; {state}: {why}")
         return results
 

@@ -18,13 +18,18 @@ ADAPTERS = ("lora", "qlora")  # a full fine-tune's weights are a model, not an a
 
 
 def publish(layout: RunLayout, recipe: Recipe, evaluation: dict | None, step: int, log: Callable[[str], None]) -> None:
-    registry = register(layout, recipe, evaluation, log) if recipe.method.kind in ADAPTERS else None
-    if evaluation is not None and registry is not None:
-        from toolkit.shared_dirs import write_atomically
+    registry = None
+    try:
+        registry = register(layout, recipe, evaluation, log) if recipe.method.kind in ADAPTERS else None
+        if evaluation is not None and registry is not None:
+            from toolkit.shared_dirs import write_atomically
 
-        write_atomically(layout.evaluation, json.dumps(evaluation | {"registry": registry}, indent=2) + "\n",
-                         mode=0o644)
-    receipt_entries.finished(layout.root, step, registry)
+            write_atomically(layout.evaluation, json.dumps(evaluation | {"registry": registry}, indent=2) + "\n",
+                             mode=0o644)
+    except (FtError, OSError) as exc:  # a full disk, a stale handle: the run's adapter is made all the same
+        log(f"the registry's part of the run's end did not complete: {getattr(exc, 'message', exc)}")
+    finally:
+        receipt_entries.finished(layout.root, step, registry)
 
 
 def register(layout: RunLayout, recipe: Recipe, evaluation: dict | None, log: Callable[[str], None]) -> dict:
@@ -51,8 +56,8 @@ def register(layout: RunLayout, recipe: Recipe, evaluation: dict | None, log: Ca
         try:
             promote(shared_root, version.id, f"run {record.run_id}: {evaluation.get('why', '')}"[:500], s3_prefix, warn)
             found["state"] = "promoted"
-        except FtError as exc:
-            found["why"] = exc.message
-            log(f"the adapter stays a draft in the registry: {exc.message}")
+        except (FtError, OSError, TimeoutError) as exc:
+            found["why"] = str(getattr(exc, "message", exc))
+            log(f"the adapter stays a draft in the registry: {found['why']}")
     log(f"registry: {recipe.name} version {version.id[:12]} {found['state']}")
     return found
