@@ -213,7 +213,8 @@ def _submit_new(resolved: ResolvedRecipe, store: RunStore, key: str | None, mode
     record = RunRecord(run_id, resolved.recipe.name, str(resolved.path.resolve()), resolved.profile.name, mode,
                        time.time(), key)
     try:
-        receipt_entries.submitted(run_dir, resolved, data_digests(resolved))
+        # A preflight job reads no data (its recipe's may not exist yet): no data digests.
+        receipt_entries.submitted(run_dir, resolved, data_digests(resolved) if mode == "train" else {})
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)
         raise

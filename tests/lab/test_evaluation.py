@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tests.support.prometheus import query
-from tests.support.training import TINY, ft, lab_runs, submit, wait_done
+from tests.support.training import ft, lab_runs, submit, tiny_recipe, wait_done
 from toolkit.receipts.verify import FAILED_EXIT, verify
 
 pytestmark = pytest.mark.slow
@@ -75,13 +75,12 @@ def test_the_tiny_run_is_evaluated_promoted_and_its_receipt_verifies(lab, tiny_b
 
 
 def test_a_run_that_does_not_beat_its_base_stays_a_draft_and_is_never_promoted(lab, tmp_path):
-    recipe = yaml.safe_load(TINY.read_text())
+    recipe = tiny_recipe()
     recipe["name"] = f"tiny-draft-{secrets.token_hex(4)}"  # a name of its own: no earlier session's versions
     recipe["training"] |= {"steps": 4, "learning_rate": 1e-7, "warmup_steps": 0}
     recipe["checkpoint"] |= {"every_steps": 4}
     path = tmp_path / "draft.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    (tmp_path / "data").symlink_to(TINY.parent / "data")
     runs = lab_runs(lab, "draft")
     run = submit(path, runs_dir=runs)
     assert wait_done(run["run_id"], runs_dir=runs) == "COMPLETED"

@@ -11,15 +11,14 @@ import subprocess
 import yaml
 
 from tests.support.slurm import cancel, job_fields, sbatch, wait_for, write_script
-from tests.support.training import TINY, ft
+from tests.support.training import ft, tiny_recipe
 
 
 def test_a_capped_account_is_refused_by_ft_and_held_by_slurm(lab, tmp_path):
-    recipe = yaml.safe_load(TINY.read_text())
+    recipe = tiny_recipe()
     recipe["resources"]["account"] = "capped"
     capped = tmp_path / "capped.yaml"
     capped.write_text(yaml.safe_dump(recipe))
-    (tmp_path / "data").symlink_to(TINY.parent / "data")  # the recipe's data, relative to it
     runs = tmp_path / "runs"
     refused = ft("submit", str(capped), runs_dir=runs)
     assert refused.returncode == 2, refused.stdout + refused.stderr

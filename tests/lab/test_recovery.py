@@ -24,7 +24,7 @@ import yaml
 from tests.support.prometheus import query
 from tests.support.slurm import cancel, heal, sbatch, wait_for, write_script
 from tests.support.tmux import Terminal
-from tests.support.training import TINY, assert_same_weights, ft, lab_runs, submit, wait_done
+from tests.support.training import assert_same_weights, ft, lab_runs, submit, tiny_recipe, wait_done
 from toolkit.lab import chaos
 from toolkit.lab.manifest import state_dir
 
@@ -45,8 +45,7 @@ def cancel_leftovers(runs):
 
 
 def recipe(folder: Path, name: str, **sections) -> Path:
-    document = yaml.safe_load(TINY.read_text())
-    document["data"]["train"] = str(TINY.parent / document["data"]["train"])
+    document = tiny_recipe()
     for section, values in sections.items():
         document.setdefault(section, {}).update(values)
     path = folder / f"{name}.yaml"

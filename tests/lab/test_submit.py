@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from tests.support.slurm import job_fields, wait_for
+from tests.support.training import tiny_recipe
 from toolkit.runs.layout import RunLayout
 from toolkit.runs.store import RunStore
 from toolkit.slurm import commands
@@ -114,7 +115,7 @@ def test_same_idempotency_key_from_two_shells_at_once_submits_once(lab, runs_dir
 
 def test_hostile_strings_arrive_on_every_node_and_never_execute(lab, runs_dir, shared_tmp):
     marker = shared_tmp / "pwned"
-    recipe = yaml.safe_load(TINY.read_text())
+    recipe = tiny_recipe()
     recipe["env"] = {"HOSTILE_Q": "it's \"quoted\"; echo hi", "HOSTILE_SUB": f"$(touch {marker})",
                      "HOSTILE_TICK": f"`touch {marker}`", "HOSTILE_NL": f"one\ntwo $(touch {marker})"}
     recipe["data"]["train"] = f"/data/o'neil; $(touch {marker}).jsonl"
@@ -134,7 +135,7 @@ def test_hostile_strings_arrive_on_every_node_and_never_execute(lab, runs_dir, s
 
 
 def test_a_job_slurm_refuses_leaves_no_run_behind(lab, runs_dir, shared_tmp):
-    recipe = yaml.safe_load(TINY.read_text())
+    recipe = tiny_recipe()
     recipe["data"]["train"] = str(REPO / "recipes" / "data" / "tiny-sft.jsonl")
     recipe["resources"]["account"] = "no-such-account"
     path = shared_tmp / "bad-account.yaml"
@@ -189,7 +190,7 @@ def test_submit_refuses_data_that_would_fail_and_submits_nothing(lab, runs_dir, 
     good = [json.dumps({"prompt": f"q{i}", "completion": f" a{i}"}) for i in range(150)]
     good[40] = '{"prompt": "unterminated'
     data.write_text("\n".join(good) + "\n")
-    recipe = yaml.safe_load(TINY.read_text())
+    recipe = tiny_recipe()
     recipe["data"]["train"] = str(data)
     path = shared_tmp / "bad-data.yaml"
     path.write_text(yaml.safe_dump(recipe))

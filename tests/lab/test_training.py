@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tests.support.slurm import job_fields, wait_for
-from tests.support.training import REPO, TINY, assert_same_weights, ft, lab_runs, submit, wait_done
+from tests.support.training import REPO, TINY, assert_same_weights, ft, lab_runs, submit, tiny_recipe, wait_done
 from toolkit.slurm import commands
 
 PAIRS = [("cat", "chat"), ("dog", "chien"), ("house", "maison"), ("water", "eau"), ("moon", "lune"),
@@ -90,7 +90,7 @@ def tiny_model_entry(lab) -> Path:
 
 
 def faulty_recipe(shared_tmp: Path, **env: str) -> Path:
-    recipe = yaml.safe_load(TINY.read_text())
+    recipe = tiny_recipe()
     recipe["data"]["train"] = str(REPO / "recipes" / "data" / "tiny-sft.jsonl")
     recipe["training"]["steps"] = 30
     recipe["env"] = env
@@ -184,7 +184,7 @@ def test_qlora_on_one_node_trains_a_4bit_base(lab, runs_env):
 
 
 def test_sft_on_chat_messages_learns_the_assistant_turns(lab, runs_env, shared_tmp):
-    recipe = yaml.safe_load(TINY.read_text())
+    recipe = tiny_recipe()
     recipe["name"] = "tiny-chat"
     recipe["data"]["train"] = str(REPO / "recipes" / "data" / "tiny-chat.jsonl")
     recipe["training"]["steps"] = 80

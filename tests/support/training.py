@@ -15,6 +15,18 @@ TINY = REPO / "recipes" / "tiny-lora-sft.yaml"
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "NODE_FAIL", "TIMEOUT", "OUT_OF_MEMORY"}
 
 
+def tiny_recipe() -> dict:
+    """The tiny recipe as a document to change and write anywhere: its data files (train, eval,
+    golden) named by absolute paths, which a recipe written elsewhere would otherwise lose."""
+    import yaml
+
+    document = yaml.safe_load(TINY.read_text())
+    for section, field in (("data", "train"), ("data", "eval"), ("eval", "golden")):
+        if document.get(section, {}).get(field):
+            document[section][field] = str(TINY.parent / document[section][field])
+    return document
+
+
 def lab_runs(lab, purpose: str) -> Path:
     """A runs folder of this test session's own on the lab's shared filesystem, seen by every node."""
     folder = Path(lab.shared_dir) / "tests" / f"{purpose}-{os.getpid()}"
