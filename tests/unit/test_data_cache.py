@@ -237,3 +237,17 @@ def test_an_unwritable_token_cache_degrades_to_no_cache_with_a_warning(tmp_path,
     assert report.ok and "token_cache_unusable" in report.warnings
     assert "is not used: " in report.warnings["token_cache_unusable"].examples[0].message
     assert "shared/cache is not a folder" in report.warnings["token_cache_unusable"].examples[0].message
+
+
+def test_a_data_file_gone_by_the_time_the_job_reads_it_is_a_user_error_no_restart_helps(tmp_path):
+    """Every rank reads the file's digest first: every rank stops with the user-error code (4), which
+    the watchdog does not restart, instead of crashing into restarts that fail the same way."""
+    from toolkit.recipe.schema import Recipe
+    from toolkit.train.dataset import load_split
+    from toolkit.train.loop import RunEnds
+
+    gone = str(tmp_path / "gone.jsonl")
+    recipe = Recipe.model_validate({"name": "r", "model": {"base": "tiny-llama"}, "data": {"train": gone}})
+    with pytest.raises(RunEnds) as ended:
+        load_split(recipe, Path("tiny-llama"), tmp_path, 0, None, print, gone, "train", False)
+    assert ended.value.code == 4 and "cannot be read" in str(ended.value)

@@ -4,6 +4,7 @@ on first use: a command that prints JSON or a script imports none of it (the log
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from contextlib import contextmanager
@@ -20,7 +21,11 @@ class LazyConsole:
         if self._console is None:
             from rich.console import Console
 
-            self._console = Console(highlight=False, **self._options)
+            options = dict(self._options)
+            stream = sys.stderr if options.get("stderr") else sys.stdout
+            if not stream.isatty() and "COLUMNS" not in os.environ:
+                options.setdefault("width", 160)  # piped or logged: tables whole, not folded at 80
+            self._console = Console(highlight=False, **options)
         return self._console
 
     def __getattr__(self, name: str):

@@ -50,8 +50,13 @@ def verify(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
                       soft_wrap=True)
         for finding in verdict.findings:
             console.print(f"  {plain(finding)}", soft_wrap=True)
+        pruned = [note for note in verdict.notes if "may be pruned" in note]
+        if pruned:  # keep_last at work: said once, not a line per checkpoint
+            console.print(f"  [dim]note: {len(pruned)} recorded checkpoint manifest(s) since pruned, as "
+                          "checkpoint.keep_last allows (--json lists them)[/]", soft_wrap=True)
         for note in verdict.notes:
-            console.print(f"  [dim]note: {plain(note)}[/]", soft_wrap=True)
+            if note not in pruned:
+                console.print(f"  [dim]note: {plain(note)}[/]", soft_wrap=True)
     if not verdict.verified:
         raise typer.Exit(receipts.FAILED_EXIT)
 

@@ -53,7 +53,14 @@ def load_split(recipe: Recipe, model_path: Path, user_cache: Path, rank: int, di
     from toolkit.data.tokenizer import load_length_counter
 
     counter = load_length_counter(str(model_path))
-    key = dataset_key(recipe, path, counter, role)
+    try:
+        key = dataset_key(recipe, path, counter, role)
+    except (FileNotFoundError, PermissionError) as exc:  # every rank reads its digest: every rank stops
+        from toolkit.train.loop import RunEnds
+        from toolkit.watch import exits
+
+        raise RunEnds(exits.USER_ERROR, f"the {role} data {path} cannot be read ({exc.strerror or exc}): no "
+                                        "restart can help; check the path (ft validate)") from None
     cache = token_cache(user_cache)
     if rank == 0 and cache.meta(key) is None:  # the digests, checked once for every rank
         build_cache(recipe, counter, cache, key, path, role)
