@@ -6,6 +6,7 @@ budget and at its limit of runs at once; Slurm's answers as the lab's Slurm 22.0
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime
 
 import pytest
@@ -140,7 +141,7 @@ def test_slurms_own_count_is_met_where_it_is_more_than_ft_sees(monkeypatch):
 
 
 def test_where_slurm_hides_other_users_jobs_the_submit_says_its_count_may_be_short(monkeypatch):
-    monkeypatch.setattr(quota.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
     (warning,) = quota.check(resolved("physics", {"physics": AccountQuota(cap_gpu_hours=100)}),
                              slurm(private=True), now=NOW)
     assert "private on this cluster (PrivateData)" in warning and "may be only yours" in warning

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import getpass
 import json
-import os
 import re
 import time
 from collections.abc import Callable
@@ -131,6 +130,6 @@ def check(resolved, run: Callable = commands.run, now: float | None = None) -> l
 def private_jobs(run: Callable) -> bool:
     """Whether sacct may hide other users' jobs from this one (PrivateData=jobs or usage)."""
     try:
-        return usage.what_slurm_keeps(run).private_jobs and os.geteuid() != 0
+        return usage.what_slurm_keeps(run).hides_others
     except FtError:
         return False

@@ -105,12 +105,17 @@ class Accounting:
         private = set(config.get("PrivateData", "").split(","))
         return cls("job_comment" in config.get("AccountingStoreFlags", ""), bool(private & {"jobs", "usage"}))
 
+    @property
+    def hides_others(self) -> bool:
+        """Whether sacct may leave other users' jobs out for this user (root sees them all)."""
+        return self.private_jobs and os.geteuid() != 0
+
     def notes(self) -> list[str]:
         """How `ft usage` found its figures, beside its source."""
         said = ["ft's jobs by their comment" if self.keeps_comments else
                 "ft's jobs by their name ft-<run>: this Slurm keeps no job comments "
                 "(AccountingStoreFlags=job_comment)"]
-        if self.private_jobs and os.geteuid() != 0:
+        if self.hides_others:
             said.append("other users' jobs are private here (PrivateData): unless you are a Slurm operator, "
                         "only your own are counted")
         return said

@@ -145,6 +145,16 @@ class Ledger:
     def __init__(self, root: Path | None):
         self.root = root
 
+    def path(self, uid: int, run_id: str) -> Path:
+        return self.root / str(uid) / f"{run_id}.jsonl"
+
+    @staticmethod
+    def point(line: bytes) -> tuple[int, str, str]:
+        """One line's (entries, head, job); ValueError (or TypeError, KeyError, RecursionError) for
+        anything else."""
+        point = json.loads(line)
+        return int(point["entries"]), str(point["head"]), str(point["job_id"])
+
     @contextlib.contextmanager
     def points(self, uid: int, run_id: str):
         """The run's signed points as (points [[entries, head], ...], the job that first signed, a
@@ -153,9 +163,9 @@ class Ledger:
         if self.root is None:
             yield [], None, lambda *_: None
             return
-        folder = self.root / str(uid)
-        folder.mkdir(mode=0o755, exist_ok=True)
-        descriptor = os.open(folder / f"{run_id}.jsonl", os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+        path = self.path(uid, run_id)
+        path.parent.mkdir(mode=0o755, exist_ok=True)
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
         with os.fdopen(descriptor, "r+b") as handle:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
             handle.seek(0)
@@ -165,8 +175,7 @@ class Ledger:
             found, first_job = [], None
             for line in text.splitlines():
                 try:
-                    point = json.loads(line)
-                    entries, head, job = int(point["entries"]), str(point["head"]), str(point["job_id"])
+                    entries, head, job = self.point(line)
                 except (ValueError, TypeError, KeyError, RecursionError):
                     raise Refused(f"the ledger of run {run_id} has a line that is not a point: ask the admins "
                                   "(the signer signs nothing on a history it cannot read)") from None

@@ -28,7 +28,7 @@ from toolkit.receipts.chain import (
     read_receipt,
 )
 from toolkit.receipts.keys import public_key_bytes, verify_signature
-from toolkit.receipts.signer import LEDGER_MAX_BYTES, REPLY_MAX_BYTES
+from toolkit.receipts.signer import LEDGER_MAX_BYTES, REPLY_MAX_BYTES, Ledger
 from toolkit.runs.layout import RunLayout
 from toolkit.shared_dirs import open_regular, user_name
 
@@ -218,15 +218,14 @@ def ledger_points(signing: ReceiptSigning, layout: RunLayout) -> list[list]:
         return []
     try:
         owner = os.stat(layout.root).st_uid
-        with open_regular(Path(signing.ledger) / str(owner) / f"{layout.root.name}.jsonl") as handle:
+        with open_regular(Ledger(Path(signing.ledger)).path(owner, layout.root.name)) as handle:
             text = handle.read(LEDGER_MAX_BYTES + 1)
     except OSError:
         return []
     points = []
     for line in text.splitlines():
         with contextlib.suppress(ValueError, TypeError, KeyError, RecursionError):
-            point = json.loads(line)
-            points.append([int(point["entries"]), str(point["head"])])
+            points.append(list(Ledger.point(line)[:2]))
     return points
 
 

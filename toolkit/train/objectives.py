@@ -35,13 +35,9 @@ class Sft:
         return engine(**batch).loss, None
 
     def unit_losses(self, engine, batch: dict):
-        import torch.nn.functional as F
-
         logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        labels = batch["labels"][:, 1:]
-        mask = (labels != -100).float()
-        nll = F.cross_entropy(logits[:, :-1, :].transpose(1, 2).float(), labels.clamp(min=0), reduction="none")
-        return (nll * mask).sum(-1), mask.sum(-1), None
+        tokens = (batch["labels"][:, 1:] != -100).sum(-1)
+        return -sequence_logps(logits.float(), batch["labels"]), tokens, None  # fp32: bf16 sums drift
 
 
 def sequence_logps(logits, labels):

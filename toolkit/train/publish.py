@@ -5,7 +5,6 @@ log and in eval.json, and the adapter stays in the run's output folder."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 
@@ -22,10 +21,9 @@ def publish(layout: RunLayout, recipe: Recipe, evaluation: dict | None, step: in
     try:
         registry = register(layout, recipe, evaluation, log) if recipe.method.kind in ADAPTERS else None
         if evaluation is not None and registry is not None:
-            from toolkit.shared_dirs import write_atomically
+            from toolkit.train.evaluation import write_json
 
-            write_atomically(layout.evaluation, json.dumps(evaluation | {"registry": registry}, indent=2) + "\n",
-                             mode=0o644)
+            write_json(layout.evaluation, evaluation | {"registry": registry})
     except (FtError, OSError) as exc:  # a full disk, a stale handle: the run's adapter is made all the same
         log(f"the registry's part of the run's end did not complete: {getattr(exc, 'message', exc)}")
     finally:
