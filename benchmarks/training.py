@@ -9,7 +9,9 @@ data, batches and DeepSpeed configuration:
 
 Robust on a shared, noisy machine: --pairs alternating bare / ft runs (the order flips every pair,
 so drift hits both sides alike), the first --warmup steps of every run excluded, and the median
-ratio printed with its spread (target: ft >= 0.97x the bare loop). Steps are timed as they finish:
+ratio printed with its spread (target: ft >= 0.97x the bare loop). With --control every pair runs
+the bare loop twice (the three runs rotated): the second's ratio to the first is what identical
+code scatters to on this machine, the floor under any figure the pairs give. Steps are timed as they finish:
 the bare loop stamps each (synchronising the GPU at the two stamps the rate is taken between); on
 the CPU ft's metrics.jsonl lines carry their step's end, on a GPU they are stamped as they appear,
 which is when ft reads its losses (every 10 steps, a synchronisation): --warmup and --steps are
@@ -21,7 +23,8 @@ checkpoint costs against a bare synchronous engine.save_checkpoint of the same s
 checkpoints cost at ft's default cadence (every 100 steps; target <= 1% of wall clock).
 The model is a Llama of --hidden x --layers, fully fine-tuned, so a checkpoint holds hundreds of
 MB (weights and Adam state).
-    python benchmarks/training.py [--pairs 5] [--steps 40] [--warmup 10] [--hidden 768] [--layers 6]
+    python benchmarks/training.py [--pairs 5] [--steps 40] [--warmup 10] [--hidden 768] [--layers 6] [--control]
+    python benchmarks/training.py --hidden 64 --layers 2 --steps 300 --warmup 50 --control   # host-bound steps
     python benchmarks/training.py --device cuda --hidden 2048 --layers 8      # on a GPU
 """
 
@@ -265,10 +268,10 @@ def rate_after_warmup(result: dict, warmup: int) -> float:
     return (tokens[-1] - tokens[warmup - 1]) / (stamps[-1] - stamps[warmup - 1])
 
 
-def run_bare(work: Path, model: Path, args, pair: int) -> dict:
+def run_bare(work: Path, model: Path, args, checkpoint: str) -> dict:
     recipe_path = work / "bare.json"
     recipe_path.write_text(json.dumps(spec_for(model, args.steps, None, args.device)))
-    output = subprocess.run([sys.executable, "-c", BARE_LOOP, str(recipe_path), str(work / f"bare-ckpt-{pair}"),
+    output = subprocess.run([sys.executable, "-c", BARE_LOOP, str(recipe_path), str(work / checkpoint),
                              str(args.warmup)], env=environment(work, 29611, args.device), check=True,
                             capture_output=True, text=True, cwd=CODE)
     return json.loads(output.stdout.strip().splitlines()[-1])
@@ -296,6 +299,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10, help="checkpoint cadence of the checkpoint run, in steps")
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--control", action="store_true",
+                        help="run the bare loop a second time in every pair: its ratio to the first is the noise floor")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: one GPU, NCCL, bf16 (give a larger --hidden/--layers)")
     args = parser.parse_args()
@@ -309,11 +314,11 @@ def main() -> None:
         CODE = work / "code"
         shutil.copytree(REPO / "toolkit", CODE / "toolkit", ignore=shutil.ignore_patterns("__pycache__"))
         model = build_model(work, args.hidden, args.layers)
-        ratios, bare_rates, ft_rates, bare_saves = [], [], [], []
+        ratios, controls, bare_rates, ft_rates, bare_saves = [], [], [], [], []
         for pair in range(args.pairs):
             results = {}
-            for side in (("bare", "ft") if pair % 2 == 0 else ("ft", "bare")):
-                results[side] = (run_bare(work, model, args, pair) if side == "bare"
+            for side in pair_order(pair, args.control):
+                results[side] = (run_bare(work, model, args, f"{side}-ckpt-{pair}") if side in ("bare", "control")
                                  else run_ft(work, f"ft-plain-{pair}", spec_for(model, args.steps, None, args.device),
                                              29621, args.device))
             bare_rate, ft_rate = (rate_after_warmup(results[side], args.warmup) for side in ("bare", "ft"))
@@ -321,19 +326,30 @@ def main() -> None:
             ft_rates.append(ft_rate)
             ratios.append(ft_rate / bare_rate)
             bare_saves.append(results["bare"]["save_seconds"])
-            saved = work / f"bare-ckpt-{pair}"
-            state_mb = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file()) / 2**20
-            shutil.rmtree(saved)  # a larger model's state is many GB: keep one on disk at a time
-            print(f"  pair {pair + 1}/{args.pairs} ({'bare first' if pair % 2 == 0 else 'ft first'}): bare "
-                  f"{bare_rate:7.0f} tok/s, ft {ft_rate:7.0f} tok/s, x{ft_rate / bare_rate:.3f}", flush=True)
+            state_mb = sum(f.stat().st_size for f in (work / f"bare-ckpt-{pair}").rglob("*") if f.is_file()) / 2**20
+            for saved in work.glob(f"*-ckpt-{pair}"):  # a larger model's state is many GB: one on disk at a time
+                shutil.rmtree(saved)
+            line = (f"  pair {pair + 1}/{args.pairs} ({', '.join(pair_order(pair, args.control))}): bare "
+                    f"{bare_rate:7.0f} tok/s, ft {ft_rate:7.0f} tok/s, x{ft_rate / bare_rate:.3f}")
+            if args.control:
+                controls.append(rate_after_warmup(results["control"], args.warmup) / bare_rate)
+                line += f"; bare again x{controls[-1]:.3f}"
+            print(line, flush=True)
         pieces, cache = measure_pieces(work, model, args)
         checkpointed = run_ft(work, "ft-ckpt", spec_for(model, args.steps, args.every, args.device), 29631,
                               args.device)
 
-    report(args, ratios, bare_rates, ft_rates, bare_saves, pieces, cache, checkpointed, state_mb)
+    report(args, ratios, controls, bare_rates, ft_rates, bare_saves, pieces, cache, checkpointed, state_mb)
 
 
-def report(args, ratios, bare_rates, ft_rates, bare_saves, pieces, cache, checkpointed, state_mb) -> None:
+def pair_order(pair: int, control: bool) -> list[str]:
+    """The runs of one pair, rotated every pair so that drift over the run hits every side alike."""
+    sides = ["bare", "ft", "control"] if control else ["bare", "ft"]
+    turn = pair % len(sides)
+    return sides[turn:] + sides[:turn]
+
+
+def report(args, ratios, controls, bare_rates, ft_rates, bare_saves, pieces, cache, checkpointed, state_mb) -> None:
     median = statistics.median(ratios)
     tokens_per_step = checkpointed["step_tokens"][-1] / args.steps  # the same batches in every run
     step_seconds = tokens_per_step / statistics.median(bare_rates)
@@ -343,6 +359,9 @@ def report(args, ratios, bare_rates, ft_rates, bare_saves, pieces, cache, checkp
     print(f"  ft worker       {statistics.median(ft_rates):9.0f} tokens/s (median)")
     print(f"  ratio           x{median:.3f} median, spread x{min(ratios):.3f} .. x{max(ratios):.3f} "
           f"({'met' if median >= 0.97 and args.pairs >= 5 else 'MISSED'} target >= 0.97x over >= 5 pairs)")
+    if controls:  # the same bare loop against itself: how far apart two runs of identical code land here
+        print(f"  bare vs bare    x{statistics.median(controls):.3f} median, spread x{min(controls):.3f} .. "
+              f"x{max(controls):.3f} (the noise floor: identical code, the same pairs)")
     print(f"  per-step cost of what ft adds (a step of the bare loop: {step_seconds * 1e3:.1f} ms):")
     for piece, seconds in pieces.items():
         print(f"    {piece:48s} {seconds * 1e6:9.1f} us  ({seconds / step_seconds * 100:.3f}% of a step)")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from toolkit.lab import lifecycle
+from toolkit.lab.processes import daemon_pid
 from toolkit.lab.provision import run_playbook
 from toolkit.slurm import commands
 
@@ -19,13 +20,6 @@ pytestmark = pytest.mark.whole_lab  # its playbooks and `ft lab up` act on every
 
 def ft(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, timeout=300)
-
-
-def test_second_playbook_run_changes_nothing(whole_lab):
-    result = run_playbook("lab.yml", lifecycle.lab_vars(None, None, whole_lab))
-
-    assert result.ok, result.error
-    assert result.changed == 0, f"tasks that changed on a provisioned lab: {result.changed_tasks}"
 
 
 def test_check_mode_shows_a_config_change_as_a_diff_and_changes_nothing(whole_lab):
@@ -96,6 +90,32 @@ def test_lab_up_after_a_node_crash_heals_the_node_without_the_whole_playbook(who
     assert outcome.playbook is not None and "lab-heal" in outcome.playbook.log_path.name
     assert Path(whole_lab.slurm_conf).stat().st_mtime_ns == before
     assert lifecycle.up().playbook is None  # healed: the next `ft lab up` has nothing to do
+
+
+def test_a_second_run_changes_nothing_but_a_daemon_on_code_older_than_the_checkout(whole_lab):
+    """The playbook is idempotent, and `ft lab up` restarts an ft daemon whose code changed, alone."""
+    signer, exporter = (next(d for d in whole_lab.daemons if d.name == name)
+                        for name in ("ft-signer", "ft-cluster-metrics"))
+    record = Path(signer.code)
+    written = json.loads(record.read_text())
+    pids = {daemon.name: daemon_pid(daemon) for daemon in (signer, exporter)}
+    # As if ft's code the signer loaded had changed since it started (the test changes no code).
+    record.write_text(json.dumps({**written, "digest": "0" * 64}))
+
+    shown = json.loads(ft("lab", "status", "--json").stdout)
+    assert shown["problems"] == ["ft-signer runs ft's code from before it last changed: `ft lab up` restarts it"]
+    assert [d["stale"] for d in shown["daemons"] if d["name"] == "ft-signer"] == [True]
+
+    outcome = lifecycle.up()
+
+    assert outcome.status.healthy, outcome.status.problems
+    assert outcome.playbook is not None and outcome.playbook.ok, outcome.playbook.error
+    assert outcome.playbook.changed_tasks == ["ft_signer : The record of ft's code the receipt signer loads",
+                                              "ft_signer : Start the receipt signer (no systemd)"]
+    assert json.loads(record.read_text()) == written  # the record of the code it runs now
+    assert daemon_pid(signer) not in (None, pids["ft-signer"])  # restarted
+    assert daemon_pid(exporter) == pids["ft-cluster-metrics"]  # its code did not change: left alone
+    assert lifecycle.up().playbook is None
 
 
 def test_lab_status_json_lists_every_daemon_and_node(whole_lab):

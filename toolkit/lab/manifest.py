@@ -28,6 +28,7 @@ class LabDaemon:
     pidfile: str
     netns: str | None = None
     node: str | None = None
+    code: str | None = None  # ft's own daemons: the JSON list of ft's files it loads (toolkit/code_files.py)
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,8 @@ class LabManifest:
             shared_dir=raw["shared_dir"],
             log_dir=raw["log_dir"],
             daemons=tuple(
-                LabDaemon(d["name"], d["exe"], d["pidfile"], d.get("netns"), d.get("node")) for d in raw["daemons"]
+                LabDaemon(d["name"], d["exe"], d["pidfile"], d.get("netns"), d.get("node"), d.get("code"))
+                for d in raw["daemons"]
             ),
             users=tuple(raw.get("users", ())),
             object_store=LabObjectStore(store["url"], dict(store["buckets"]), store["access_key"],

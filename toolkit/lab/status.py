@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
-from toolkit.lab.manifest import LabManifest
+from toolkit.code_files import runs_old_code
+from toolkit.lab.manifest import LabDaemon, LabManifest
 from toolkit.lab.processes import daemon_pid, netns_exists
 from toolkit.slurm.client import CliSlurmClient
 from toolkit.slurm.commands import SlurmUnavailable
@@ -19,6 +20,7 @@ class DaemonStatus:
     name: str
     pid: int | None
     node: str | None = None
+    stale: bool = False  # ft's code it loaded has changed since (toolkit/code_files.py)
 
     @property
     def running(self) -> bool:
@@ -108,13 +110,21 @@ def slurm_nodes(manifest: LabManifest) -> dict[str, dict]:
     return {node["name"]: node for node in CliSlurmClient(timeout=10).nodes()}
 
 
+def daemon_status(daemon: LabDaemon) -> DaemonStatus:
+    pid = daemon_pid(daemon)
+    stale = pid is not None and daemon.code is not None and runs_old_code(daemon.code)
+    return DaemonStatus(daemon.name, pid, daemon.node, stale)
+
+
 def collect(manifest: LabManifest) -> LabStatus:
     """Check the lab without changing it. Never touches a lab address unless the bridge is up."""
     problems: list[str] = []
-    daemons = [DaemonStatus(d.name, daemon_pid(d), d.node) for d in manifest.daemons]
+    daemons = [daemon_status(d) for d in manifest.daemons]
     for daemon in daemons:
         if not daemon.running:
             problems.append(f"{daemon.name} is not running")
+        elif daemon.stale:
+            problems.append(f"{daemon.name} runs ft's code from before it last changed: `ft lab up` restarts it")
     has_bridge = bridge_up(manifest.bridge)
     if not has_bridge:
         problems.append(f"bridge {manifest.bridge} is down")

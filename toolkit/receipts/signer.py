@@ -44,13 +44,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.errors import FtError
+from toolkit.privileges import drop_privileges
 from toolkit.receipts import keys
 from toolkit.receipts.chain import SHA256_PATTERN, ReceiptError, canonical
 from toolkit.runs.layout import RUN_ID_PATTERN
 from toolkit.shared_dirs import login_name
 from toolkit.slurm import commands
 from toolkit.watch import run_targets
-from toolkit.watch.cluster_metrics import drop_privileges
 
 REQUEST_MAX_BYTES = 4096
 LEDGER_MAX_BYTES = 4 << 20

@@ -29,7 +29,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.cluster.profile import load_profile
 from toolkit.errors import FtError
+from toolkit.privileges import drop_privileges
 from toolkit.slurm import commands
 from toolkit.slurm.commands import slurm_time
 from toolkit.watch import run_targets
@@ -199,17 +201,6 @@ class RunPublisher:
                 return
 
 
-def drop_privileges(user: str) -> None:
-    """Become `user` for good (started as root: ft's Python may sit where only root reads). Everything
-    the exporter needs is imported and has served once before this (main)."""
-    account = pwd.getpwnam(user)
-    os.setgroups([])
-    os.setgid(account.pw_gid)
-    os.setuid(account.pw_uid)
-    if os.getuid() != account.pw_uid or os.geteuid() != account.pw_uid:
-        raise SystemExit(f"could not become {user}")
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m toolkit.watch.cluster_metrics",
                                      description="Serve the cluster's metrics for Prometheus, and publish "
@@ -222,8 +213,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--user", default=None, help="started as root: become this user once serving")
     options = parser.parse_args(argv)
     from prometheus_client import CollectorRegistry, start_http_server
-
-    from toolkit.cluster.profile import load_profile
 
     profile = load_profile(options.cluster or None)
     tiers = {target.partition: tier for tier, target in profile.tiers.items()}
