@@ -234,8 +234,8 @@ def _fetch_tokenizer(name: str, models_url: str, cache: Path) -> Path | None:
     """The store's trouble (no such model, credentials, the endpoint) raises: `within` makes it None."""
     import fsspec
 
-    from toolkit.checkpoint.manifest import sha256_file
     from toolkit.checkpoint.remote import read_manifest
+    from toolkit.digests import sha256_file
 
     target = cache / "tokenizers" / name
     if (target / "tokenizer.json").is_file():

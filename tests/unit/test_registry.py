@@ -147,7 +147,7 @@ def test_a_huge_adapter_is_refused_before_a_byte_is_read(registry, tmp_path):
 def test_a_file_that_grows_while_it_is_copied_is_refused(tmp_path):
     path = tmp_path / "weights"
     path.write_bytes(b"x" * 100)
-    descriptor, size = adapter.open_regular(path)
+    descriptor, size = adapter.open_descriptor(path)
     try:
         with open(path, "ab") as more:
             more.write(b"y")

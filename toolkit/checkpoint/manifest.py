@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.digests import sha256_file
+
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 4 << 20
 TAG_PATTERN = re.compile(r"step-(\d{8,12})")
@@ -28,14 +30,6 @@ def step_of(tag: str) -> int:
 
 def is_tag(name: str) -> bool:
     return TAG_PATTERN.fullmatch(name) is not None
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def lineage_of(recipe) -> str:

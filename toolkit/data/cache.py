@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.cache_entries import discard, exclusive
+from toolkit.digests import sha256_stream
 
 FLUSH_EVERY = 1 << 20  # values buffered before they go to disk: memory stays bounded
 FILES = {"tokens": "i", "labels": "i", "offsets": "q", "eval": "B"}  # name -> array typecode
@@ -44,17 +45,10 @@ def file_digest(url: str) -> str:
     if known in _DIGESTS:
         return _DIGESTS[known]
     with fsspec.open(url, "rb") as handle:
-        digest = stream_digest(handle)
+        digest = sha256_stream(handle)[1]
     if known:
         _DIGESTS[known] = digest
     return digest
-
-
-def stream_digest(handle) -> str:
-    digest = hashlib.sha256()
-    for block in iter(lambda: handle.read(1 << 22), b""):
-        digest.update(block)
-    return digest.hexdigest()
 
 
 def describe_files(folder: Path, digests: bool = True) -> dict:
@@ -64,7 +58,7 @@ def describe_files(folder: Path, digests: bool = True) -> dict:
         with open(folder / f"{name}.bin", "rb") as handle:
             described[name] = {"bytes": os.fstat(handle.fileno()).st_size}
             if digests:
-                described[name]["sha256"] = stream_digest(handle)
+                described[name]["sha256"] = sha256_stream(handle)[1]
     return described
 
 

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.digests import sha256_stream
 from toolkit.errors import FtError
 from toolkit.runs.layout import RunLayout
 from toolkit.runs.store import locked
@@ -39,7 +40,6 @@ GENESIS = "0" * 64
 ENTRY_KEYS = {"seq", "kind", "time", "body", "artifacts", "prev", "hash"}
 MAX_ENTRY_BYTES = 1 << 20  # a body and a folder's file list; a longer line is no entry of ft's
 MAX_RECEIPT_BYTES = 64 << 20  # thousands of entries; a larger file is refused, not read
-HASH_BLOCK = 1 << 20
 KIND_PATTERN = re.compile(r"[a-z][a-z0-9_-]{0,39}")
 SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
 # The signer asks Slurm (squeue, 10 s at most) before it answers; the seal holds the receipt's lock
@@ -99,13 +99,8 @@ def read_receipt(path: Path) -> bytes:
 
 def file_digest(path: Path) -> tuple[int, str]:
     """A regular file's size and sha256 (OSError for a FIFO or a device in its place)."""
-    digest, size = hashlib.sha256(), 0
-    buffer = bytearray(HASH_BLOCK)
     with open_regular(path) as handle:
-        while count := handle.readinto(buffer):
-            digest.update(memoryview(buffer)[:count])
-            size += count
-    return size, digest.hexdigest()
+        return sha256_stream(handle)
 
 
 def folder_files(folder: Path, limit: int | None = None) -> list[str]:

@@ -85,7 +85,7 @@ def adapter_files(folder: Path) -> list[str]:
     return sorted(names)
 
 
-def open_regular(path: Path) -> tuple[int, int]:
+def open_descriptor(path: Path) -> tuple[int, int]:
     """A file opened for reading only when it is a regular one, never through a symlink; with its size."""
     descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     info = os.fstat(descriptor)
@@ -123,7 +123,7 @@ def copy_in(source: Path, names: list[str], destination: Path) -> dict[str, File
     copied, within the registry's bound on bytes."""
     files, budget = {}, MAX_ADAPTER_BYTES
     for name in names:
-        descriptor, size = open_regular(source / name)
+        descriptor, size = open_descriptor(source / name)
         try:
             if size > budget:
                 raise AdapterRefused(f"{source} grew past the registry's {MAX_ADAPTER_BYTES >> 30} GiB for one adapter")
@@ -140,7 +140,7 @@ def copy_in(source: Path, names: list[str], destination: Path) -> dict[str, File
 
 
 def digest_of(path: Path, write: Callable[[bytes], object] | None = None) -> FileDigest:
-    descriptor, size = open_regular(path)
+    descriptor, size = open_descriptor(path)
     try:
         return stream(descriptor, size, path, write)
     finally:
@@ -150,7 +150,7 @@ def digest_of(path: Path, write: Callable[[bytes], object] | None = None) -> Fil
 def read_bounded(path: Path, limit: int) -> bytes:
     """A small file of the registry (a record, a handoff), read only when it is a regular one of at most
     `limit` bytes."""
-    descriptor, size = open_regular(path)
+    descriptor, size = open_descriptor(path)
     try:
         if size > limit:
             raise OSError(f"{path} is over {limit} bytes")

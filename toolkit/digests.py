@@ -1,0 +1,25 @@
+"""SHA-256 of a file's bytes, read in blocks (a checkpoint shard or a dataset is never held whole in
+memory): the one streaming hasher under checkpoint manifests, the token cache's keys and entries,
+the model cache, and receipts. The registry reads exactly a file's size on its own descriptor
+(toolkit/registry/adapter.py: a file that grows or shrinks while read is refused there)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+BLOCK = 1 << 22
+
+
+def sha256_stream(handle) -> tuple[int, str]:
+    """Size and SHA-256 of what a binary file object holds from where it stands to its end."""
+    digest, size = hashlib.sha256(), 0
+    for block in iter(lambda: handle.read(BLOCK), b""):
+        digest.update(block)
+        size += len(block)
+    return size, digest.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return sha256_stream(handle)[1]
