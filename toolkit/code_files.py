@@ -33,12 +33,15 @@ def loaded_by(module: str) -> list[str]:
 
 
 def digest(files: list[str]) -> str:
-    """Of the files' paths and contents; a file that cannot be read counts as such, not as an error."""
+    """Of the files' paths and contents; a file gone (or not a file) counts as such, not as an error.
+    PermissionError is raised: this user cannot tell what the file holds."""
     hashed = hashlib.sha256()
     for file in files:
         hashed.update(file.encode() + b"\0")
         try:
             hashed.update(hashlib.sha256(Path(file).read_bytes()).digest())
+        except PermissionError:
+            raise
         except OSError:
             hashed.update(b"<unreadable>")
     return hashed.hexdigest()
@@ -50,10 +53,16 @@ def record(modules: list[str]) -> dict:
 
 
 def runs_old_code(record_path: str) -> bool:
-    """The record's files no longer hash to its digest (or there is no readable record)."""
+    """The record's files no longer hash to its digest, or there is no record to read. False where
+    this user may not read the record or a file of it: only one who can read them can tell (root)."""
     try:
         written = json.loads(Path(record_path).read_text())
-        return digest(list(written["files"])) != written["digest"]
+        files = written["files"]
+        if not isinstance(files, list) or not all(isinstance(file, str) for file in files):
+            return True
+        return digest(files) != written["digest"]
+    except PermissionError:
+        return False
     except (OSError, ValueError, KeyError, TypeError):
         return True
 

@@ -66,6 +66,36 @@ def test_a_changed_missing_or_renamed_file_and_a_bad_record_all_mean_old_code(tm
     assert runs_old_code(str(tmp_path / "missing.code"))
 
 
+def test_a_user_who_cannot_read_the_code_cannot_tell_and_says_nothing():
+    with tempfile.TemporaryDirectory() as scratch:  # /tmp: a folder another user can reach
+        Path(scratch).chmod(0o755)
+        said_to_nobody(Path(scratch))
+
+
+def said_to_nobody(tmp_path: Path) -> None:
+    code = tmp_path / "module.py"
+    code.write_text("X = 1\n")
+    record = tmp_path / "daemon.code"
+    record.write_text(json.dumps({"files": [str(code)], "digest": "0" * 64}))  # stale, to root
+    record.chmod(0o644)
+    code.chmod(0o600)  # root's alone
+    assert runs_old_code(str(record))
+
+    def as_nobody(path: Path) -> str:
+        found = subprocess.run(
+            ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-c",
+             "import sys; from toolkit.code_files import runs_old_code; print(runs_old_code(sys.argv[1]))", str(path)],
+            capture_output=True, text=True, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": os.environ["PATH"]})
+        assert found.returncode == 0, found.stderr
+        return found.stdout.strip()
+
+    assert as_nobody(record) == "False"  # the file is unreadable to nobody: no false alarm
+    code.chmod(0o644)
+    assert as_nobody(record) == "True"  # readable, and changed since the record: said
+    record.chmod(0o600)
+    assert as_nobody(record) == "False"  # nor can a user who may not read the record tell
+
+
 def test_the_lab_status_says_a_running_daemon_runs_old_code_and_only_a_running_one(tmp_path):
     code = tmp_path / "module.py"
     code.write_text("X = 1\n")
