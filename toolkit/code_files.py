@@ -22,6 +22,8 @@ import json
 import sys
 from pathlib import Path
 
+from toolkit.digests import sha256_file
+
 
 def loaded_by(module: str) -> list[str]:
     """ft's source files loaded once `module` is imported (at module level: a daemon's module
@@ -39,7 +41,7 @@ def digest(files: list[str]) -> str:
     for file in files:
         hashed.update(file.encode() + b"\0")
         try:
-            hashed.update(hashlib.sha256(Path(file).read_bytes()).digest())
+            hashed.update(sha256_file(Path(file)).encode())
         except PermissionError:
             raise
         except OSError:

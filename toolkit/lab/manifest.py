@@ -28,7 +28,7 @@ class LabDaemon:
     pidfile: str
     netns: str | None = None
     node: str | None = None
-    code: str | None = None  # ft's own daemons: the JSON list of ft's files it loads (toolkit/code_files.py)
+    code: str | None = None  # ft's own daemons: the record of ft's files it loads (toolkit/code_files.py)
 
 
 @dataclass(frozen=True)
