@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from toolkit.slurm.commands import CommandResult, SlurmUnavailable
-from toolkit.watch.cluster_metrics import ClusterCollector, parse_jobs, parse_nodes
+from toolkit.slurm.jobs import parse_queue, parse_queue_lines
+from toolkit.slurm.nodes import parse_node_states
+from toolkit.watch.cluster_metrics import ClusterCollector
 
 NOW = datetime(2026, 11, 24, 12, 0, 0).timestamp()
 SINFO = """node1|idle|none
@@ -79,10 +81,10 @@ def test_a_silent_controller_is_said_and_no_stale_numbers_are_kept():
 
 
 def test_parsers_take_slurms_odd_values():
-    assert parse_nodes("n1|draining|maintenance\n\nbad line\n")["n1"].drained
-    states = parse_nodes("n2|reserved|none\nn3|planned|none\nn4|down*|Not responding\nn5|mixed-|none\n")
+    assert parse_node_states("n1|draining|maintenance\n\nbad line\n")["n1"].drained
+    states = parse_node_states("n2|reserved|none\nn3|planned|none\nn4|down*|Not responding\nn5|mixed-|none\n")
     assert [states[n].up for n in ("n2", "n3", "n4", "n5")] == [True, True, False, True]
-    assert parse_jobs("p|PENDING|Unknown|Priority|\n")[0].eligible is None
+    assert parse_queue_lines("p|PENDING|Unknown|Priority|\n")[0].eligible is None
 
 
 def test_the_exporter_serves_prometheus_text_over_http(tmp_path):
@@ -166,7 +168,7 @@ def test_only_claims_slurm_vouches_for_are_published_with_slurms_labels(tmp_path
     claim(claims, "alice-llama.42-00000003.json", users["alice"], body="[" * 4000)  # deep enough to exhaust a parser
     claim(claims, "alice-llama.42-00000004.json", users["alice"], body=" " * 5000)
     (claims / "alice-llama.42-00000005.json").symlink_to(claims / "alice-llama.42.json")
-    jobs = run_targets.parse_running(RUNNING)
+    jobs = run_targets.ft_running(parse_queue(RUNNING))
     assert set(jobs) == {"42", "43"}  # 44 is not ft's, 45 names no run, 46 waits, 47's comment is no run
     groups, refusals = run_targets.verified_targets(claims, jobs)
     assert groups == [{"targets": ["node3:40001"],
@@ -182,7 +184,7 @@ def test_only_claims_slurm_vouches_for_are_published_with_slurms_labels(tmp_path
     assert run_targets.verified_targets(claims, jobs)[0][0]["targets"] == ["node3:40002"]
     doubled = json.loads(RUNNING)
     doubled["jobs"].append(dict(doubled["jobs"][0], user_name="bob"))  # job 42 twice: no one's
-    assert set(run_targets.parse_running(json.dumps(doubled))) == {"43"}
+    assert set(run_targets.ft_running(parse_queue(json.dumps(doubled)))) == {"43"}
     published = tmp_path / "published"
     published.mkdir()
     assert run_targets.publish(published, groups) and not run_targets.publish(published, groups)  # unchanged: kept

@@ -22,7 +22,8 @@ from toolkit.cluster.profile import (
     update_user_entry,
 )
 from toolkit.cluster.propose import Answers, propose
-from toolkit.slurm.commands import CommandResult
+from toolkit.slurm import nodes as slurm_nodes
+from toolkit.slurm.commands import CommandResult, SlurmCommandError
 
 # `scontrol show partition --oneliner` as the lab's Slurm 22.05 printed it, shortened, plus a site's
 # GPU partitions: one only some accounts may use, one down.
@@ -51,11 +52,16 @@ tmpfs /tmp tmpfs rw 0 0
 
 
 def recorded(outputs: dict[str, tuple[int, str]]):
-    def run(argv: list[str]) -> CommandResult:
+    """A command runner (commands.run's signature) that answers with recorded outputs."""
+    def run(argv: list[str], timeout: float = 20, check: bool = True) -> CommandResult:
+        result = CommandResult(tuple(argv), 1, "", "not recorded")
         for prefix, (code, text) in outputs.items():
             if " ".join(argv).startswith(prefix):
-                return CommandResult(tuple(argv), code, text if code == 0 else "", "" if code == 0 else text)
-        return CommandResult(tuple(argv), 1, "", "not recorded")
+                result = CommandResult(tuple(argv), code, text if code == 0 else "", "" if code == 0 else text)
+                break
+        if check and result.returncode != 0:
+            raise SlurmCommandError(f"`{' '.join(argv)}` failed: {result.stderr}")
+        return result
     return run
 
 
@@ -66,15 +72,15 @@ SITE = {"sinfo --version": (0, "slurm 23.11.4\n"), "scontrol show partition": (0
 
 
 def test_partitions_gres_and_mounts_are_read_from_slurms_own_formats():
-    partitions = discovery.parse_partitions(PARTITIONS)
+    partitions = slurm_nodes.parse_partitions(PARTITIONS)
     assert partitions["cpu"].default and partitions["cpu"].max_nodes is None
     assert partitions["gpu"].max_nodes == 16 and partitions["gpu"].admits("physics", None)
     assert partitions["gpu"].admits("ml", None) is None
     assert partitions["high"].admits("ml", "low") and partitions["old"].state == "DOWN"
-    assert discovery.parse_gres("gpu:h100:8(S:0-1),nic:2") == (8, "h100")
-    assert discovery.parse_gres("gpu:4") == (4, "") and discovery.parse_gres("(null)") == (0, "")
-    assert discovery.parse_gres("gpu:a100:4(S:0),gpu:a100:4(S:1)") == (8, "a100")
-    nodes = discovery.parse_nodes(NODES)
+    assert slurm_nodes.parse_gres("gpu:h100:8(S:0-1),nic:2") == (8, "h100")
+    assert slurm_nodes.parse_gres("gpu:4") == (4, "") and slurm_nodes.parse_gres("(null)") == (0, "")
+    assert slurm_nodes.parse_gres("gpu:a100:4(S:0),gpu:a100:4(S:1)") == (8, "a100")
+    nodes = slurm_nodes.parse_node_gres(NODES)
     assert nodes["gpu1"].partitions == ["gpu", "high"] and nodes["cpu1"].partitions == ["cpu"]
     assert discovery.shared_filesystems(MOUNTS, {"SCRATCH": "/scratch/me", "WORK": "relative"}) == [
         "/fsx", "/home", "/scratch/me"]

@@ -15,7 +15,7 @@ from toolkit.cli import live
 from toolkit.runs.status import RunStatus
 from toolkit.runs.store import RunRecord
 from toolkit.slurm.client import JobInfo
-from toolkit.watch.cluster_metrics import parse_nodes
+from toolkit.slurm.nodes import parse_node_states
 
 
 def status(run_dir: Path, state: str, timeline: dict | None = None) -> RunStatus:
@@ -37,7 +37,7 @@ def test_a_frame_shows_progress_eta_faults_and_the_nodes(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     timeline = {"starts": 2, "goodput": 0.8, "wall_s": 300,
                 "faults": [{"time": now - 100, "event": "node_lost", "node": "node2", "reason": "no heartbeat"}]}
-    nodes = parse_nodes("node1|allocated|none\nnode2|drained|ft-health: gpu 2 ECC\n")
+    nodes = parse_node_states("node1|allocated|none\nnode2|drained|ft-health: gpu 2 ECC\n")
     text = drawn(live.frame(status(tmp_path, "RUNNING", timeline), nodes, now, now))
     assert "run r1" in text and "RUNNING" in text and "job 42" in text
     assert "50/120" in text and "1.5000" in text and "100" in text  # step, loss, tokens/s
@@ -72,6 +72,6 @@ def test_escape_sequences_from_the_runs_files_never_reach_the_terminal(tmp_path)
     current = status(tmp_path, "RUNNING", timeline)
     current.checkpoints = {"shared": {"step": 3}, "remote": {"url": f"s3://b{hostile}", "step": None,
                                                              "error": hostile, "retrying": True}}
-    text = drawn(live.frame(current, parse_nodes(f"n1|drained|{hostile}\n"), now, now))
+    text = drawn(live.frame(current, parse_node_states(f"n1|drained|{hostile}\n"), now, now))
     assert "\x1b]" not in text and "\x1b[2J" not in text and "pwned" in text  # shown, made harmless
     assert "4/" not in text  # an absurd plan (a 400-digit "of") is no plan

@@ -106,3 +106,41 @@ def test_run_directory_names_are_spelled_only_by_the_layout():
     template = (TOOLKIT.parent / "sbatch_templates" / "job.sbatch.j2").read_text()
     offenders += [("sbatch_templates/job.sbatch.j2", name) for name in names if name in template]
     assert offenders == []
+
+
+SLURM_COMMANDS = {"sacct", "sacctmgr", "salloc", "sattach", "sbatch", "sbcast", "scancel", "scontrol", "sdiag",
+                  "sinfo", "sprio", "squeue", "sreport", "srun", "sshare", "sstat", "strigger", "scrontab"}
+# Keys of Slurm's JSON answers (squeue, sacct, sinfo --json) that differ between versions.
+SLURM_JSON_KEYS = {"job_state", "state_reason", "tres_req_str", "tres_alloc_str", "batch_host", "user_name",
+                   "restart_cnt", "data_parser", "state_flags", "gres_used"}
+
+
+def non_doc_strings(tree) -> list:
+    import ast
+
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+                  and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [node for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+
+
+def test_only_toolkit_slurm_spells_slurm_commands_or_reads_slurms_json():
+    """One home for Slurm (toolkit/slurm: a module per concern, the version differences inside it):
+    no other module names a Slurm command in a string (an argv's first word, or a command line) or
+    reads a key of Slurm's JSON. The job script's template is the other place that speaks to Slurm
+    (it says which Slurm features it relies on)."""
+    import ast
+
+    offenders = []
+    for path in sorted(TOOLKIT.rglob("*.py")):
+        relative = path.relative_to(TOOLKIT)
+        if relative.parts[0] == "slurm":
+            continue
+        for node in non_doc_strings(ast.parse(path.read_text())):
+            words = node.value.split()
+            command = node.value in SLURM_COMMANDS or (len(words) > 1 and words[0] in SLURM_COMMANDS
+                                                       and words[1].startswith("-"))
+            if command or node.value in SLURM_JSON_KEYS:
+                offenders.append(f"toolkit/{relative}:{node.lineno}: {node.value[:60]!r}")
+    assert offenders == [], "Slurm spelled outside toolkit/slurm:\n" + "\n".join(offenders)

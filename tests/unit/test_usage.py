@@ -23,11 +23,18 @@ from toolkit.account.usage import (
     Losses,
     NodeEvent,
     Tiers,
+    allocations_of,
     from_records,
     losses,
-    parse_sacct,
     summarise,
 )
+from toolkit.slurm import accounting
+
+
+def parse_sacct(answer: dict, ft_only: bool = True, by_comment: bool = True) -> list[Allocation]:
+    """sacct's JSON (toolkit/slurm/accounting.py) as ft counts it (toolkit/account/usage.py)."""
+    return allocations_of(accounting.parse_sacct(answer), ft_only, by_comment)
+
 
 # sacct --allusers --duplicates -X --json: job 48 requeued twice (a node lost, then preempted) then
 # completed; 49 a run of another account on the free tier; a job that is not ft's; one still pending.

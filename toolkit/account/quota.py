@@ -10,16 +10,13 @@ Slurm could not enforce a cap either.
 
 from __future__ import annotations
 
-import getpass
-import json
-import re
 import time
 from collections.abc import Callable
 from datetime import datetime
 
 from toolkit.account import usage
 from toolkit.errors import FtError
-from toolkit.slurm import commands
+from toolkit.slurm import accounting, commands, jobs
 
 
 class QuotaExceeded(FtError):
@@ -31,58 +28,39 @@ def account_of(resources, profile, run: Callable = commands.run) -> str | None:
     if resources.account or profile.default_account:
         return (resources.account or profile.default_account).lower()  # Slurm's account names are lowercase
     try:
-        found = run(["sacctmgr", "--noheader", "--parsable2", "show", "user", getpass.getuser(),
-                     "format=defaultaccount"], timeout=10).stdout.split()
+        found = accounting.default_account(run=run)
     except FtError:
         return None
-    return found[0].lower() if found else None
+    return found.lower() if found else None
 
 
 def queued(account: str, run: Callable = commands.run, now: float | None = None) -> tuple[float, float, int]:
-    """The account's jobs in the queue (`squeue --json`): the GPU-hours its running jobs may still use
-    (until their time limits), those its pending jobs may use (whole), and how many run. Zeros where
-    Slurm does not answer."""
+    """The account's jobs in the queue: the GPU-hours its running jobs may still use (until their
+    time limits), those its pending jobs may use (whole), and how many run. Zeros where Slurm does
+    not answer."""
     try:
-        jobs = json.loads(run(["squeue", "--json", f"--account={account}"], timeout=10).stdout).get("jobs", [])
-    except (FtError, ValueError, AttributeError):
+        listed = jobs.queue(run, account=account)
+    except (FtError, ValueError):
         return 0.0, 0.0, 0
     now = time.time() if now is None else now
     running_left, pending, running = 0.0, 0.0, 0
-    for job in jobs if isinstance(jobs, list) else []:
-        if not isinstance(job, dict) or job.get("account") != account:
-            continue
-        found = usage.GPUS.search(str(job.get("tres_req_str", "")))
-        gpus = int(found.group(1)) if found else 0
-        state = usage.state_of(job.get("job_state"))  # 22.05: a word; 23.02+: a list
-        end, limit = (usage.field_of(job, key) for key in ("end_time", "time_limit"))  # 23.02+: {"number"}
-        if state == "RUNNING":
+    for job in listed:
+        if job.state == "RUNNING":
             running += 1
-            running_left += gpus * max(float(end or 0) - now, 0.0) / 3600
-        elif state == "PENDING":
-            pending += gpus * (float(limit) / 60 if isinstance(limit, int | float) and limit > 0 else 0.0)
+            running_left += job.gpus * max((job.end_time or 0.0) - now, 0.0) / 3600
+        elif job.state == "PENDING":
+            pending += job.gpus * (job.time_limit_min / 60 if job.time_limit_min and job.time_limit_min > 0 else 0.0)
     return running_left, pending, running
-
-
-# scontrol show assoc_mgr: `GrpTRESMins=cpu=N(0),...,gres/gpu=60(12)`: the limit (N: none) and the
-# minutes used; `GrpTRESRunMins=...,gres/gpu=N(90)`: what running jobs may still use.
-ASSOC_GPU_MINUTES = re.compile(r"^\s*(GrpTRESMins|GrpTRESRunMins)=.*?(?:^|,|=)gres/gpu=(?:N|\d+)\((\d+)\)", re.M)
 
 
 def slurms_count(account: str, run: Callable = commands.run) -> tuple[float, float] | None:
     """Slurm's own count for the account, as it enforces the cap: GPU-hours used this period and those
     its running jobs may still use (its association manager's; None where not shown to this user)."""
     try:
-        text = run(["scontrol", "show", "assoc_mgr", "flags=assoc", f"accounts={account}"], timeout=10).stdout
+        minutes = accounting.assoc_gpu_minutes(account, run)
     except FtError:
         return None
-    # The account's own record (no user): the records after it are its users'.
-    record = re.search(rf"^ClusterName=\S+ Account={re.escape(account)} UserName= .*?(?=^ClusterName=|\Z)",
-                       text, re.M | re.S)
-    counts = dict((name, int(minutes)) for name, minutes in ASSOC_GPU_MINUTES.findall(record.group(0))) \
-        if record else {}
-    if "GrpTRESMins" not in counts:
-        return None
-    return counts["GrpTRESMins"] / 60, counts.get("GrpTRESRunMins", 0) / 60
+    return None if minutes is None else (minutes[0] / 60, minutes[1] / 60)
 
 
 def check(resolved, run: Callable = commands.run, now: float | None = None) -> list[str]:

@@ -20,7 +20,6 @@ What faults cost, from each run's own timeline (toolkit/runs/timeline.py), in th
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import statistics
@@ -30,15 +29,11 @@ from datetime import datetime
 from pathlib import Path
 
 from toolkit.errors import FtError
-from toolkit.slurm import commands, job_comment
+from toolkit.slurm import accounting, commands, job_comment
+from toolkit.slurm import nodes as slurm_nodes
 
 JOB_NAME = re.compile(r"ft-([A-Za-z0-9][A-Za-z0-9._-]*)")
 USER_ERRORS = {4, 5}  # toolkit/watch/exits.py: USER_ERROR, OUT_OF_MEMORY
-# `--json`: a job's name and comment are its submitter's free text (a newline, any delimiter), which
-# would forge or hide a line of sacct's text output. In JSON sacct lists every allocation.
-SACCT = ["sacct", "--allusers", "--duplicates", "-X", "--json"]
-# Matches a squeue or sacct `tres_req_str` / AllocTRES text: how many GPUs a job holds.
-GPUS = re.compile(r"(?:^|,)gres/gpu=(\d+)(?:,|$)")
 
 
 @dataclass(frozen=True)
@@ -121,78 +116,41 @@ class Accounting:
         return said
 
 
-def run_of(job: dict, by_comment: bool) -> str | None:
+def run_of(job: accounting.AccountedJob, by_comment: bool) -> str | None:
     """The run a job of sacct's is of: its comment's where Slurm keeps comments (a name is anyone's
     to give, and cut at Slurm's length), else its name's, ft-<run>."""
     if by_comment:
-        return job_comment.run_of(field_of(job, "comment", "job"))
-    named = JOB_NAME.fullmatch(str(job.get("name") or ""))
+        return job_comment.run_of(job.comment)
+    named = JOB_NAME.fullmatch(job.name)
     return named.group(1) if named else None
 
 
-def field_of(job: dict, *keys: str) -> object:
-    """A nested field of a job in Slurm's JSON (None where missing). Slurm 23.02+ wraps numbers as
-    {"set": true, "number": N}; 22.05 gives N."""
-    value: object = job
-    for key in keys:
-        value = value.get(key) if isinstance(value, dict) else None
-    if isinstance(value, dict) and "number" in value:
-        value = value["number"] if value.get("set", True) else None
-    return value
-
-
-def state_of(current: object) -> str:
-    """A job's state: 22.05 gives a word, 23.02+ a list of them (the state, then its flags)."""
-    if isinstance(current, list):
-        current = current[0] if current else ""
-    return str(current or "")
-
-
-def parse_sacct(answer: object, ft_only: bool = True, by_comment: bool = True) -> list[Allocation]:
-    """`sacct --json --duplicates` (Slurm 22.05's shape, 23.02's numbers too): every allocation once;
-    ft's jobs only, or every job (a job not ft's has no run: ""). A pending job has held nothing yet."""
-    jobs = answer.get("jobs") if isinstance(answer, dict) else None
+def allocations_of(jobs: list[accounting.AccountedJob], ft_only: bool = True,
+                   by_comment: bool = True) -> list[Allocation]:
+    """Slurm's allocations as ft counts them: ft's jobs only, or every job (a job not ft's has no
+    run: ""). A pending job has held nothing yet."""
     found = []
-    for job in jobs if isinstance(jobs, list) else []:
-        if not isinstance(job, dict):
-            continue
+    for job in jobs:
         run = run_of(job, by_comment)
-        elapsed, began, ready = (field_of(job, "time", key) for key in ("elapsed", "start", "eligible"))
-        if (ft_only and run is None) or not isinstance(elapsed, int) or elapsed < 0:
+        if (ft_only and run is None) or job.elapsed_s is None:
             continue
-        tres = field_of(job, "tres", "allocated")
-        gpus = sum(item.get("count") or 0 for item in (tres if isinstance(tres, list) else [tres])
-                   if isinstance(item, dict) and item.get("type") == "gres" and item.get("name") == "gpu")
-        began = float(began) if isinstance(began, int) and began > 0 else None
-        ready = float(ready) if isinstance(ready, int) and ready > 0 else None
-        waited = max(began - ready, 0.0) if began is not None and ready is not None else None
-        found.append(Allocation(run or "", str(job.get("job_id", "")),
-                                *(str(job.get(key) or "") for key in ("user", "account", "partition")),
-                                state_of(field_of(job, "state", "current")), int(gpus), float(elapsed),
-                                began, waited, str(job.get("qos") or ""),
-                                tuple(commands.expand_hostlist(str(job.get("nodes") or "")))))
+        waited = max(job.start - job.eligible, 0.0) if job.start is not None and job.eligible is not None else None
+        found.append(Allocation(run or "", job.job_id, job.user, job.account, job.partition, job.state, job.gpus,
+                                float(job.elapsed_s), job.start, waited, job.qos, job.nodes))
     return found
 
 
 def what_slurm_keeps(run: Callable = commands.run) -> Accounting:
     """What this Slurm keeps (FtError where it does not answer)."""
-    return Accounting.of(commands.parse_config(run(["scontrol", "show", "config"], timeout=20).stdout))
+    return Accounting.of(slurm_nodes.config(run))
 
 
 def from_slurm(since: float, run: Callable = commands.run, ft_only: bool = True,
                account: str | None = None, by_comment: bool = True, until: float | None = None) -> list[Allocation]:
     """Every allocation of ft's jobs (or of all jobs; of one account's) between `since` and `until`
     (default: now), each clipped to the period, from slurmdbd; FtError where accounting is off."""
-    def stamp(when: float) -> str:
-        return datetime.fromtimestamp(when).strftime("%Y-%m-%dT%H:%M:%S")
-
-    result = run([*SACCT, *([f"--accounts={account.lower()}"] if account else []),
-                  f"--starttime={stamp(since)}", f"--endtime={stamp(until) if until else 'now'}"], timeout=60)
-    try:
-        answer = json.loads(result.stdout)
-    except ValueError as exc:
-        raise FtError(f"sacct printed no JSON: {exc}") from None
-    return [within(allocation, since, until) for allocation in parse_sacct(answer, ft_only, by_comment)]
+    jobs = accounting.allocations(since, until, account, run)
+    return [within(allocation, since, until) for allocation in allocations_of(jobs, ft_only, by_comment)]
 
 
 def within(allocation: Allocation, since: float, until: float | None = None) -> Allocation:
@@ -237,16 +195,7 @@ def from_records(runs: Iterable[tuple[str, Path]], gpus_of: Callable[[Path], int
 
 def node_events(since: float, run: Callable = commands.run) -> list[NodeEvent]:
     """Every node event since `since` (down, drained, failing); FtError where accounting is off."""
-    begin = datetime.fromtimestamp(since - CONFIRMS_WITHIN_S).strftime("%Y-%m-%dT%H:%M:%S")
-    result = run(["sacctmgr", "--noheader", "--parsable2", "show", "event", f"start={begin}",
-                  "format=nodename,start"], timeout=30)
-    found = []
-    for line in result.stdout.splitlines():
-        node, _, start = line.partition("|")
-        began = commands.slurm_time(start.strip())
-        if node and began is not None:  # a cluster's own events name no node
-            found.append(NodeEvent(node, began))
-    return found
+    return [NodeEvent(node, began) for node, began in accounting.node_events(since - CONFIRMS_WITHIN_S, run)]
 
 
 def losses(run_dir: Path, allocations: list[Allocation], events: list[NodeEvent] | None) -> Losses:

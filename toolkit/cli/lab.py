@@ -69,12 +69,16 @@ def up(
                                     "ft profile (default: the current lab's, else 1; the test suite uses 2)."),
     reprovision: bool = typer.Option(False, "--reprovision",
                                      help="Run the playbook even when the lab is already up as configured."),
+    slurm: str = typer.Option(None, "--slurm",
+                              help="Slurm release: 22.05 (Debian's package), 24.11 or 26.05 (built once from "
+                                   "Debian's source package, about 5 minutes); default: the current lab's, "
+                                   "else 22.05."),
 ) -> None:
     """Provision and start the lab through ft's Ansible roles. Safe to repeat."""
     from toolkit.lab import lifecycle
 
     with task_spinner("lab up") as on_task:
-        outcome = lifecycle.up(nodes=nodes, slices=slices, reprovision=reprovision, on_task=on_task)
+        outcome = lifecycle.up(nodes=nodes, slices=slices, reprovision=reprovision, on_task=on_task, slurm=slurm)
     if outcome.playbook is None:
         console.print("lab is already up as configured: nothing changed "
                       "([dim]--reprovision runs the playbook anyway[/])")

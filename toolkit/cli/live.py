@@ -53,7 +53,7 @@ def progress_table(progress: Progress | None, now: float):
 
 
 def nodes_table(nodes: dict):
-    """The job's nodes as Slurm sees them (toolkit/watch/cluster_metrics.parse_nodes's Node)."""
+    """The job's nodes as Slurm sees them (toolkit/slurm/nodes.NodeState)."""
     from rich.table import Table
 
     table = Table(show_header=True, box=None, pad_edge=False)
@@ -108,12 +108,9 @@ def job_nodes(current: RunStatus, read_nodes: Callable[[str], dict]) -> dict:
 
 
 def slurm_nodes(nodelist: str) -> dict:
-    from toolkit.slurm import commands
-    from toolkit.watch.cluster_metrics import parse_nodes
+    from toolkit.slurm.nodes import node_states
 
-    text = commands.run(["sinfo", "--Node", "--noheader", "--nodes", nodelist, "--format=%N|%T|%E"],
-                        timeout=5).stdout
-    return parse_nodes(text)
+    return node_states(nodes=nodelist, timeout=5)
 
 
 def watch(read_status: Callable[[], RunStatus], interval: float, console,

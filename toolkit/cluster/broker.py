@@ -17,7 +17,6 @@ same proportion on every cluster, so the ranking holds.
 from __future__ import annotations
 
 import dataclasses
-import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -28,6 +27,8 @@ from pathlib import Path
 
 from toolkit.errors import FtError
 from toolkit.slurm import commands
+from toolkit.slurm import jobs as slurm_jobs
+from toolkit.slurm import nodes as slurm_nodes
 
 
 class Preference(StrEnum):
@@ -35,7 +36,6 @@ class Preference(StrEnum):
     soonest = "soonest"
 
 
-TEST_ONLY = re.compile(r"to start at (\S+) using \d+ processors on nodes (\S+) in partition (\S+)")
 DEFAULT_MAX_WAIT_S = 1800.0  # the cheapest option, if it starts within this; else the soonest
 
 
@@ -67,7 +67,7 @@ class Option:
 def local_partitions(run: Callable = commands.run) -> set[str]:
     """The partitions this host's Slurm has (none where there is no Slurm)."""
     try:
-        return set(run(["sinfo", "--noheader", "--format=%R"], timeout=10).stdout.split())
+        return slurm_nodes.partition_names(run)
     except FtError:
         return set()
 
@@ -80,7 +80,7 @@ def local_profiles(profiles: dict, run: Callable = commands.run) -> set[str]:
 
     roots = set()
     try:
-        config = commands.parse_config(run(["scontrol", "show", "config"], timeout=10).stdout)
+        config = slurm_nodes.config(run, timeout=10)
         roots |= {config["ClusterName"]} if config.get("ClusterName") else set()
     except FtError:
         return set()  # no Slurm here: no profile's start can be asked
@@ -104,15 +104,10 @@ def expected_start(script: str, run: Callable = commands.run) -> tuple[float | N
     with tempfile.NamedTemporaryFile("w", suffix=".sbatch", prefix="ft-plan-") as handle:
         handle.write(script)
         handle.flush()
-        result = run(["sbatch", "--test-only", handle.name], timeout=30, check=False)
-    said = (result.stderr + result.stdout).strip()
-    found = TEST_ONLY.search(said)
-    if result.returncode != 0 or not found:
-        raise ValueError(said.removeprefix("sbatch: error: ") or f"sbatch --test-only exited {result.returncode}")
-    start = commands.slurm_time(found.group(1))
-    if start is None:  # "Unknown": it fits, and Slurm has no plan for it yet
+        plan = slurm_jobs.test_only(Path(handle.name), run)
+    if plan.start is None:  # "Unknown": it fits, and Slurm has no plan for it yet
         return None, "Slurm accepts it, with no start time yet"
-    return start, f"Slurm: on {found.group(2)}"
+    return plan.start, f"Slurm: on {plan.nodes}"
 
 
 def options(recipe_path: Path, profiles: dict, run: Callable = commands.run) -> list[Option]:

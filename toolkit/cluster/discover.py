@@ -14,7 +14,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from toolkit.errors import FtError
+from toolkit.slurm import accounting as slurm_accounting
 from toolkit.slurm import commands
+from toolkit.slurm import nodes as slurm_nodes
+from toolkit.slurm.nodes import NodeGpus, Partition
 
 # Filesystems a cluster shares between its nodes (Lustre, NFS, GPFS/Spectrum Scale, BeeGFS, WEKA,
 # CephFS, Panasas, VAST over NFS).
@@ -23,41 +27,14 @@ SHARED_FS_TYPES = {"lustre", "nfs", "nfs4", "gpfs", "beegfs", "wekafs", "ceph", 
 # Variables many sites set to their scratch or project space.
 SHARED_ENV_HINTS = ("SCRATCH", "WORK", "PROJECT", "SHARED")
 
-Runner = Callable[[list[str]], "commands.CommandResult"]
 
 
-def run_quietly(argv: list[str]) -> commands.CommandResult:
+def read(ask: Callable, empty, why_empty: str = "") -> tuple:
+    """What Slurm answered, and "" ; or `empty` and why it did not answer."""
     try:
-        return commands.run(argv, check=False)
-    except commands.SlurmUnavailable as exc:
-        return commands.CommandResult(tuple(argv), 127, "", exc.message)
-
-
-@dataclass
-class Partition:
-    name: str
-    default: bool = False
-    state: str = "UP"
-    max_nodes: int | None = None
-    total_nodes: int = 0
-    allow_accounts: str = "ALL"
-    allow_qos: str = "ALL"
-
-    def admits(self, account: str | None, qos: str | None) -> str | None:
-        """Why this partition refuses the account or QOS, or None."""
-        if account and self.allow_accounts not in ("ALL", "") and account not in self.allow_accounts.split(","):
-            return f"partition {self.name} admits accounts {self.allow_accounts} only"
-        if qos and self.allow_qos not in ("ALL", "") and qos not in self.allow_qos.split(","):
-            return f"partition {self.name} admits QOS {self.allow_qos} only"
-        return None
-
-
-@dataclass
-class NodeGpus:
-    node: str
-    partitions: list[str]
-    gpus: int
-    gpu_type: str = ""
+        return ask(), ""
+    except FtError as error:
+        return empty, error.message.strip() or why_empty
 
 
 @dataclass
@@ -91,55 +68,6 @@ class Discovery:
         return asdict(self)
 
 
-def parse_key_values(line: str) -> dict[str, str]:
-    """`scontrol show ... --oneliner` output: Key=Value pairs separated by spaces."""
-    return dict(re.findall(r"(\w+)=(\S*)", line))
-
-
-def parse_partitions(text: str) -> dict[str, Partition]:
-    partitions = {}
-    for line in text.splitlines():
-        values = parse_key_values(line)
-        name = values.get("PartitionName")
-        if not name:
-            continue
-        max_nodes = values.get("MaxNodes", "UNLIMITED")
-        total = values.get("TotalNodes", "0")
-        partitions[name] = Partition(
-            name=name, default=values.get("Default") == "YES", state=values.get("State", "UP"),
-            max_nodes=int(max_nodes) if max_nodes.isdigit() else None, total_nodes=int(total) if total.isdigit() else 0,
-            allow_accounts=values.get("AllowAccounts", "ALL"), allow_qos=values.get("AllowQos", "ALL"))
-    return partitions
-
-
-def parse_gres(gres: str) -> tuple[int, str]:
-    """`gpu:h100:8(S:0-1),nic:2` -> (8, 'h100'); `gpu:4` -> (4, ''); no GPU -> (0, '')."""
-    total, kind = 0, ""
-    for item in re.split(r",(?![^()]*\))", gres):
-        parts = re.sub(r"\(.*\)", "", item).split(":")
-        if parts[0] != "gpu" or len(parts) < 2:
-            continue
-        count = parts[-1]
-        if count.isdigit():
-            total += int(count)
-            kind = parts[1] if len(parts) == 3 else kind
-    return total, kind
-
-
-def parse_nodes(text: str) -> dict[str, NodeGpus]:
-    """`sinfo --Node --noheader --format=%N|%P|%G`: a node appears once per partition."""
-    nodes: dict[str, NodeGpus] = {}
-    for line in text.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) != 3 or not parts[0]:
-            continue
-        name, partition, gres = parts
-        gpus, kind = parse_gres(gres)
-        node = nodes.setdefault(name, NodeGpus(name, [], gpus, kind))
-        node.partitions.append(partition.rstrip("*"))
-    return nodes
-
-
 def shared_filesystems(mounts: str, environ: dict[str, str] | None = None) -> list[str]:
     """Mount points of shared filesystem types (/proc/mounts), then the site's scratch variables."""
     environ = os.environ if environ is None else environ
@@ -155,41 +83,28 @@ def shared_filesystems(mounts: str, environ: dict[str, str] | None = None) -> li
     return found
 
 
-def discover(run: Runner = run_quietly, user: str | None = None) -> Discovery:
+def discover(run: Callable = commands.run, user: str | None = None) -> Discovery:
     user = user or getpass.getuser()
     found = Discovery(user=user)
-    version = run(["sinfo", "--version"])
-    if version.returncode != 0:
-        found.unread["slurm"] = version.stderr.strip() or "sinfo failed"
+    try:
+        version = slurm_nodes.version_text(run)
+    except FtError as error:
+        found.unread["slurm"] = error.message or "sinfo failed"
         return found
-    numbers = re.search(r"\d+\.\d+(\.\d+)?", version.stdout)
-    found.slurm_version = numbers.group() if numbers else version.stdout.strip()
-    partitions = run(["scontrol", "show", "partition", "--oneliner"])
-    found.partitions = parse_partitions(partitions.stdout)
-    if partitions.returncode != 0:
-        found.unread["partitions"] = partitions.stderr.strip()
-    nodes = run(["sinfo", "--Node", "--noheader", "--format=%N|%P|%G"])
-    found.nodes = parse_nodes(nodes.stdout)
-    qos = run(["sacctmgr", "--noheader", "--parsable2", "show", "qos", "format=Name"])
-    if qos.returncode == 0:
-        found.qos = [line.strip() for line in qos.stdout.splitlines() if line.strip()]
-    else:
-        found.unread["qos"] = qos.stderr.strip() or "sacctmgr failed (accounting off?)"
-    enforce = commands.parse_config(run(["scontrol", "show", "config"]).stdout).get("AccountingStorageEnforce", "")
+    numbers = re.search(r"\d+\.\d+(\.\d+)?", version)
+    found.slurm_version = numbers.group() if numbers else version
+    found.partitions, found.unread["partitions"] = read(lambda: slurm_nodes.partitions(run), {})
+    found.nodes, _ = read(lambda: slurm_nodes.node_gres(run), {})
+    found.qos, found.unread["qos"] = read(lambda: slurm_accounting.qos_names(run), [],
+                                          "sacctmgr failed (accounting off?)")
+    enforce = read(lambda: slurm_nodes.config(run), {})[0].get("AccountingStorageEnforce", "")
     found.enforces_associations = bool(re.search(r"assoc|limits|qos|safe", enforce))
-    associations = run(["sacctmgr", "--noheader", "--parsable2", "show", "associations", f"user={user}",
-                        "format=Account,QOS"])
-    if associations.returncode == 0:
-        for line in associations.stdout.splitlines():
-            account, _, qos = line.strip().partition("|")
-            if account:
-                found.account_qos.setdefault(account, [])
-                found.account_qos[account] += [q for q in qos.split(",") if q and q not in found.account_qos[account]]
+    found.account_qos, found.unread["accounts"] = read(lambda: slurm_accounting.user_associations(user, run), {},
+                                                       "sacctmgr failed (accounting off?)")
+    if not found.unread["accounts"]:
         found.accounts = sorted(found.account_qos)
-        default = run(["sacctmgr", "--noheader", "--parsable2", "show", "user", user, "format=DefaultAccount"])
-        found.default_account = default.stdout.strip().splitlines()[0] if default.stdout.strip() else None
-    else:
-        found.unread["accounts"] = associations.stderr.strip() or "sacctmgr failed (accounting off?)"
+        found.default_account = read(lambda: slurm_accounting.default_account(user, run), None)[0]
+    found.unread = {what: why for what, why in found.unread.items() if why}
     try:
         mounts = Path("/proc/mounts").read_text()
     except OSError:

@@ -17,6 +17,7 @@ from toolkit.doctor.findings import Finding, blocker, merge_nodes, ok, warn
 from toolkit.errors import FtError
 from toolkit.shared_dirs import user_cache
 from toolkit.slurm import commands
+from toolkit.slurm.steps import ShortStep
 
 # Runs on each node before any Python of the user's: says which of the interpreter and ft is missing.
 WRAPPER = r"""
@@ -42,28 +43,18 @@ def token_file(profile: ClusterProfile) -> Path:
     return token
 
 
-def step_options(profile: ClusterProfile, nodes: int, wait_s: int) -> list[str]:
-    """srun's options for a short step placed as the profile's jobs are (with their GPUs: where
-    Slurm constrains devices, a step without GPUs sees none)."""
+def short_step(profile: ClusterProfile, nodes: int, wait_s: int, in_image: bool) -> ShortStep:
+    """The doctor's step, placed as the profile's jobs are (in their image where `in_image`)."""
     standard = profile.standard_tier
-    argv = ["srun", f"--nodes={nodes}", "--ntasks-per-node=1", f"--partition={standard.partition}",
-            "--time=5", "--job-name=ft-doctor", f"--immediate={wait_s}", "--chdir=/", "--quiet",
-            "--label"]  # whole lines per task: two nodes' long lines would otherwise interleave
-    if standard.qos:
-        argv.append(f"--qos={standard.qos}")
-    if profile.default_account:
-        argv.append(f"--account={profile.default_account}")
-    if profile.gpus_per_node:
-        argv.append(f"--gres=gpu:{profile.gpus_per_node}")
-    return argv
+    return ShortStep(nodes, standard.partition, "ft-doctor", wait_s, qos=standard.qos or None,
+                     account=profile.default_account or None, gpus_per_node=profile.gpus_per_node or 0,
+                     container_image=profile.container_image if in_image and profile.in_container else None,
+                     container_mounts=str(profile.shared_root) if in_image and profile.in_container else None)
 
 
 def srun_argv(profile: ClusterProfile, nodes: int, wait_s: int, python: str, args: dict) -> list[str]:
-    argv = step_options(profile, nodes, wait_s)
-    if profile.in_container:
-        argv += [f"--container-image={profile.container_image}",
-                 f"--container-mounts={profile.shared_root}", "--container-workdir=/"]
-    return [*argv, "bash", "-c", WRAPPER, "ft-doctor", python, json.dumps(args)]
+    return short_step(profile, nodes, wait_s, in_image=True).argv("bash", "-c", WRAPPER, "ft-doctor", python,
+                                                                  json.dumps(args))
 
 
 def refused(stderr: str, profile: ClusterProfile) -> Finding:
@@ -125,7 +116,8 @@ def run_step(argv: list[str], profile: ClusterProfile, wait_s: int) -> subproces
 def batch_host_checks(profile: ClusterProfile, wait_s: int) -> list[Finding]:
     """The job script's own steps (register, watchdog, requeue) run outside the container with the
     login node's install: it must be on a filesystem the compute nodes share."""
-    argv = [*step_options(profile, 1, wait_s), "bash", "-c", BATCH_WRAPPER, "ft-doctor", sys.executable]
+    argv = short_step(profile, 1, wait_s, in_image=False).argv("bash", "-c", BATCH_WRAPPER, "ft-doctor",
+                                                               sys.executable)
     done = run_step(argv, profile, wait_s)
     if isinstance(done, Finding):
         return [done]

@@ -18,7 +18,7 @@ from toolkit.lab.processes import netns_pids
 from toolkit.runs.layout import RunLayout
 from toolkit.runs.store import RunStore
 from toolkit.runs.timeline import read_lines
-from toolkit.slurm import commands
+from toolkit.slurm import jobs as slurm_jobs
 
 
 @dataclass(frozen=True)
@@ -80,10 +80,8 @@ def crash_batch_host(run_dir: Path) -> str:
     require_root("chaos")
     starts = read_lines(RunLayout(run_dir).attempts, {"job_id": str})  # each start's, watchdog or not
     job = starts[-1]["job_id"] if starts else ""
-    result = commands.run(["squeue", "--noheader", "--jobs", job, "--format", "%B"], check=False) \
-        if job.isdigit() else None
-    host = result.stdout.strip() if result and result.returncode == 0 else ""
-    if not host or host.startswith("(") or host == "n/a":
+    host = slurm_jobs.batch_host(job)
+    if host is None:
         raise FtError(f"run {run_dir.name} has no job running", hint="is the run training? (`ft status`)")
     crash(host)
     return host

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.errors import FtError, UsageError
-from toolkit.lab.manifest import LabManifest, state_dir
+from toolkit.lab.manifest import BUILT_SLURMS, PACKAGE_SLURM, LabManifest, state_dir
 from toolkit.lab.processes import kill_netns
 from toolkit.lab.provision import PlaybookFailed, PlaybookResult, ansible_dir, run_playbook
 from toolkit.lab.status import LabStatus, NodeStatus, collect
@@ -58,16 +58,22 @@ def node_count(requested: int | None, manifest: LabManifest | None) -> int:
     return requested
 
 
-def lab_vars(nodes: int | None, slices: int | None, manifest: LabManifest | None) -> dict:
-    """What the lab playbook is given: the node count and the slices, each as asked, else the
-    current lab's, else the default (4 nodes, one slice)."""
+def lab_vars(nodes: int | None, slices: int | None, manifest: LabManifest | None, slurm: str | None = None) -> dict:
+    """What the lab playbook is given: the node count, the slices and the Slurm release, each as
+    asked, else the current lab's, else the default (4 nodes, one slice, Debian's Slurm)."""
     count = node_count(nodes, manifest)
+    release = slurm or (manifest.slurm if manifest else PACKAGE_SLURM)
+    if release not in (PACKAGE_SLURM, *BUILT_SLURMS):
+        raise UsageError(f"--slurm {release} is not a release the lab runs",
+                         hint=f"choose {PACKAGE_SLURM} (Debian's package) or {', '.join(BUILT_SLURMS)} "
+                              "(built once from Debian's source packages)")
     if slices is None:
         slices = len(manifest.slices) if manifest and manifest.slices else 1
     if not 1 <= slices <= count:
         raise UsageError(f"--slices {slices} does not fit {count} lab nodes",
                          hint="each slice needs a node: ask for fewer slices or more --nodes")
-    return {"lab_node_count": count, "lab_slices": slices}
+    return {"lab_node_count": count, "lab_slices": slices,
+            "slurm_release": "" if release == PACKAGE_SLURM else release}
 
 
 def fingerprint(extra_vars: dict) -> str:
@@ -173,12 +179,13 @@ def settled(manifest: LabManifest, status: LabStatus, after_heal: bool = False,
 
 
 def up(nodes: int | None = None, slices: int | None = None, reprovision: bool = False,
-       on_task: Callable[[str], None] | None = None, only: Collection[str] | None = None) -> UpOutcome:
+       on_task: Callable[[str], None] | None = None, only: Collection[str] | None = None,
+       slurm: str | None = None) -> UpOutcome:
     """Bring the lab up as asked. `only`: a lab that is up as configured is checked and healed on
     these nodes alone (a slice's user heals no node another slice crashed on purpose)."""
     require_root("up")
     manifest = LabManifest.load()
-    extra_vars = lab_vars(nodes, slices, manifest)
+    extra_vars = lab_vars(nodes, slices, manifest, slurm)
     if not reprovision and as_last_up(extra_vars, manifest):
         scope = manifest.only(only) if manifest and only is not None else manifest
         status, healed = settled(scope, collect(scope)), None  # the whole playbook would change nothing for these

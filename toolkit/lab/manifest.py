@@ -58,6 +58,12 @@ class LabSlice:
     profile: str  # the ft profile (a site profile file) whose tiers are these partitions
 
 
+# The Slurm releases the lab runs: Debian 12's package, and those ft builds from Debian's source
+# packages (ansible/roles/slurm: slurm_build_sources).
+PACKAGE_SLURM = "22.05"
+BUILT_SLURMS = ("24.11", "26.05")
+
+
 @dataclass(frozen=True)
 class LabManifest:
     cluster: str
@@ -76,6 +82,7 @@ class LabManifest:
     object_store: LabObjectStore | None = None
     prometheus: str | None = None  # its URL: every run's metrics (ansible/roles/prometheus)
     slices: tuple[LabSlice, ...] = ()
+    slurm: str = PACKAGE_SLURM  # the Slurm release it runs: Debian's package, or one built (`--slurm`)
 
     @classmethod
     def load(cls, path: Path | None = None) -> LabManifest | None:
@@ -107,6 +114,7 @@ class LabManifest:
             prometheus=raw.get("prometheus"),
             slices=tuple(LabSlice(int(s["index"]), tuple(s["nodes"]), dict(s["tiers"]), s["profile"])
                          for s in raw.get("slices", ())),
+            slurm=raw.get("slurm") or PACKAGE_SLURM,
         )
 
     @property

@@ -10,6 +10,7 @@ from toolkit.lab.manifest import LabDaemon, LabManifest
 from toolkit.lab.processes import daemon_pid, netns_exists
 from toolkit.slurm.client import CliSlurmClient
 from toolkit.slurm.commands import SlurmUnavailable
+from toolkit.slurm.nodes import NodeDetail
 
 # Node states in which a node serves jobs (drained nodes respond but take no new work).
 SERVING_STATES = {"idle", "mixed", "allocated", "completing"}
@@ -105,9 +106,9 @@ def answers(url: str, timeout: float = 3.0) -> bool:
     return True
 
 
-def slurm_nodes(manifest: LabManifest) -> dict[str, dict]:
+def slurm_nodes(manifest: LabManifest) -> dict[str, NodeDetail]:
     os.environ.setdefault("SLURM_CONF", manifest.slurm_conf)
-    return {node["name"]: node for node in CliSlurmClient(timeout=10).nodes()}
+    return {node.name: node for node in CliSlurmClient(timeout=10).nodes()}
 
 
 def daemon_status(daemon: LabDaemon) -> DaemonStatus:
@@ -140,10 +141,8 @@ def collect(manifest: LabManifest) -> LabStatus:
             info = seen.get(node.name)
             if info is None:
                 continue
-            node.state = str(info.get("state", "unknown")).lower()
-            node.flags = [str(flag).upper() for flag in info.get("state_flags", [])]
-            node.reason = info.get("reason") or ""
-            node.gpus = f"{info.get('gres_used', '')} of {info.get('gres', '')}".replace("gpu:", "")
+            node.state, node.flags, node.reason = info.state, list(info.flags), info.reason
+            node.gpus = f"{info.gres_used} of {info.gres}".replace("gpu:", "")
     for node in nodes:
         if not node.namespace:
             problems.append(f"{node.name}: network namespace missing")

@@ -128,8 +128,7 @@ class RunningJobs:
         with self.lock:
             if self.asked < arrived:
                 started = time.monotonic()
-                answer = self.run(run_targets.SQUEUE_JOBS, timeout=SQUEUE_TIMEOUT_S)
-                self.jobs, self.asked = run_targets.parse_running(answer.stdout), started
+                self.jobs, self.asked = run_targets.running_ft_jobs(self.run, timeout=SQUEUE_TIMEOUT_S), started
             return self.jobs
 
 

@@ -12,15 +12,14 @@ job-completion log, so it stays right after squeue forgets a job and on sites wi
 from __future__ import annotations
 
 import functools
-import json
-import os
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from toolkit.slurm import commands, job_comment
+from toolkit.slurm import commands, job_comment, jobs, shapes
+from toolkit.slurm import nodes as slurm_nodes
 from toolkit.slurm.commands import SlurmCommandError
 
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -71,7 +70,7 @@ class SlurmClient(Protocol):
 
     def queued_runs(self) -> dict[str, str]: ...
 
-    def nodes(self) -> list[dict]: ...
+    def nodes(self) -> list[slurm_nodes.NodeDetail]: ...
 
     def cancel(self, job_ids: list[str]) -> None: ...
 
@@ -98,11 +97,7 @@ def _parse_version(text: str) -> tuple[int, int, int]:
 
 
 def _state(value) -> str:
-    if isinstance(value, dict):  # sacct --json: {"current": "COMPLETED", "reason": ...}
-        value = value.get("current", "")
-    if isinstance(value, list):
-        value = value[0] if value else ""
-    return str(value).split()[0].upper() if value else "UNKNOWN"
+    return shapes.state(value) or "UNKNOWN"
 
 
 class CliSlurmClient:
@@ -121,28 +116,23 @@ class CliSlurmClient:
     def job(self, job_id: str) -> JobInfo | None:
         return self._from_squeue(job_id) or self._from_sacct(job_id) or self._from_jobcomp(job_id)
 
-    def nodes(self) -> list[dict]:
-        """Every node as `sinfo --Node --json` describes it (name, state, state_flags, reason, gres)."""
-        return commands.run_json(["sinfo", "--Node"], timeout=self.timeout).get("nodes", [])
+    def nodes(self) -> list[slurm_nodes.NodeDetail]:
+        """Every node: its state and flags, reason and GPUs (`sinfo --Node --json`, any version's shape)."""
+        return slurm_nodes.node_details(timeout=self.timeout)
 
     def queued_runs(self) -> dict[str, str]:
         """Run id -> the newest of this user's queued jobs for it, by the `ft-run=<id>` part of the
         comment ft's job script carries: how a run whose job has not started yet is found. One
         squeue call, whatever the number of runs."""
-        result = commands.run(["squeue", "--noheader", "--user", str(os.getuid()), "--format=%i|%k"],
-                              timeout=self.timeout, check=False)
         runs: dict[str, str] = {}
-        for job_id, _, comment in (line.strip().partition("|") for line in result.stdout.splitlines()):
-            if not job_id.isdigit():
-                continue
+        for job_id, comment in jobs.own_jobs(commands.run, timeout=self.timeout) or []:
             run_id = job_comment.run_of(comment)
             if run_id is not None and (run_id not in runs or int(job_id) > int(runs[run_id])):
                 runs[run_id] = job_id
         return runs
 
     def cancel(self, job_ids: list[str]) -> None:
-        if job_ids:
-            commands.run(["scancel", *job_ids], timeout=self.timeout)
+        jobs.cancel(job_ids)
 
     def hostnames(self, nodelist: str) -> list[str]:
         """node[1-3,5] -> node1 node2 node3 node5, in the allocation's order."""
@@ -187,15 +177,7 @@ class CliSlurmClient:
     def drained(self, nodes: list[str]) -> dict[str, str]:
         """The nodes among these that are drained or draining (a health check found them bad, or an
         admin took them out), with the reason."""
-        result = commands.run(["sinfo", "--noheader", "--Node", "--nodes", ",".join(nodes), "--format", "%N|%T|%E"],
-                              timeout=self.timeout, check=False)
-        found = {}
-        for line in result.stdout.splitlines():
-            node, _, rest = line.partition("|")
-            state, _, reason = rest.partition("|")
-            if node in nodes and "drain" in state.lower():
-                found[node] = reason.strip() or state
-        return found
+        return slurm_nodes.drained(nodes, timeout=self.timeout)
 
     # -- sources -----------------------------------------------------------------------------
     def _from_squeue(self, job_id: str) -> JobInfo | None:
@@ -203,10 +185,14 @@ class CliSlurmClient:
             result = commands.run(["squeue", "--json", "--jobs", job_id], timeout=self.timeout, check=False)
             if result.returncode != 0:
                 return None  # squeue exits non-zero for a job it no longer knows
-            for job in json.loads(result.stdout).get("jobs", []):
-                if str(job.get("job_id")) == job_id:
-                    return JobInfo(job_id, _state(job.get("job_state")), "squeue", job.get("nodes", ""),
-                                   job.get("state_reason", ""), None, int(job.get("restart_cnt", 0) or 0))
+            try:
+                listed = jobs.parse_queue(result.stdout)
+            except ValueError:
+                return None
+            for job in listed:  # 22.05 lists the whole queue whatever it is asked
+                if job.job_id == job_id:
+                    return JobInfo(job_id, job.state or "UNKNOWN", "squeue", job.nodes, job.reason, None,
+                                   job.restarts)
             return None
         result = commands.run(["squeue", "--noheader", "--jobs", job_id, "--format=%T|%N|%r"],
                               timeout=self.timeout, check=False)

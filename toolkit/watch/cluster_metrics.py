@@ -26,95 +26,40 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.cluster.profile import load_profile
 from toolkit.errors import FtError
 from toolkit.privileges import drop_privileges
 from toolkit.slurm import commands
-from toolkit.slurm.commands import slurm_time
+from toolkit.slurm import jobs as slurm_jobs
+from toolkit.slurm import nodes as slurm_nodes
+from toolkit.slurm.jobs import QueueLine
+from toolkit.slurm.nodes import NodeState
 from toolkit.watch import run_targets
 
 CACHE_S = 10.0
 PUBLISH_EVERY_S = 1.0  # how often the runs' claims folder is listed (a listing, not a Slurm call)
-# sinfo's long states of a node that runs jobs: in a reservation, or planned by the backfill
-# scheduler for a pending job, it still serves.
-SERVING = {"idle", "mixed", "allocated", "completing", "reserved", "planned"}
-
-
-@dataclass(frozen=True)
-class Node:
-    name: str
-    state: str  # sinfo's long state: idle, mixed, drained, draining, down, ...
-    reason: str
-
-    @property
-    def up(self) -> bool:
-        return self.state.rstrip("*~#!%$@^-") in SERVING
-
-    @property
-    def drained(self) -> bool:
-        return self.state.startswith("drain")
-
-
 # Why a pending job waits, when it is the cluster's doing: the premium tier's promise is about these
 # only (not a job held, waiting on a dependency or a begin time, or on its user's own limits).
 WAITING_ON_THE_CLUSTER = {"Priority", "Resources"}
 COMMAND_TIMEOUT_S = 4.0  # both commands within Prometheus's 10 s scrape timeout: a hung slurmctld reads as down
 
 
-@dataclass(frozen=True)
-class Job:
-    partition: str
-    state: str
-    eligible: float | None  # since when it may run (its submit time, or later: a begin time, a release)
-    reason: str = ""
-    job_id: str = ""
-
-
-def parse_nodes(text: str) -> dict[str, Node]:
-    """`sinfo --Node --noheader --format=%N|%T|%E`: a node appears once per partition."""
-    nodes = {}
-    for line in text.splitlines():
-        parts = line.strip().split("|", 2)
-        if len(parts) == 3 and parts[0]:
-            nodes[parts[0]] = Node(parts[0], parts[1].lower(), "" if parts[2] == "none" else parts[2])
-    return nodes
-
-
-# JobID in --Format is each array element's own id (SLURM_JOB_ID), not "<array>_<index>" as %i.
-SQUEUE_FORMAT = "--Format=Partition:|,State:|,EligibleTime:|,Reason:|,JobID:|"
-
-
-def parse_jobs(text: str) -> list[Job]:
-    """squeue's SQUEUE_FORMAT lines: a job submitted to several partitions counts in each."""
-    jobs = []
-    for line in text.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) >= 4:
-            job_id = parts[4].strip() if len(parts) > 4 else ""
-            jobs += [Job(partition, parts[1].upper(), slurm_time(parts[2]), parts[3], job_id)
-                     for partition in parts[0].split(",") if partition]
-    return jobs
-
-
 class ClusterCollector:
     def __init__(self, tiers: dict[str, str], run: Callable = commands.run, now: Callable[[], float] = time.time):
         self.tiers = tiers  # partition -> tier, from the cluster profile
         self.run, self.now = run, now
-        self.cached: tuple[float, dict[str, Node], list[Job], bool] = (float("-inf"), {}, [], False)
+        self.cached: tuple[float, dict[str, NodeState], list[QueueLine], bool] = (float("-inf"), {}, [], False)
         self.lock = threading.Lock()
 
-    def read(self) -> tuple[dict[str, Node], list[Job], bool]:
+    def read(self) -> tuple[dict[str, NodeState], list[QueueLine], bool]:
         with self.lock:
             taken, nodes, jobs, answered = self.cached
             if time.monotonic() - taken >= CACHE_S:
                 try:
-                    nodes = parse_nodes(self.run(["sinfo", "--Node", "--noheader", "--format=%N|%T|%E"],
-                                                 timeout=COMMAND_TIMEOUT_S).stdout)
-                    jobs = parse_jobs(self.run(["squeue", "--all", "--noheader", SQUEUE_FORMAT],
-                                               timeout=COMMAND_TIMEOUT_S).stdout)
+                    nodes = slurm_nodes.node_states(self.run, timeout=COMMAND_TIMEOUT_S)
+                    jobs = slurm_jobs.queue_lines(self.run, timeout=COMMAND_TIMEOUT_S)
                     answered = True
                 except FtError:  # the controller does not answer: say so, keep no stale numbers
                     nodes, jobs, answered = {}, [], False
@@ -179,7 +124,7 @@ class RunPublisher:
         if listing == self.seen and time.monotonic() - self.asked < CACHE_S:
             return
         try:
-            jobs = run_targets.parse_running(self.run(run_targets.SQUEUE_JOBS, timeout=COMMAND_TIMEOUT_S).stdout)
+            jobs = run_targets.running_ft_jobs(self.run, timeout=COMMAND_TIMEOUT_S)
         except FtError:
             return  # Slurm silent: what was published stays until it answers again
         self.seen, self.asked = listing, time.monotonic()

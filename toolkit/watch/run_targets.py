@@ -6,7 +6,8 @@ Whatever such a file says, anyone could have written it, so Prometheus never rea
 exporter (toolkit/watch/cluster_metrics, as its own unprivileged user) publishes a claim only when
 
   - Slurm runs the job the file names, a job of ft's whose run the file names too (its comment:
-    ft-run=<run>; `squeue --json`, where a comment cannot forge a line),
+    ft-run=<run>; `squeue --json`, where a comment cannot forge a line; any Slurm version's shape:
+    toolkit/slurm/jobs.py),
   - the file's owner is the job's user (a file is owned by whoever made it; nobody can give theirs away),
   - the address is the job's batch host (where its watchdog runs) and a port,
 
@@ -25,17 +26,15 @@ import json
 import os
 import re
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.shared_dirs import login_name, write_atomically
-from toolkit.slurm import job_comment
+from toolkit.slurm import commands, job_comment, jobs
 
 CLAIM_MAX_BYTES = 4096  # a claim is one address; anything larger is not one of ours
 PUBLISHED_NAME = "runs.json"
-# Slurm's word on its jobs, as JSON: a comment (a user's free text) can hold a newline, which would
-# forge a line of squeue's text output. A job element's job_id is its own (SLURM_JOB_ID).
-SQUEUE_JOBS = ["squeue", "--all", "--json"]
 # <run>.<job id>.json; <run>.<job id>-<8 hex>.json where another user took the plain name first.
 CLAIM_NAME = re.compile(r"(?P<run>[A-Za-z0-9][A-Za-z0-9._-]{0,127})\.(?P<job>[0-9]{1,12})(?:-[0-9a-f]{8})?\.json")
 ADDRESS = re.compile(r'\[\{"targets": ?\["(?P<host>[A-Za-z0-9._-]{1,253}):(?P<port>[0-9]{1,5})"\]\}\]\s*')
@@ -56,27 +55,28 @@ class Refusal:
     why: str
 
 
-def parse_running(text: str) -> dict[str, RunningJob]:
-    """ft's running jobs in `squeue --json`'s answer. A job id listed twice is no one's (Slurm lists a
-    job once: anything else is not to be trusted)."""
+def running_ft_jobs(run: Callable = commands.run, timeout: float = 10.0) -> dict[str, RunningJob]:
+    """ft's running jobs, as Slurm says (squeue --json): FtError where Slurm does not answer."""
     try:
-        listed = json.loads(text)["jobs"]
-    except (ValueError, TypeError, KeyError, RecursionError):
+        listed = jobs.queue(run, timeout=timeout)
+    except ValueError:
         return {}
-    jobs: dict[str, RunningJob] = {}
+    return ft_running(listed)
+
+
+def ft_running(listed: list[jobs.QueuedJob]) -> dict[str, RunningJob]:
+    """ft's running jobs among Slurm's, whatever its version. A job id listed twice is no one's
+    (Slurm lists a job once: anything else is not to be trusted)."""
+    found: dict[str, RunningJob] = {}
     doubled: set[str] = set()
-    for job in listed if isinstance(listed, list) else []:
-        if not isinstance(job, dict) or job.get("job_state") != "RUNNING":
+    for job in listed:
+        run = job_comment.run_of(job.comment)
+        if job.state != "RUNNING" or not job.job_id.isdigit() or run is None or not job.user or not job.batch_host:
             continue
-        job_id, user, host, comment = (str(job.get(key, ""))
-                                       for key in ("job_id", "user_name", "batch_host", "comment"))
-        run = job_comment.run_of(comment)
-        if not job_id.isdigit() or run is None or not user or not host:
-            continue
-        if job_id in jobs:
-            doubled.add(job_id)
-        jobs[job_id] = RunningJob(job_id, user, host, run)
-    return {job_id: job for job_id, job in jobs.items() if job_id not in doubled}
+        if job.job_id in found:
+            doubled.add(job.job_id)
+        found[job.job_id] = RunningJob(job.job_id, job.user, job.batch_host, run)
+    return {job_id: job for job_id, job in found.items() if job_id not in doubled}
 
 
 def read_claim(path: Path, job: RunningJob) -> tuple[str, float]:

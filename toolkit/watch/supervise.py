@@ -43,6 +43,7 @@ from toolkit.launch.rendezvous import job_secret
 from toolkit.receipts import entries as receipt_entries
 from toolkit.runs.layout import RunLayout, RunSpecError
 from toolkit.runs.timeline import record
+from toolkit.slurm import steps
 from toolkit.slurm.client import CliSlurmClient, SlurmClient
 from toolkit.watch import exits
 from toolkit.watch.heartbeat import Receiver
@@ -89,11 +90,7 @@ def warm_command(command: list[str], node: str, output: str) -> list[str] | None
     command does not end in `PYTHON -m toolkit.launch`."""
     if len(command) < 4 or command[-2:] != ["-m", "toolkit.launch"]:
         return None
-    step_shape = ("--nodes=", "--ntasks=", "--ntasks-per-node=", "--kill-on-bad-exit", "--output=", "--nodelist=",
-                  "--open-mode=")
-    options = [option for option in command[1:-3] if not option.startswith(step_shape)]
-    return [command[0], f"--nodelist={node}", "--nodes=1", "--ntasks=1", "--overlap", f"--output={output}",
-            "--open-mode=append", *options, command[-3], "-m", "toolkit.train.warm"]
+    return steps.one_task_beside(command[:-3], node, output, [command[-3], "-m", "toolkit.train.warm"])
 
 
 def addresses(nodes: list[str]) -> dict[str, str]:
@@ -168,9 +165,7 @@ class Supervisor:
                    FT_WATCH_ADDR=self.address, FT_WATCH_PORT=str(self.receiver.port), FT_WATCH_START=str(start),
                    FT_WATCH_NODE=self.node, FT_WATCH_TIMEOUT=str(self.watchdog.heartbeat_timeout),
                    FT_WARM="1" if self.warm_alive(nodes) else "0")
-        # --overlap: a step that spanned a lost node lingers until Slurm declares the node DOWN, and
-        # holds its share of the survivors meanwhile (measured on Slurm 22.05).
-        argv = [self.command[0], f"--nodelist={','.join(nodes)}", "--overlap", *self.command[1:]]
+        argv = steps.on_nodes(self.command, nodes)
         log(f"start {start}: training on {', '.join(nodes)}"
             + (f" (spare: {', '.join(self.spares())})" if self.spares() else ""))
         record(self.run_dir, "start", start=start, nodes=nodes, spares=self.spares())

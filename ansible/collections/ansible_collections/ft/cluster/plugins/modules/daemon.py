@@ -47,6 +47,13 @@ options:
   listen_port:
     description: TCP port the daemon must listen on before it counts as started.
     type: int
+  replaces:
+    description:
+      - Executables of other builds of the same daemon (another version of it). One of them running
+        behind the pid file is stopped, with state started (then the daemon starts) or stopped.
+    type: list
+    elements: path
+    default: []
   config_files:
     description: Files the daemon reads at start; a daemon started before one of them last changed is restarted.
     type: list
@@ -109,7 +116,7 @@ def runs_program(exe, params):
     return exe == os.path.realpath(params["argv"][0])
 
 
-def running_pid(params):
+def running_pid(params, program=runs_program):
     """The daemon's PID if its pid file names a live process of the right program, else None."""
     pid = read_pid(params["pidfile"])
     if pid is None:
@@ -118,11 +125,18 @@ def running_pid(params):
         exe = os.readlink(f"/proc/{pid}/exe")
     except OSError:
         return None  # dead, or a PID we may not inspect: treat as stale
-    if not runs_program(exe, params):
+    if not program(exe, params):
         return None  # the PID was reused by another program
     if params["netns"] and not same_netns(pid, params["netns"]):
         return None
     return pid
+
+
+def runs_replaced(exe, params):
+    """Whether a process executable is another build of the daemon (`replaces`)."""
+    exe = exe.removesuffix(" (deleted)")
+    return exe != os.path.realpath(params["argv"][0]) and \
+        exe in {os.path.realpath(path) for path in params["replaces"]}
 
 
 def started_at(pid):
@@ -245,6 +259,7 @@ def main():
             "user": {"type": "str"},
             "process_name": {"type": "str"},
             "listen_port": {"type": "int"},
+            "replaces": {"type": "list", "elements": "path", "default": []},
             "config_files": {"type": "list", "elements": "path", "default": []},
             "timeout": {"type": "float", "default": 30.0},
         },
@@ -253,6 +268,12 @@ def main():
     params = module.params
     pid = running_pid(params)
     state = params["state"]
+    replaced = running_pid(params, runs_replaced) if pid is None else None
+    if replaced is not None:  # another build of the daemon (a version change): it goes first
+        if not module.check_mode:
+            stop(module, params, replaced)
+        if state == "stopped" or module.check_mode:
+            module.exit_json(changed=True)
     if state == "started" and pid is not None and outdated(pid, params["config_files"]):
         state = "restarted"
     if state == "started" and pid is not None:

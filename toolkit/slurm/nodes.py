@@ -1,0 +1,196 @@
+"""The cluster's nodes, partitions and configuration as Slurm tells any user: sinfo, scontrol show.
+
+Typed answers, the same on every Slurm version; each function takes the command runner (`run`), so
+unit tests give recorded answers instead.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from toolkit.slurm import commands, shapes
+
+# sinfo's long states of a node that runs jobs: in a reservation, or planned by the backfill
+# scheduler for a pending job, it still serves.
+SERVING = {"idle", "mixed", "allocated", "completing", "reserved", "planned"}
+
+
+@dataclass(frozen=True)
+class NodeState:
+    name: str
+    state: str  # sinfo's long state, lowercase: idle, mixed, drained, draining, down, ...
+    reason: str
+
+    @property
+    def up(self) -> bool:
+        return self.state.rstrip("*~#!%$@^-") in SERVING
+
+    @property
+    def drained(self) -> bool:
+        return self.state.startswith("drain")
+
+
+NODE_STATE_FORMAT = "--format=%N|%T|%E"
+
+
+def node_states(run: Callable = commands.run, nodes: str | None = None, timeout: float = 10.0) -> dict[str, NodeState]:
+    """Every node's state and reason (only those of the host list `nodes`, where given)."""
+    argv = ["sinfo", "--Node", "--noheader", *(["--nodes", nodes] if nodes else []), NODE_STATE_FORMAT]
+    return parse_node_states(run(argv, timeout=timeout).stdout)
+
+
+def parse_node_states(text: str) -> dict[str, NodeState]:
+    """sinfo's NODE_STATE_FORMAT lines: a node appears once per partition."""
+    found = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|", 2)
+        if len(parts) == 3 and parts[0]:
+            found[parts[0]] = NodeState(parts[0], parts[1].lower(), "" if parts[2] == "none" else parts[2])
+    return found
+
+
+def partition_names(run: Callable = commands.run) -> set[str]:
+    return set(run(["sinfo", "--noheader", "--format=%R"], timeout=10).stdout.split())
+
+
+def config(run: Callable = commands.run, timeout: float = 20.0) -> dict[str, str]:
+    """`scontrol show config`, by name ("(null)" where unset)."""
+    return commands.parse_config(run(["scontrol", "show", "config"], timeout=timeout).stdout)
+
+
+def version_text(run: Callable = commands.run) -> str:
+    """What sinfo --version says ("slurm 24.11.5"): FtError where Slurm's tools are not here."""
+    return run(["sinfo", "--version"]).stdout.strip()
+
+
+@dataclass
+class Partition:
+    name: str
+    default: bool = False
+    state: str = "UP"
+    max_nodes: int | None = None
+    total_nodes: int = 0
+    allow_accounts: str = "ALL"
+    allow_qos: str = "ALL"
+
+    def admits(self, account: str | None, qos: str | None) -> str | None:
+        """Why this partition refuses the account or QOS, or None."""
+        if account and self.allow_accounts not in ("ALL", "") and account not in self.allow_accounts.split(","):
+            return f"partition {self.name} admits accounts {self.allow_accounts} only"
+        if qos and self.allow_qos not in ("ALL", "") and qos not in self.allow_qos.split(","):
+            return f"partition {self.name} admits QOS {self.allow_qos} only"
+        return None
+
+
+def key_values(line: str) -> dict[str, str]:
+    """`scontrol show ... --oneliner` output: Key=Value pairs separated by spaces."""
+    return dict(re.findall(r"(\w+)=(\S*)", line))
+
+
+def partitions(run: Callable = commands.run) -> dict[str, Partition]:
+    return parse_partitions(run(["scontrol", "show", "partition", "--oneliner"], timeout=20).stdout)
+
+
+def parse_partitions(text: str) -> dict[str, Partition]:
+    partitions = {}
+    for line in text.splitlines():
+        values = key_values(line)
+        name = values.get("PartitionName")
+        if not name:
+            continue
+        max_nodes = values.get("MaxNodes", "UNLIMITED")
+        total = values.get("TotalNodes", "0")
+        partitions[name] = Partition(
+            name=name, default=values.get("Default") == "YES", state=values.get("State", "UP"),
+            max_nodes=int(max_nodes) if max_nodes.isdigit() else None, total_nodes=int(total) if total.isdigit() else 0,
+            allow_accounts=values.get("AllowAccounts", "ALL"), allow_qos=values.get("AllowQos", "ALL"))
+    return partitions
+
+
+@dataclass
+class NodeGpus:
+    node: str
+    partitions: list[str]
+    gpus: int
+    gpu_type: str = ""
+
+
+def node_gres(run: Callable = commands.run) -> dict[str, NodeGpus]:
+    """Each node's GPUs (its GRES) and partitions."""
+    return parse_node_gres(run(["sinfo", "--Node", "--noheader", "--format=%N|%P|%G"], timeout=20).stdout)
+
+
+def parse_gres(gres: str) -> tuple[int, str]:
+    """`gpu:h100:8(S:0-1),nic:2` -> (8, 'h100'); `gpu:4` -> (4, ''); no GPU -> (0, '')."""
+    total, kind = 0, ""
+    for item in re.split(r",(?![^()]*\))", gres):
+        parts = re.sub(r"\(.*\)", "", item).split(":")
+        if parts[0] != "gpu" or len(parts) < 2:
+            continue
+        count = parts[-1]
+        if count.isdigit():
+            total += int(count)
+            kind = parts[1] if len(parts) == 3 else kind
+    return total, kind
+
+
+def parse_node_gres(text: str) -> dict[str, NodeGpus]:
+    """`sinfo --Node --format=%N|%P|%G` lines: a node appears once per partition."""
+    nodes: dict[str, NodeGpus] = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 3 or not parts[0]:
+            continue
+        name, partition, gres = parts
+        gpus, kind = parse_gres(gres)
+        node = nodes.setdefault(name, NodeGpus(name, [], gpus, kind))
+        node.partitions.append(partition.rstrip("*"))
+    return nodes
+
+
+def drained(nodes: list[str], run: Callable = commands.run, timeout: float = 20.0) -> dict[str, str]:
+    """The nodes among these that are drained or draining, with the reason."""
+    result = run(["sinfo", "--noheader", "--Node", "--nodes", ",".join(nodes), NODE_STATE_FORMAT],
+                 timeout=timeout, check=False)
+    return {name: node.reason or node.state for name, node in parse_node_states(result.stdout).items()
+            if name in nodes and "drain" in node.state}
+
+
+@dataclass(frozen=True)
+class NodeDetail:
+    """A node as `sinfo --Node --json` describes it, the same on every Slurm version."""
+    name: str
+    state: str  # lowercase base state: idle, allocated, mixed, down, ...
+    flags: tuple[str, ...]  # uppercase: DRAIN, NOT_RESPONDING, ...
+    reason: str
+    gres: str
+    gres_used: str
+
+
+def node_details(run: Callable = commands.run, timeout: float = 10.0) -> list[NodeDetail]:
+    result = run(["sinfo", "--Node", "--json"], timeout=timeout)
+    try:
+        return parse_node_details(json.loads(result.stdout))
+    except (ValueError, RecursionError) as error:
+        raise commands.SlurmCommandError(f"sinfo printed no valid JSON: {error}") from None
+
+
+def parse_node_details(answer: object) -> list[NodeDetail]:
+    """22.05: "state": "idle", "state_flags": ["DRAIN"]; 23.02 on: "state": ["IDLE", "DRAIN"]."""
+    listed = answer.get("nodes") if isinstance(answer, dict) else None
+    found = []
+    for node in listed if isinstance(listed, list) else []:
+        if not isinstance(node, dict) or not shapes.text(node.get("name")):
+            continue
+        state = node.get("state")
+        words = [str(word) for word in (state if isinstance(state, list) else [state]) if word]
+        extra = node.get("state_flags")
+        flags = [*words[1:], *(str(flag) for flag in extra if flag)] if isinstance(extra, list) else words[1:]
+        found.append(NodeDetail(node["name"], (words[0] if words else "unknown").lower(),
+                                tuple(dict.fromkeys(flag.upper() for flag in flags)),
+                                shapes.text(node.get("reason")), shapes.text(node.get("gres")),
+                                shapes.text(node.get("gres_used"))))
+    return found

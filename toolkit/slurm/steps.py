@@ -1,0 +1,60 @@
+"""Steps ft starts itself outside a job script: srun's options, spelled in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ShortStep:
+    """A short step of its own allocation (`srun` from a login node), placed as a profile's jobs are:
+    with their GPUs (where Slurm constrains devices, a step without GPUs sees none)."""
+    nodes: int
+    partition: str
+    job_name: str
+    wait_s: int  # how long it may wait for nodes (--immediate): never queued for long
+    minutes: int = 5
+    qos: str | None = None
+    account: str | None = None
+    gpus_per_node: int = 0
+    container_image: str | None = None  # pyxis/enroot: the step runs in this image
+    container_mounts: str | None = None
+
+    def argv(self, *command: str) -> list[str]:
+        argv = ["srun", f"--nodes={self.nodes}", "--ntasks-per-node=1", f"--partition={self.partition}",
+                f"--time={self.minutes}", f"--job-name={self.job_name}", f"--immediate={self.wait_s}",
+                "--chdir=/", "--quiet",
+                "--label"]  # whole lines per task: two nodes' long lines would otherwise interleave
+        if self.qos:
+            argv.append(f"--qos={self.qos}")
+        if self.account:
+            argv.append(f"--account={self.account}")
+        if self.gpus_per_node:
+            argv.append(f"--gres=gpu:{self.gpus_per_node}")
+        if self.container_image:
+            argv += [f"--container-image={self.container_image}", "--container-workdir=/",
+                     *([f"--container-mounts={self.container_mounts}"] if self.container_mounts else [])]
+        return [*argv, *command]
+
+
+# The options that shape a step (where it runs, how many tasks, its output): what a step made from
+# another step's srun command line sets anew.
+STEP_SHAPE = ("--nodes=", "--ntasks=", "--ntasks-per-node=", "--kill-on-bad-exit", "--output=", "--nodelist=",
+              "--open-mode=")
+
+
+def on_nodes(command: list[str], nodes: list[str]) -> list[str]:
+    """An srun command line placed on these nodes of the allocation. --overlap: a step that spanned
+    a lost node lingers until Slurm declares the node DOWN, and holds its share of the survivors
+    meanwhile (measured on Slurm 22.05); and from 20.11 on a step gets no share of a node's CPUs that
+    another step holds unless it overlaps."""
+    return [command[0], f"--nodelist={','.join(nodes)}", "--overlap", *command[1:]]
+
+
+def one_task_beside(command: list[str], node: str, output: str, program: list[str]) -> list[str]:
+    """A one-task step on `node` that shares it with the training steps (--overlap), with the same
+    options as `command` (a container, GPUs, the site's extras) but its shape, running `program`,
+    its output appended to `output`."""
+    options = [option for option in command[1:] if not option.startswith(STEP_SHAPE)]
+    return [command[0], f"--nodelist={node}", "--nodes=1", "--ntasks=1", "--overlap", f"--output={output}",
+            "--open-mode=append", *options, *program]
