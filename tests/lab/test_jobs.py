@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tests.support.slurm import job_fields, sbatch, wait_for, write_script
 from toolkit.lab.smoke import run_smoke
-from toolkit.slurm import commands
+from toolkit.slurm import accounting
 
 
 def test_two_node_job_runs_on_two_hosts_with_distinct_names_and_addresses(lab):
@@ -39,11 +39,9 @@ def test_gpus_are_allocated_as_gres_per_node(lab, shared_tmp):
     # The controller accounts 2 GPUs on each of the 2 nodes.
     # Accounting hears of the allocation a moment after the controller: wait for its record.
     def accounted():
-        tres = commands.run(["sacct", "-j", job_id, "--allocations", "--noheader", "--parsable2",
-                             "--format=AllocTRES"]).stdout
-        return tres if "gres/gpu" in tres else None
+        return [job.gpus for job in accounting.jobs_of([job_id]) if job.gpus] or None
 
-    assert "gres/gpu=4" in wait_for("sacct to record the GPUs", accounted, timeout=60)
+    assert wait_for("sacct to record the GPUs", accounted, timeout=60) == [4]
 
 
 def test_sacct_json_returns_the_job(lab, shared_tmp):
@@ -51,15 +49,14 @@ def test_sacct_json_returns_the_job(lab, shared_tmp):
     job_id = sbatch(script, "--nodes=2", "--job-name=ft-sacct-json", f"--output={shared_tmp}/out")
 
     def finished():
-        data = commands.run_json(["sacct", "--jobs", job_id])
-        jobs = [job for job in data.get("jobs", []) if str(job["job_id"]) == job_id]
+        jobs = [job for job in accounting.jobs_of([job_id]) if job.job_id == job_id]
         # slurmdbd fills the record in as messages arrive: wait for the final one.
-        done = jobs and jobs[0]["state"]["current"] == "COMPLETED" and jobs[0]["name"] != "allocation"
+        done = jobs and jobs[-1].state == "COMPLETED" and jobs[-1].name != "allocation"
         return jobs if done else None
 
     jobs = wait_for(f"sacct --json to report job {job_id} completed", finished, timeout=90)
-    job = jobs[0]
-    assert job["name"] == "ft-sacct-json"
-    assert job["cluster"] == lab.cluster
-    assert job["allocation_nodes"] == 2
-    assert job["exit_code"]["return_code"] == 0
+    job = jobs[-1]
+    assert job.name == "ft-sacct-json" and job.user == "root"
+    assert job.cluster == lab.cluster
+    assert len(job.nodes) == 2 and job.elapsed_s is not None and job.start
+    assert job.exit_code == 0

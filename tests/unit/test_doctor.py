@@ -24,14 +24,16 @@ def cluster() -> Discovery:
     return Discovery(user="carol", slurm_version="23.11.4",
                      partitions={"gpu": Partition("gpu", default=True), "cpu": Partition("cpu"),
                                  "vip": Partition("vip", allow_accounts="board")},
-                     nodes={"g1": NodeGpus("g1", ["gpu", "vip"], 8, "h100"), "c1": NodeGpus("c1", ["cpu"], 0)},
+                     nodes={"g1": NodeGpus("g1", ["gpu", "vip"], 8, "h100", 96, 1_000_000),
+                            "c1": NodeGpus("c1", ["cpu"], 0, "", 32, 64_000)},
                      qos=["normal", "high"], accounts=["ml", "research"], default_account="ml",
                      account_qos={"ml": ["normal"], "research": ["normal", "high"]}, enforces_associations=True)
 
 
 def profile(tmp_path: Path, **fields) -> ClusterProfile:
     base = {"name": "mine", "gpus_per_node": 8, "tiers": {"standard": {"partition": "gpu"}},
-            "shared_root": str(tmp_path), "default_account": "ml"}
+            "shared_root": str(tmp_path), "default_account": "ml", "cpus_per_node": 96,
+            "memory_per_node_mb": 1_000_000}
     return ClusterProfile.model_validate(base | fields)
 
 
@@ -42,6 +44,21 @@ def verdicts(findings) -> dict[str, str]:
 def test_a_sound_profile_has_no_blocker(tmp_path, cluster):
     findings = login.login_checks(profile(tmp_path), cluster)
     assert all(f.level == "ok" for f in findings), findings
+
+
+def test_what_jobs_ask_of_a_node_is_checked_against_the_nodes(tmp_path, cluster):
+    """Where Slurm confines jobs (cgroups), a job gets the cores it asks for: the profile must say
+    how many its nodes have (or that nodes are given whole), and never more than they have."""
+    unknown = login.check_node_size(profile(tmp_path, cpus_per_node=None), cluster)
+    assert [(f.level, f.fix) for f in unknown] == [("warn", "ft cluster set mine cpus_per_node=96, or "
+                                                            "exclusive_nodes=true where nodes are given whole")]
+    assert "a core per rank" in unknown[0].detail
+    too_many = login.check_node_size(profile(tmp_path, cpus_per_node=128), cluster)
+    assert [(f.level, f.fix) for f in too_many] == [("blocker", "ft cluster set mine cpus_per_node=96")]
+    too_much = login.check_node_size(profile(tmp_path, memory_per_node_mb=2_000_000), cluster)
+    assert [f.level for f in too_much] == ["blocker"] and "1000000" in too_much[0].fix
+    whole = login.check_node_size(profile(tmp_path, cpus_per_node=None, exclusive_nodes=True), cluster)
+    assert [f.level for f in whole] == ["ok"]
 
 
 @pytest.mark.parametrize(("fields", "check", "detail", "fix"), [

@@ -212,3 +212,26 @@ def test_old_slurm_gets_gres_instead_of_gpus_per_node():
     new = sbatch_options(render(resolved, placement, login_python=PYTHON, slurm_version=(22, 5, 8)))
     assert old["gres"] == "gpu:8" and "gpus-per-node" not in old
     assert new["gpus-per-node"] == "8" and "gres" not in new
+
+
+def test_a_job_asks_its_share_of_each_nodes_cores_and_memory():
+    """One task per node (the launcher) asks for its GPUs' share of the node's cores and memory,
+    never less than a core per rank and one for the launcher; a site that gives nodes whole gets
+    --exclusive. The training step is told its cores (srun's inheritance differs by version)."""
+    from toolkit.render.node_request import node_request
+
+    lab = resolve(REPO / "recipes" / "tiny-lora-sft.yaml", "lab")  # 1 of 4 GPUs of a 4-core, 4 GB node
+    assert node_request(lab) == node_request(lab).__class__(False, 2, 1024, 2)
+    script = render(lab, RunPlacement("r1", "/shared/runs/r1"), login_python="/usr/bin/python3")
+    assert "#SBATCH --cpus-per-task=2\n#SBATCH --mem=1024M\n" in script and "--exclusive" not in script
+    assert '--cpus-per-task="$SLURM_CPUS_ON_NODE"' in script
+    lab.profile = lab.profile.model_copy(update={"cpus_per_node": 64, "memory_per_node_mb": None})
+    lab.recipe.resources.gpus_per_node = 2
+    request = node_request(lab)
+    assert (request.cpus, request.memory_mb) == (32, None) and "memory_per_node_mb" in request.warnings[0]
+    lab.profile = lab.profile.model_copy(update={"cpus_per_node": 1})
+    assert "never start" in node_request(lab).warnings[0]
+    whole = resolve(REPO / "recipes" / "llama3-8b-lora-sft.yaml", "hyperpod")
+    assert node_request(whole).exclusive
+    script = render(whole, RunPlacement("r1", "/fsx/ft/runs/r1"), login_python="/usr/bin/python3")
+    assert "#SBATCH --exclusive\n#SBATCH --mem=0\n" in script and "--cpus-per-task=" in script

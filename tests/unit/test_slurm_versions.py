@@ -127,3 +127,27 @@ def test_accounts_and_caps_read_alike_on_every_release(release):
     assert {"research", "capped"} <= set(associations)
     used = accounting.parse_assoc_gpu_minutes(recorded(release, "scontrol-assoc-mgr.txt"), "capped")
     assert used is not None and all(minutes >= 0 for minutes in used)
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    (1700000000, 1700000000),  # 22.05
+    ({"set": True, "infinite": False, "number": 1700000000}, 1700000000),  # 23.02 on
+    ({"set": False, "infinite": False, "number": 0}, None),  # unset
+    ({"set": True, "infinite": True, "number": 0}, None),  # UNLIMITED
+    (4294967294, None),  # 24.11: NO_VAL as a plain number (a start that never came)
+    (True, None), ("12", None), (None, None),
+])
+def test_numbers_of_every_version_read_alike(value, expected):
+    assert shapes.number(value) == expected
+
+
+@pytest.mark.parametrize(("value", "state", "flags"), [
+    ("RUNNING", "RUNNING", ()),  # 22.05
+    (["PENDING", "REQUEUED"], "PENDING", ("REQUEUED",)),  # 23.02 on
+    ({"current": ["COMPLETED"], "reason": "None"}, "COMPLETED", ()),  # sacct 24.11
+    ({"current": "CANCELLED by 0", "reason": "None"}, "CANCELLED", ()),  # sacct 22.05
+    ([], "", ()), (None, "", ()),
+])
+def test_job_states_of_every_version_read_alike(value, state, flags):
+    assert (shapes.state(value), shapes.state_flags(value)) == (state, flags)
+    assert accounting.allocation_state(value) == ("REQUEUED" if "REQUEUED" in flags else state)

@@ -58,7 +58,7 @@ def print_status(status: LabStatus) -> None:
         console.print("`ft lab up` starts what is down and brings crashed nodes back (a drained node's reason: "
                       "`sinfo -R`)")
     else:
-        console.print(f"[green]lab is up[/]: {len(status.nodes)} nodes serving jobs")
+        console.print(f"[green]lab is up[/]: {len(status.nodes)} nodes serving jobs, Slurm {plain(status.slurm)}")
 
 
 @app.command()

@@ -20,12 +20,16 @@ def explain(recipe: Path = RECIPE, cluster: str = CLUSTER,
             as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """Show the fully resolved recipe and where each value came from."""
     from toolkit.recipe.resolve import resolve
+    from toolkit.render.node_request import node_request
 
     resolved = resolve(recipe, cluster)
     values = resolved.values()
     derived = {f"derived.{name}": value for name, value in resolved.derived.model_dump(mode="json").items()}
+    node = node_request(resolved)
+    derived |= {"derived.node_cpus": "whole node" if node.exclusive else node.cpus,
+                "derived.node_memory_mb": "whole node" if node.exclusive else node.memory_mb}
     if as_json:
-        print_json({"values": values | derived, "sources": resolved.sources})
+        print_json({"values": values | derived, "sources": resolved.sources, "warnings": list(node.warnings)})
         return
     from rich.table import Table
 
@@ -39,6 +43,8 @@ def explain(recipe: Path = RECIPE, cluster: str = CLUSTER,
     for dotted, value in derived.items():
         table.add_row(plain(dotted), plain(value), "computed", style="cyan")
     console.print(table)
+    for warning in node.warnings:
+        console.print(f"[yellow]warning:[/] {plain(warning)}")
 
 
 def local_slurm_version(profile_name: str) -> tuple[int, int, int] | None:

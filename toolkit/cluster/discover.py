@@ -64,6 +64,13 @@ class Discovery:
         best = max(found, key=lambda n: n.gpus)
         return best.gpus, best.gpu_type
 
+    def node_size(self, partition: str) -> tuple[int | None, int | None]:
+        """The fewest cores and least memory (MB) of the partition's GPU nodes (None: not known)."""
+        found = [n for n in self.nodes.values() if partition in n.partitions and n.gpus]
+        cpus = [n.cpus for n in found if n.cpus]
+        memory = [n.memory_mb for n in found if n.memory_mb]
+        return min(cpus, default=None), min(memory, default=None)
+
     def to_dict(self) -> dict:
         return asdict(self)
 

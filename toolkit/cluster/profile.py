@@ -93,6 +93,13 @@ class ClusterProfile(BaseModel):
     # Workers per node where there are no GPUs (the lab: gloo on CPU). None: one per GPU.
     cpu_workers_per_node: int | None = None
     max_nodes: int | None = Field(None, ge=1)
+    # The GPU nodes' size, for what a job asks of them: its share of their cores and memory (a job on
+    # 2 of 8 GPUs asks for a quarter). None: not known (`ft cluster add` reads them from sinfo).
+    cpus_per_node: int | None = Field(None, ge=1)
+    memory_per_node_mb: int | None = Field(None, ge=1)
+    # The site gives GPU nodes whole (HyperPod, SUNK, most GPU clouds): jobs ask --exclusive and all
+    # of each node's memory.
+    exclusive_nodes: bool = False
     fabric: str = "none"
     nccl_env: dict[str, str] = {}
     tiers: dict[str, TierTarget]

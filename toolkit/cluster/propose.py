@@ -102,6 +102,12 @@ def propose(discovery: Discovery, answers: Answers) -> Proposal:
     elif standard:
         gpus, kind = discovery.gpus_in(standard)
         proposal.set("gpus_per_node", gpus, f"GRES of partition {standard}'s nodes" + (f" ({kind})" if kind else ""))
+    if standard:  # the nodes' size: each job asks its share of their cores and memory
+        cpus, memory = discovery.node_size(standard)
+        if cpus:
+            proposal.set("cpus_per_node", cpus, f"CPUs of partition {standard}'s GPU nodes (sinfo)")
+        if memory:
+            proposal.set("memory_per_node_mb", memory, f"memory of partition {standard}'s GPU nodes (sinfo)")
     if answers.cpu_workers_per_node is not None:
         proposal.set("cpu_workers_per_node", answers.cpu_workers_per_node, "--cpu-workers-per-node")
     elif proposal.body.get("gpus_per_node") == 0 and not answers.extends:

@@ -117,6 +117,33 @@ def check_gpus(profile: ClusterProfile, found: Discovery) -> list[Finding]:
     return [ok("gpus", f"{gpus} GPUs per node as GRES" + (f" ({kind})" if kind else ""))]
 
 
+def check_node_size(profile: ClusterProfile, found: Discovery) -> list[Finding]:
+    """What jobs ask of each node beside GPUs (toolkit/render/node_request.py) against the nodes:
+    too few cores or too little memory starves the ranks where Slurm confines jobs (cgroups); more
+    than a node has never starts."""
+    if profile.exclusive_nodes:
+        return [ok("node_size", "jobs take whole nodes (exclusive_nodes)")]
+    cpus, memory = found.node_size(profile.standard_tier.partition)
+    set_it = f"ft cluster set {profile.name}"
+    if profile.cpus_per_node is None:
+        said = f"; its nodes have {cpus} cores" if cpus else ""
+        return [warn("node_size", "the profile gives no cores per node (cpus_per_node): each job asks a core per "
+                                  f"rank and one for the launcher, not its share of the node{said}",
+                     f"{set_it} cpus_per_node={cpus or '<cores>'}, or exclusive_nodes=true where nodes are "
+                     "given whole")]
+    if cpus and profile.cpus_per_node > cpus:
+        return [blocker("node_size", f"the profile says {profile.cpus_per_node} cores per node; "
+                                     f"partition {profile.standard_tier.partition}'s have {cpus}: jobs asking "
+                                     "their share would wait for cores no node has", f"{set_it} cpus_per_node={cpus}")]
+    if memory and profile.memory_per_node_mb and profile.memory_per_node_mb > memory:
+        return [blocker("node_size", f"the profile says {profile.memory_per_node_mb} MB per node; "
+                                     f"partition {profile.standard_tier.partition}'s have {memory}",
+                        f"{set_it} memory_per_node_mb={memory}")]
+    return [ok("node_size", f"jobs ask their share of {profile.cpus_per_node} cores"
+                            + (f" and {profile.memory_per_node_mb} MB" if profile.memory_per_node_mb else "")
+                            + " per node")]
+
+
 def check_shared_root(profile: ClusterProfile) -> list[Finding]:
     if not profile.shared_root:
         return [blocker("shared_root", "the profile has no shared root: runs, checkpoints and the training "
@@ -163,5 +190,6 @@ def check_environment(profile: ClusterProfile) -> list[Finding]:
 def login_checks(profile: ClusterProfile, found: Discovery) -> list[Finding]:
     findings = check_slurm(found)
     if slurm_answers(found):
-        findings += check_tiers(profile, found) + check_account(profile, found) + check_gpus(profile, found)
+        findings += check_tiers(profile, found) + check_account(profile, found) + check_gpus(profile, found) \
+            + check_node_size(profile, found)
     return findings + check_shared_root(profile) + check_environment(profile)

@@ -61,6 +61,7 @@ class LabStatus:
     problems: list[str]
     object_store: ObjectStoreStatus | None = None
     prometheus: dict | None = None  # url, answering
+    slurm: str = ""  # the release the lab runs (22.05: Debian's package; 24.11, 26.05: built)
 
     @property
     def up(self) -> bool:
@@ -73,6 +74,7 @@ class LabStatus:
     def to_dict(self) -> dict:
         return {
             "cluster": self.cluster,
+            "slurm": self.slurm,
             "up": self.up,
             "healthy": self.healthy,
             "bridge_up": self.bridge_up,
@@ -160,4 +162,4 @@ def collect(manifest: LabManifest) -> LabStatus:
         prometheus = {"url": manifest.prometheus, "answering": answers(manifest.prometheus + "/-/ready")}
         if not prometheus["answering"]:
             problems.append(f"Prometheus at {manifest.prometheus} does not answer")
-    return LabStatus(manifest.cluster, has_bridge, daemons, nodes, problems, store, prometheus)
+    return LabStatus(manifest.cluster, has_bridge, daemons, nodes, problems, store, prometheus, manifest.slurm)

@@ -20,6 +20,7 @@ from toolkit.cluster.profile import SBATCH_UNSAFE
 from toolkit.errors import FtError
 from toolkit.paths import resource_dir
 from toolkit.recipe.resolve import ResolvedRecipe
+from toolkit.render.node_request import node_request
 from toolkit.runs import layout
 from toolkit.runs.layout import RUN_ID_PATTERN
 from toolkit.shared_dirs import SharedFolderError, private_dir
@@ -161,6 +162,7 @@ def render(resolved: ResolvedRecipe, placement: RunPlacement, mode: str = "train
         "gres_gpus": resolved.recipe.resources.gpus_per_node,
         "gpus_as_gres": slurm_version is not None and slurm_version < GPUS_PER_NODE_SINCE,
         "workers_per_node": resolved.derived.workers_per_node,
+        "node": node_request(resolved),
         "world_size": resolved.derived.world_size,
         "pre_timeout_seconds": resolved.recipe.checkpoint.before_time_limit,
         "comment": job_comment.compose(placement.run_id, key),

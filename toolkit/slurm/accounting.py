@@ -35,6 +35,8 @@ class AccountedJob:
     start: float | None
     eligible: float | None
     nodes: tuple[str, ...]
+    cluster: str = ""
+    exit_code: int | None = None  # the batch script's return code
 
 
 # `--json`: a job's name and comment are its submitter's free text (a newline, any delimiter), which
@@ -56,14 +58,22 @@ def parse_sacct(answer: object) -> list[AccountedJob]:
             job_id=str(shapes.dig(job, "job_id") or ""), name=shapes.text(job.get("name")),
             comment=shapes.text(comment), user=shapes.text(job.get("user")),
             account=shapes.text(job.get("account")), partition=shapes.text(job.get("partition")),
-            qos=shapes.text(job.get("qos")), state=shapes.state(job.get("state")),
+            qos=shapes.text(job.get("qos")), state=allocation_state(job.get("state")),
             gpus=shapes.tres_gpus(shapes.dig(job, "tres", "allocated")),
             elapsed_s=int(elapsed) if isinstance(elapsed, int | float) and elapsed >= 0 else None,
             start=float(began) if isinstance(began, int | float) and began > 0 else None,
             eligible=float(ready) if isinstance(ready, int | float) and ready > 0 else None,
-            nodes=tuple(commands.expand_hostlist(shapes.text(job.get("nodes")))),
+            nodes=tuple(commands.expand_hostlist(shapes.text(job.get("nodes"))))
+            if shapes.text(job.get("nodes")) != "None assigned" else (),
+            cluster=shapes.text(job.get("cluster")),
+            exit_code=code if isinstance(code := shapes.dig(job, "exit_code", "return_code"), int) else None,
         ))
     return found
+
+
+def allocation_state(value: object) -> str:
+    """An allocation's end as 22.05 words it: one a requeue ended is REQUEUED (24.11: PENDING, REQUEUED)."""
+    return "REQUEUED" if "REQUEUED" in shapes.state_flags(value) else shapes.state(value)
 
 
 def stamp(when: float) -> str:
@@ -80,6 +90,15 @@ def allocations(since: float, until: float | None = None, account: str | None = 
     except (ValueError, RecursionError) as exc:
         raise FtError(f"sacct printed no JSON: {exc}") from None
     return parse_sacct(answer)
+
+
+def jobs_of(job_ids: list[str], run: Callable = commands.run) -> list[AccountedJob]:
+    """Every allocation of these jobs."""
+    result = run([*SACCT, f"--jobs={','.join(job_ids)}"], timeout=30)
+    try:
+        return parse_sacct(json.loads(result.stdout))
+    except (ValueError, RecursionError) as exc:
+        raise FtError(f"sacct printed no JSON: {exc}") from None
 
 
 def node_events(since: float, run: Callable = commands.run) -> list[tuple[str, float]]:

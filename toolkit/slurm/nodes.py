@@ -116,11 +116,13 @@ class NodeGpus:
     partitions: list[str]
     gpus: int
     gpu_type: str = ""
+    cpus: int | None = None
+    memory_mb: int | None = None
 
 
 def node_gres(run: Callable = commands.run) -> dict[str, NodeGpus]:
     """Each node's GPUs (its GRES) and partitions."""
-    return parse_node_gres(run(["sinfo", "--Node", "--noheader", "--format=%N|%P|%G"], timeout=20).stdout)
+    return parse_node_gres(run(["sinfo", "--Node", "--noheader", "--format=%N|%P|%G|%c|%m"], timeout=20).stdout)
 
 
 def parse_gres(gres: str) -> tuple[int, str]:
@@ -138,15 +140,17 @@ def parse_gres(gres: str) -> tuple[int, str]:
 
 
 def parse_node_gres(text: str) -> dict[str, NodeGpus]:
-    """`sinfo --Node --format=%N|%P|%G` lines: a node appears once per partition."""
+    """`sinfo --Node --format=%N|%P|%G|%c|%m` lines (cores and memory: MB): a node appears once per
+    partition."""
     nodes: dict[str, NodeGpus] = {}
     for line in text.splitlines():
         parts = line.strip().split("|")
-        if len(parts) != 3 or not parts[0]:
+        if len(parts) not in (3, 5) or not parts[0]:
             continue
-        name, partition, gres = parts
+        name, partition, gres = parts[:3]
+        cpus, memory = (int(part) if part.isdigit() else None for part in (parts[3:] or ["", ""]))
         gpus, kind = parse_gres(gres)
-        node = nodes.setdefault(name, NodeGpus(name, [], gpus, kind))
+        node = nodes.setdefault(name, NodeGpus(name, [], gpus, kind, cpus, memory))
         node.partitions.append(partition.rstrip("*"))
     return nodes
 
@@ -179,18 +183,33 @@ def node_details(run: Callable = commands.run, timeout: float = 10.0) -> list[No
 
 
 def parse_node_details(answer: object) -> list[NodeDetail]:
-    """22.05: "state": "idle", "state_flags": ["DRAIN"]; 23.02 on: "state": ["IDLE", "DRAIN"]."""
-    listed = answer.get("nodes") if isinstance(answer, dict) else None
+    """`sinfo --Node --json`. 22.05: "nodes", one element a node ("state": "idle", "state_flags":
+    ["DRAIN"], "reason", "gres", "gres_used"). 23.11 on: "sinfo", one element per node and partition
+    ("nodes": {"nodes": [name]}, "node": {"state": ["IDLE", "DRAIN"]}, "reason": {"description"},
+    "gres": {"total", "used"})."""
+    if not isinstance(answer, dict):
+        return []
+    if isinstance(answer.get("sinfo"), list):
+        return list({node.name: node for node in map(_from_sinfo_entry, answer["sinfo"]) if node}.values())
+    listed = answer.get("nodes")
     found = []
     for node in listed if isinstance(listed, list) else []:
-        if not isinstance(node, dict) or not shapes.text(node.get("name")):
-            continue
-        state = node.get("state")
-        words = [str(word) for word in (state if isinstance(state, list) else [state]) if word]
-        extra = node.get("state_flags")
-        flags = [*words[1:], *(str(flag) for flag in extra if flag)] if isinstance(extra, list) else words[1:]
-        found.append(NodeDetail(node["name"], (words[0] if words else "unknown").lower(),
-                                tuple(dict.fromkeys(flag.upper() for flag in flags)),
-                                shapes.text(node.get("reason")), shapes.text(node.get("gres")),
-                                shapes.text(node.get("gres_used"))))
+        if isinstance(node, dict) and shapes.text(node.get("name")):
+            found.append(_detail(node["name"], node.get("state"), node.get("state_flags"), node.get("reason"),
+                                 node.get("gres"), node.get("gres_used")))
     return found
+
+
+def _from_sinfo_entry(entry: object) -> NodeDetail | None:
+    names = shapes.dig(entry, "nodes", "nodes")
+    if not isinstance(names, list) or len(names) != 1 or not shapes.text(names[0]):
+        return None
+    return _detail(names[0], shapes.dig(entry, "node", "state"), None, shapes.dig(entry, "reason", "description"),
+                   shapes.dig(entry, "gres", "total"), shapes.dig(entry, "gres", "used"))
+
+
+def _detail(name: str, state: object, more_flags: object, reason: object, gres: object, used: object) -> NodeDetail:
+    words = [str(word) for word in (state if isinstance(state, list) else [state]) if word]
+    flags = words[1:] + ([str(flag) for flag in more_flags if flag] if isinstance(more_flags, list) else [])
+    return NodeDetail(name, (words[0] if words else "unknown").lower(), tuple(dict.fromkeys(f.upper() for f in flags)),
+                      shapes.text(reason), shapes.text(gres), shapes.text(used))

@@ -11,6 +11,11 @@ v0.0.44 in 25.11 and on). What ft reads of them, and how it differs:
   user          squeue 22.05-25.x: "user_name"; sacct: "user"
   GPUs held     squeue: "tres_req_str"/"tres_alloc_str" text (gres/gpu=8); sacct: tres.allocated, a
                 list of {"type": "gres", "name": "gpu", "count": 8}
+  no value      22.05: null or 0; 24.11: Slurm's NO_VAL and INFINITE as numbers (a job that never
+                started: "start": 4294967294)
+  requeued      sacct's record of an allocation a requeue ended: 22.05 "REQUEUED"; 24.11
+                ["PENDING", "REQUEUED"]
+  no nodes      sacct: "None assigned"
 
 Every reader here takes a value as any of these versions gives it and returns plain Python: a
 caller never sees a version. Recorded answers of each version are unit-test fixtures
@@ -25,15 +30,19 @@ import re
 TRES_GPUS = re.compile(r"(?:^|,)gres/gpu(?::[^=,]+)?=(\d+)(?:,|$)")
 
 
+# Slurm's NO_VAL and INFINITE (16, 32 and 64 bits), which some fields carry as plain numbers.
+NO_VALUES = {0xFFFE, 0xFFFF, 0xFFFFFFFE, 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFE, 0xFFFFFFFFFFFFFFFF}
+
+
 def number(value: object) -> int | float | None:
     """A number as any Slurm version writes it; None where unset or infinite (a limit of UNLIMITED)."""
     if isinstance(value, dict):
         if not value.get("set", True) or value.get("infinite"):
             return None
         value = value.get("number")
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, int | float) or value in NO_VALUES:
         return None
-    return value if isinstance(value, int | float) else None
+    return value
 
 
 def state(value: object) -> str:
@@ -60,7 +69,8 @@ def dig(document: object, *keys: str) -> object:
     value = document
     for key in keys:
         value = value.get(key) if isinstance(value, dict) else None
-    if isinstance(value, dict) and ("number" in value or "set" in value):
+    if (isinstance(value, dict) and ("number" in value or "set" in value)) or \
+            (isinstance(value, int | float) and not isinstance(value, bool)):
         return number(value)
     return value
 
