@@ -14,7 +14,7 @@ import yaml
 from tests.support.slurm import cancel, job_fields, sbatch, wait_for, write_script
 from tests.support.training import TINY, ft
 
-pytestmark = pytest.mark.whole_lab  # it fills one slice and submits to the other
+pytestmark = [pytest.mark.whole_lab, pytest.mark.slurm_matrix]  # it fills one slice and submits to the other
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from toolkit.receipts.verify import FAILED_EXIT, verify
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.slurm_matrix
 def test_the_tiny_run_is_evaluated_promoted_and_its_receipt_verifies(lab, tiny_baseline):
     run_id, run_dir = tiny_baseline["run_id"], Path(tiny_baseline["run_dir"])
     results = json.loads((run_dir / "eval.json").read_text())

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.support.slurm import job_fields, sbatch, wait_for, write_script
 from toolkit.lab.smoke import run_smoke
 from toolkit.slurm import accounting
+
+pytestmark = pytest.mark.slurm_matrix  # what ft asks of Slurm: run on every release
 
 
 def test_two_node_job_runs_on_two_hosts_with_distinct_names_and_addresses(lab):

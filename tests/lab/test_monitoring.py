@@ -30,6 +30,7 @@ def prometheus(lab) -> str:
     return lab.prometheus
 
 
+@pytest.mark.slurm_matrix
 def test_a_run_was_scraped_while_it_trained(lab, prometheus, tiny_baseline):
     run_id, run_dir = tiny_baseline["run_id"], Path(tiny_baseline["run_dir"])
     assert not list((Path(lab.shared_dir) / "monitoring" / "targets").glob(f"{run_id}*.json"))  # gone with the run

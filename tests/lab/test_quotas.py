@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
 import yaml
 
 from tests.support.slurm import cancel, job_fields, sbatch, wait_for, write_script
 from tests.support.training import ft, tiny_recipe
 
 
+@pytest.mark.slurm_matrix
 def test_a_capped_account_is_refused_by_ft_and_held_by_slurm(lab, tmp_path):
     recipe = tiny_recipe()
     recipe["resources"]["account"] = "capped"

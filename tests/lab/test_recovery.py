@@ -110,6 +110,7 @@ def reasons(*nodes: str) -> dict[str, str]:
                                  text=True).stdout.strip() for node in nodes}
 
 
+@pytest.mark.slurm_matrix
 def test_a_lost_node_is_replaced_by_a_spare_and_a_bad_gpu_with_no_spare_left_requeues(lab, tiny_baseline, runs,
                                                                                       heal_lab):
     # Slower steps: training on the spare must outlast the wait for its checkpoint and the health check.
@@ -176,6 +177,7 @@ def test_a_gpu_that_needs_a_restart_moves_the_run_off_and_its_node_comes_back_by
     assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after XID 94 on {node}")
 
 
+@pytest.mark.slurm_matrix
 def test_a_hung_rank_then_killed_ones_are_restarted_on_the_same_nodes_and_the_loop_alert_fires(
         tiny_baseline, runs, lab):
     run = submit(recipe(runs, "hang", watchdog={"hang_floor": 5, "hang_factor": 10}), runs_dir=runs)
@@ -248,6 +250,7 @@ def test_a_lost_batch_host_is_reported_by_the_survivors_and_the_job_requeued(tin
     assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after losing the batch host {crashed}")
 
 
+@pytest.mark.slurm_matrix
 def test_a_preempted_free_run_checkpoints_and_resumes_where_it_stopped(lab, tiny_baseline, runs, shared_tmp):
     run = submit(recipe(runs, "free", resources={"tier": "free"}), runs_dir=runs)
     checkpoint_after(run, 0)  # the first one
@@ -269,6 +272,7 @@ def test_a_preempted_free_run_checkpoints_and_resumes_where_it_stopped(lab, tiny
     assert used["refundable_gpu_hours"] == 0  # a preemption is the free tier's bargain, not a fault
 
 
+@pytest.mark.slurm_matrix
 def test_a_run_near_its_time_limit_checkpoints_requeues_and_resumes(tiny_baseline, runs):
     """Slurm's USR2, checkpoint.before_time_limit (300 s) before the time limit: with a 6-minute limit it comes
     about a minute into each start (slurmctld looks every ~30 s), mid-training at these slower

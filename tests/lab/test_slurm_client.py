@@ -12,6 +12,8 @@ from toolkit.slurm import commands
 from toolkit.slurm.client import CliSlurmClient, PyslurmClient, pyslurm_unavailable_reason
 from toolkit.slurm.commands import SlurmUnavailable
 
+pytestmark = pytest.mark.slurm_matrix  # what ft asks of Slurm: run on every release
+
 
 def backends():
     yield pytest.param(CliSlurmClient, id="cli")

@@ -49,6 +49,7 @@ def wait_finished(run_id: str) -> dict:
     return wait_for(f"run {run_id} to finish", finished, timeout=120, interval=1)
 
 
+@pytest.mark.slurm_matrix
 def test_two_node_run_goes_through_to_completion_with_status_and_logs(lab, runs_dir):
     run = submit(str(TINY), "--preflight")
 
@@ -69,6 +70,7 @@ def test_two_node_run_goes_through_to_completion_with_status_and_logs(lab, runs_
     assert "COMPLETED" in table.stdout and "attempts" in table.stdout
 
 
+@pytest.mark.slurm_matrix
 def test_a_script_rendered_then_submitted_with_plain_sbatch_shows_in_ls_and_status(lab, runs_dir, shared_tmp):
     script = shared_tmp / "by-hand.sbatch"
     rendered = ft("render", str(TINY), "--preflight", "--run-id", "by-hand", "-o", str(script))
@@ -148,6 +150,7 @@ def test_a_job_slurm_refuses_leaves_no_run_behind(lab, runs_dir, shared_tmp):
     assert not list(runs_dir.glob("*/run.json"))
 
 
+@pytest.mark.slurm_matrix
 def test_every_state_source_agrees_on_a_finished_job(lab, runs_dir):
     run = submit(str(TINY), "--preflight")
     wait_finished(run["run_id"])
@@ -208,6 +211,7 @@ def test_submit_refuses_data_that_would_fail_and_submits_nothing(lab, runs_dir, 
     wait_finished(forced["run_id"])
 
 
+@pytest.mark.slurm_matrix
 def test_cancel_stops_the_run_and_says_so_in_json(lab, runs_dir):
     run = submit(str(TINY))
     cancelled = ft("cancel", run["run_id"], "--json")

@@ -68,6 +68,7 @@ def test_two_node_lora_sft_learns_the_task(baseline):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000120"
 
 
+@pytest.mark.slurm_matrix
 def test_requeued_run_resumes_and_ends_with_the_same_weights(baseline, runs_env):
     run = submit(TINY)
     latest = Path(run["run_dir"]) / "checkpoints" / "latest"

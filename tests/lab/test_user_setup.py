@@ -175,6 +175,7 @@ def test_doctor_names_a_version_mismatch_between_login_and_compute_nodes(user_pa
     assert doctor(carol, "mylab", "--nodes", "1")[0] == 0  # the edit undone: the same ft again
 
 
+@pytest.mark.slurm_matrix
 def test_doctor_names_the_wrong_account_from_slurms_own_refusal(user_path, carol):
     broken_copy(carol, "wrong-account", "default_account=physics")
     code, blockers = doctor(carol, "wrong-account", "--nodes", "1")
@@ -182,6 +183,7 @@ def test_doctor_names_the_wrong_account_from_slurms_own_refusal(user_path, carol
     assert any("Slurm refused the preflight step" in b["detail"] for b in blockers)  # sbatch/srun refuse it too
 
 
+@pytest.mark.slurm_matrix
 def test_cluster_add_asks_only_for_what_it_could_not_discover(user_path, carol):
     """At a terminal (script(1) gives it one), the one question is the shared folder: Slurm told the
     rest. The answer is typed at the prompt."""
