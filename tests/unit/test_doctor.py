@@ -222,3 +222,17 @@ def test_preflight_step_carries_the_profiles_placement_and_container(tmp_path):
             "--chdir=/", "--gres=gpu:8"} <= set(argv)  # with its GPUs: a step without them may see none
     assert argv[-3:-1] == ["ft-doctor", "python3"]
     assert os.path.basename(argv[argv.index("bash")]) == "bash"
+
+
+def test_doctor_says_in_one_line_whether_ft_uses_pyslurm_and_why_not(monkeypatch):
+    """pyslurm builds against exactly one Slurm release (PyPI: 25.11 only); ft uses it only there.
+    A stand-in module: no pyslurm builds here (this machine's Slurms are 22.05 and 24.11)."""
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "pyslurm", None)  # not installed
+    assert "not installed" in login.check_backend("24.11.5").detail
+    monkeypatch.setitem(sys.modules, "pyslurm", types.SimpleNamespace(__version__="25.11.0"))
+    other = login.check_backend("24.11.5")
+    assert other.level == "ok" and "built for Slurm 25.11; this cluster runs 24.11.5" in other.detail
+    assert "through pyslurm" in login.check_backend("25.11.2").detail

@@ -71,7 +71,7 @@ def run_script(tmp_path: Path, started: str, unreached: str, error: str = COMMUN
         (run_dir / "launch-failures").write_text("".join(f"{n} 40 node9\n" for n in range(earlier_failures)))
     calls = tmp_path / "calls"
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-3]",
-           "SLURM_JOB_NUM_NODES": "3", "ALL_NODES": "node1 node2 node3", "STARTED": started,
+           "SLURM_JOB_NUM_NODES": "3", "SLURM_CPUS_ON_NODE": "2", "ALL_NODES": "node1 node2 node3", "STARTED": started,
            "UNREACHED": unreached, "SRUN_ERROR": error, "CALLS": str(calls)}
     process = subprocess.Popen(["bash", str(tmp_path / "job.sh")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env=env)

@@ -74,7 +74,7 @@ def test_up_waits_for_the_next_ping_instead_of_running_the_playbook(monkeypatch)
     answers = iter([status(node("node2", "idle", "NOT_RESPONDING"))] * 2 + [status(node("node2"))])
     monkeypatch.setattr(lifecycle, "require_root", lambda action: None)
     monkeypatch.setattr(lifecycle.LabManifest, "load", classmethod(lambda cls: None))
-    monkeypatch.setattr(lifecycle, "lab_vars", lambda nodes, slices, manifest: {"lab_node_count": 1})
+    monkeypatch.setattr(lifecycle, "lab_vars", lambda nodes, slices, manifest, slurm: {"lab_node_count": 1})
     monkeypatch.setattr(lifecycle, "as_last_up", lambda extra_vars, manifest: True)
     monkeypatch.setattr(lifecycle, "collect", lambda manifest: next(answers))
     monkeypatch.setattr(lifecycle.time, "sleep", lambda s: None)
@@ -108,14 +108,27 @@ def test_a_resize_alone_skips_the_services_and_anything_else_runs_everything(tmp
 
 
 def test_the_lab_keeps_its_shape_unless_asked_and_a_slice_needs_a_node():
-    assert lifecycle.lab_vars(None, None, None) == {"lab_node_count": 4, "lab_slices": 1}
+    package = {"slurm_release": ""}  # Debian's 22.05
+    assert lifecycle.lab_vars(None, None, None) == {"lab_node_count": 4, "lab_slices": 1} | package
     sliced = lab_manifest(8, slices=2)
-    assert lifecycle.lab_vars(None, None, sliced) == {"lab_node_count": 8, "lab_slices": 2}
-    assert lifecycle.lab_vars(9, None, sliced) == {"lab_node_count": 9, "lab_slices": 2}  # a resize keeps them
-    assert lifecycle.lab_vars(None, 1, sliced) == {"lab_node_count": 8, "lab_slices": 1}
+    assert lifecycle.lab_vars(None, None, sliced) == {"lab_node_count": 8, "lab_slices": 2} | package
+    assert lifecycle.lab_vars(9, None, sliced) == {"lab_node_count": 9, "lab_slices": 2} | package  # kept
+    assert lifecycle.lab_vars(None, 1, sliced) == {"lab_node_count": 8, "lab_slices": 1} | package
     with pytest.raises(UsageError, match="--slices 3 does not fit 2 lab nodes"):
         lifecycle.lab_vars(2, 3, None)
     assert isinstance(sliced.slices[1], LabSlice)
+
+
+def test_the_lab_keeps_its_slurm_release_unless_asked_and_knows_which_it_runs():
+    import dataclasses
+
+    on_24 = dataclasses.replace(lab_manifest(4, slices=1), slurm="24.11")
+    assert lifecycle.lab_vars(None, None, on_24)["slurm_release"] == "24.11"  # a resize keeps it
+    assert lifecycle.lab_vars(None, None, on_24, "22.05")["slurm_release"] == ""  # back to Debian's
+    assert lifecycle.lab_vars(None, None, None, "26.05")["slurm_release"] == "26.05"
+    with pytest.raises(UsageError, match="--slurm 23.02 is not a release the lab runs") as refused:
+        lifecycle.lab_vars(None, None, None, "23.02")
+    assert "24.11" in refused.value.hint
 
 
 def lab_manifest(count: int, slices: int):

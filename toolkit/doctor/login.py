@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -31,7 +32,20 @@ def check_slurm(found: Discovery) -> list[Finding]:
     if "partitions" in found.unread:  # sinfo --version answers without the controller
         return [blocker("slurm", f"the Slurm controller does not answer: {found.unread['partitions'] or 'no reply'}",
                         "check `scontrol ping`; ask the cluster's admins; on the local lab, `ft lab up`")]
-    return [ok("slurm", f"Slurm {found.slurm_version} answers")]
+    return [ok("slurm", f"Slurm {found.slurm_version} answers"), check_backend(found.slurm_version)]
+
+
+def check_backend(slurm_version: str) -> Finding:
+    """How ft speaks to this Slurm, in one line: pyslurm where one built for this very release is
+    installed (it builds against exactly one), else the command-line tools, and why."""
+    from toolkit.slurm.client import pyslurm_unavailable_reason
+
+    numbers = tuple(int(part) for part in re.findall(r"\d+", slurm_version)[:3])
+    version = (numbers + (0, 0, 0))[:3] if numbers else None
+    why = pyslurm_unavailable_reason(version)  # type: ignore[arg-type]
+    if why is None:
+        return ok("slurm_backend", f"ft asks Slurm {slurm_version} through pyslurm for job queries (built for it)")
+    return ok("slurm_backend", f"ft asks Slurm through its command-line tools (--json where it has it): {why}")
 
 
 def slurm_answers(found: Discovery) -> bool:
