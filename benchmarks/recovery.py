@@ -98,7 +98,9 @@ def goodput(env: dict, work: Path, args) -> dict:
 def recipe_for(work: Path, mode: str, heartbeat_timeout: float, steps: int = 100_000, hang_floor: float = 0,
                global_batch: int = 0) -> Path:
     document = yaml.safe_load(RECIPE.read_text())
-    document["data"]["train"] = str(RECIPE.parent / document["data"]["train"])
+    for section, field in (("data", "train"), ("data", "eval"), ("eval", "golden")):  # written elsewhere
+        if document.get(section, {}).get(field):
+            document[section][field] = str(RECIPE.parent / document[section][field])
     document["training"]["steps"] = steps  # the kill runs are stopped by the benchmark, never finished
     document["checkpoint"]["every_steps"] = 10
     # Every step's line written as it ends (the default writes ten at a time): the last step before

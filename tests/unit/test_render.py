@@ -224,14 +224,16 @@ def test_a_job_asks_its_share_of_each_nodes_cores_and_memory():
     assert node_request(lab) == node_request(lab).__class__(False, 2, 1024, 2)
     script = render(lab, RunPlacement("r1", "/shared/runs/r1"), login_python="/usr/bin/python3")
     assert "#SBATCH --cpus-per-task=2\n#SBATCH --mem=1024M\n" in script and "--exclusive" not in script
-    assert '--cpus-per-task="$SLURM_CPUS_ON_NODE"' in script
+    assert "--kill-on-bad-exit=1 \\\n        --cpus-per-task=2 \\\n" in script  # the step told its cores
     lab.profile = lab.profile.model_copy(update={"cpus_per_node": 64, "memory_per_node_mb": None})
     lab.recipe.resources.gpus_per_node = 2
-    request = node_request(lab)
+    request = node_request(lab)  # 2 of 4 GPUs
     assert (request.cpus, request.memory_mb) == (32, None) and "memory_per_node_mb" in request.warnings[0]
     lab.profile = lab.profile.model_copy(update={"cpus_per_node": 1})
     assert "never start" in node_request(lab).warnings[0]
+    lab.recipe.resources.gpus_per_node = 4  # every GPU of the node: the whole node, whatever sinfo says
+    assert node_request(lab).exclusive
     whole = resolve(REPO / "recipes" / "llama3-8b-lora-sft.yaml", "hyperpod")
     assert node_request(whole).exclusive
     script = render(whole, RunPlacement("r1", "/fsx/ft/runs/r1"), login_python="/usr/bin/python3")
-    assert "#SBATCH --exclusive\n#SBATCH --mem=0\n" in script and "--cpus-per-task=" in script
+    assert "#SBATCH --exclusive\n#SBATCH --mem=0\n" in script and '--cpus-per-task="$SLURM_CPUS_ON_NODE"' in script

@@ -95,7 +95,8 @@ def test_nodes_and_partitions_read_alike_on_every_release(release):
     states = nodes.parse_node_states(recorded(release, "sinfo-node-states.txt"))
     assert set(states) == {node.name for node in details} and all(state.up for state in states.values())
     gres = nodes.parse_node_gres(recorded(release, "sinfo-node-gres.txt"))
-    assert {node.gpus for node in gres.values()} == {4} and "standard" in gres["node1"].partitions
+    assert {(node.gpus, node.cpus, node.memory_mb) for node in gres.values()} == {(4, 4, 4096)}
+    assert "standard" in gres["node1"].partitions
     partitions = nodes.parse_partitions(recorded(release, "scontrol-show-partition.txt"))
     assert partitions["standard"].default and set(recorded(release, "sinfo-partitions.txt").split()) == set(partitions)
     config = nodes.config(answering(release, {"scontrol show config": "scontrol-show-config.txt"}))
@@ -135,6 +136,8 @@ def test_accounts_and_caps_read_alike_on_every_release(release):
     ({"set": False, "infinite": False, "number": 0}, None),  # unset
     ({"set": True, "infinite": True, "number": 0}, None),  # UNLIMITED
     (4294967294, None),  # 24.11: NO_VAL as a plain number (a start that never came)
+    (65534, 65534),  # not a marker: a job id, a number of seconds
+    (float("inf"), None), (float("nan"), None), (1e300, 1e300),
     (True, None), ("12", None), (None, None),
 ])
 def test_numbers_of_every_version_read_alike(value, expected):
@@ -142,12 +145,16 @@ def test_numbers_of_every_version_read_alike(value, expected):
 
 
 @pytest.mark.parametrize(("value", "state", "flags"), [
-    ("RUNNING", "RUNNING", ()),  # 22.05
-    (["PENDING", "REQUEUED"], "PENDING", ("REQUEUED",)),  # 23.02 on
+    ("RUNNING", "RUNNING", ()),  # 22.05: one word, a flag's where the job has one
+    ("COMPLETING", "COMPLETING", ()),
+    (["RUNNING"], "RUNNING", ()),  # 23.02 on: the base state, then its flags; read as 22.05 words it
+    (["PENDING", "REQUEUED"], "REQUEUED", ("REQUEUED",)),  # sacct 24.11: an allocation a requeue ended
+    (["COMPLETED", "COMPLETING"], "COMPLETING", ("COMPLETING",)),  # not finished yet, on either release
+    (["RUNNING", "CONFIGURING"], "CONFIGURING", ("CONFIGURING",)),
+    (["PENDING", "REQUEUE_HOLD", "REQUEUED"], "REQUEUED", ("REQUEUE_HOLD", "REQUEUED")),
     ({"current": ["COMPLETED"], "reason": "None"}, "COMPLETED", ()),  # sacct 24.11
     ({"current": "CANCELLED by 0", "reason": "None"}, "CANCELLED", ()),  # sacct 22.05
     ([], "", ()), (None, "", ()),
 ])
 def test_job_states_of_every_version_read_alike(value, state, flags):
     assert (shapes.state(value), shapes.state_flags(value)) == (state, flags)
-    assert accounting.allocation_state(value) == ("REQUEUED" if "REQUEUED" in flags else state)

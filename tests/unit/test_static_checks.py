@@ -110,6 +110,9 @@ def test_run_directory_names_are_spelled_only_by_the_layout():
 
 SLURM_COMMANDS = {"sacct", "sacctmgr", "salloc", "sattach", "sbatch", "sbcast", "scancel", "scontrol", "sdiag",
                   "sinfo", "sprio", "squeue", "sreport", "srun", "sshare", "sstat", "strigger", "scrontab"}
+# What follows a Slurm command's name in a command line (scontrol show job 7, sacctmgr modify qos ...).
+SLURM_SUBCOMMANDS = {"show", "update", "requeue", "requeuehold", "listpids", "ping", "reconfigure", "hold",
+                     "release", "create", "delete", "modify", "list", "add", "remove", "suspend", "resume"}
 # Keys of Slurm's JSON answers (squeue, sacct, sinfo --json) that differ between versions.
 SLURM_JSON_KEYS = {"job_state", "state_reason", "tres_req_str", "tres_alloc_str", "batch_host", "user_name",
                    "restart_cnt", "data_parser", "state_flags", "gres_used"}
@@ -139,8 +142,8 @@ def test_only_toolkit_slurm_spells_slurm_commands_or_reads_slurms_json():
             continue
         for node in non_doc_strings(ast.parse(path.read_text())):
             words = node.value.split()
-            command = node.value in SLURM_COMMANDS or (len(words) > 1 and words[0] in SLURM_COMMANDS
-                                                       and words[1].startswith("-"))
+            command = node.value in SLURM_COMMANDS or (len(words) > 1 and words[0] in SLURM_COMMANDS and (
+                words[1].startswith("-") or words[1] in SLURM_SUBCOMMANDS))  # not a message ("srun failed")
             if command or node.value in SLURM_JSON_KEYS:
                 offenders.append(f"toolkit/{relative}:{node.lineno}: {node.value[:60]!r}")
     assert offenders == [], "Slurm spelled outside toolkit/slurm:\n" + "\n".join(offenders)

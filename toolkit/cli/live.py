@@ -108,9 +108,10 @@ def job_nodes(current: RunStatus, read_nodes: Callable[[str], dict]) -> dict:
 
 
 def slurm_nodes(nodelist: str) -> dict:
+    from toolkit.slurm import commands
     from toolkit.slurm.nodes import node_states
 
-    return node_states(nodes=nodelist, timeout=5)
+    return node_states(commands.run, nodes=nodelist, timeout=5)
 
 
 def watch(read_status: Callable[[], RunStatus], interval: float, console,

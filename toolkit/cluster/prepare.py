@@ -37,6 +37,7 @@ from toolkit.shared_dirs import (
     shared_root_path,
     write_atomically,
 )
+from toolkit.slurm import commands
 from toolkit.slurm import jobs as slurm_jobs
 
 READY_STAMP = ".ft-build"
@@ -170,11 +171,11 @@ def submit_and_wait(script: Path, on_state: Callable[[str], None], timeout_s: fl
     """sbatch the script; wait for its end. Returns (job id, final state)."""
     from toolkit.slurm.client import CliSlurmClient, wait_for_job
 
-    job_id = slurm_jobs.submit(script)
+    job_id = slurm_jobs.submit(script, commands.run)
     info = wait_for_job(CliSlurmClient(), job_id, lambda info: on_state(f"job {job_id}: {info.describe()}"),
                         timeout_s)
     if info is None or not info.finished:
-        slurm_jobs.cancel([job_id], check=False)
+        slurm_jobs.cancel([job_id], commands.run, check=False)
         return job_id, "TIMEOUT (ft's wait; job cancelled)"
     return job_id, info.state
 
@@ -218,5 +219,5 @@ def prune(place: EnvPlace, current: Path, previous: str) -> tuple[list[Path], li
 
 
 def user_has_jobs() -> bool:
-    listed = slurm_jobs.own_jobs()
+    listed = slurm_jobs.own_jobs(commands.run)
     return listed is None or bool(listed)

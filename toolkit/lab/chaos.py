@@ -18,6 +18,7 @@ from toolkit.lab.processes import netns_pids
 from toolkit.runs.layout import RunLayout
 from toolkit.runs.store import RunStore
 from toolkit.runs.timeline import read_lines
+from toolkit.slurm import commands
 from toolkit.slurm import jobs as slurm_jobs
 
 
@@ -80,7 +81,7 @@ def crash_batch_host(run_dir: Path) -> str:
     require_root("chaos")
     starts = read_lines(RunLayout(run_dir).attempts, {"job_id": str})  # each start's, watchdog or not
     job = starts[-1]["job_id"] if starts else ""
-    host = slurm_jobs.batch_host(job)
+    host = slurm_jobs.batch_host(job, commands.run)
     if host is None:
         raise FtError(f"run {run_dir.name} has no job running", hint="is the run training? (`ft status`)")
     crash(host)

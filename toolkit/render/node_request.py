@@ -5,7 +5,7 @@ the common setup), a job gets what it asks for and no more: one task per node as
 gets one core and the partition's default memory, which its ranks, their data loading and the
 watchdog would share. So a job asks for its share of the node (its GPUs' share of the node's cores
 and memory), never less than a core per rank and one for the launcher; or the whole node where the
-site gives GPU nodes whole (`exclusive_nodes`).
+site gives GPU nodes whole (`exclusive_nodes`) or the job uses every GPU of its nodes.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ class NodeRequest:
 def node_request(resolved) -> NodeRequest:
     profile, resources = resolved.profile, resolved.recipe.resources
     minimum = resolved.derived.workers_per_node + 1
-    if profile.exclusive_nodes:
-        return NodeRequest(True, None, None, minimum)
     share = resources.gpus_per_node / profile.gpus_per_node if profile.gpus_per_node else 1.0
+    if profile.exclusive_nodes or share >= 1:
+        # Every GPU of the node: the whole node, as Slurm gives it (a site that keeps cores or
+        # memory for itself, CoreSpecCount or MemSpecLimit, gives the rest), not sinfo's figures.
+        return NodeRequest(True, None, None, minimum)
     warnings = []
     if profile.cpus_per_node is None:
         cpus = minimum

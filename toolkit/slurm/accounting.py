@@ -58,7 +58,7 @@ def parse_sacct(answer: object) -> list[AccountedJob]:
             job_id=str(shapes.dig(job, "job_id") or ""), name=shapes.text(job.get("name")),
             comment=shapes.text(comment), user=shapes.text(job.get("user")),
             account=shapes.text(job.get("account")), partition=shapes.text(job.get("partition")),
-            qos=shapes.text(job.get("qos")), state=allocation_state(job.get("state")),
+            qos=shapes.text(job.get("qos")), state=shapes.state(job.get("state")),
             gpus=shapes.tres_gpus(shapes.dig(job, "tres", "allocated")),
             elapsed_s=int(elapsed) if isinstance(elapsed, int | float) and elapsed >= 0 else None,
             start=float(began) if isinstance(began, int | float) and began > 0 else None,
@@ -70,10 +70,6 @@ def parse_sacct(answer: object) -> list[AccountedJob]:
         ))
     return found
 
-
-def allocation_state(value: object) -> str:
-    """An allocation's end as 22.05 words it: one a requeue ended is REQUEUED (24.11: PENDING, REQUEUED)."""
-    return "REQUEUED" if "REQUEUED" in shapes.state_flags(value) else shapes.state(value)
 
 
 def stamp(when: float) -> str:

@@ -118,7 +118,7 @@ class CliSlurmClient:
 
     def nodes(self) -> list[slurm_nodes.NodeDetail]:
         """Every node: its state and flags, reason and GPUs (`sinfo --Node --json`, any version's shape)."""
-        return slurm_nodes.node_details(timeout=self.timeout)
+        return slurm_nodes.node_details(commands.run, timeout=self.timeout)
 
     def queued_runs(self) -> dict[str, str]:
         """Run id -> the newest of this user's queued jobs for it, by the `ft-run=<id>` part of the
@@ -132,7 +132,7 @@ class CliSlurmClient:
         return runs
 
     def cancel(self, job_ids: list[str]) -> None:
-        jobs.cancel(job_ids)
+        jobs.cancel(job_ids, lambda argv, **options: commands.run(argv, **options, timeout=self.timeout))
 
     def hostnames(self, nodelist: str) -> list[str]:
         """node[1-3,5] -> node1 node2 node3 node5, in the allocation's order."""
@@ -177,7 +177,7 @@ class CliSlurmClient:
     def drained(self, nodes: list[str]) -> dict[str, str]:
         """The nodes among these that are drained or draining (a health check found them bad, or an
         admin took them out), with the reason."""
-        return slurm_nodes.drained(nodes, timeout=self.timeout)
+        return slurm_nodes.drained(nodes, commands.run, timeout=self.timeout)
 
     # -- sources -----------------------------------------------------------------------------
     def _from_squeue(self, job_id: str) -> JobInfo | None:

@@ -123,8 +123,9 @@ def parse_queue_lines(text: str) -> list[QueueLine]:
 
 def own_jobs(run: Callable = commands.run, timeout: float = 20.0) -> list[tuple[str, str]] | None:
     """This user's queued and running jobs as (job id, comment); None where Slurm does not answer.
-    Text: the comment is this user's own (it forges nothing but their own lines)."""
-    result = run(["squeue", "--noheader", "--user", str(os.getuid()), "--format=%i|%k"],
+    %A: each array element's own id (%i would be 123_4). Text: the comment is this user's own (it
+    forges nothing but their own lines)."""
+    result = run(["squeue", "--noheader", "--user", str(os.getuid()), "--format=%A|%k"],
                  timeout=timeout, check=False)
     if result.returncode != 0:
         return None

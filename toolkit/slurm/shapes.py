@@ -24,14 +24,16 @@ caller never sees a version. Recorded answers of each version are unit-test fixt
 
 from __future__ import annotations
 
+import math
 import re
 
 # A squeue or sacct TRES text (`tres_req_str`, AllocTRES): how many GPUs a job asks for or holds.
 TRES_GPUS = re.compile(r"(?:^|,)gres/gpu(?::[^=,]+)?=(\d+)(?:,|$)")
 
 
-# Slurm's NO_VAL and INFINITE (16, 32 and 64 bits), which some fields carry as plain numbers.
-NO_VALUES = {0xFFFE, 0xFFFF, 0xFFFFFFFE, 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFE, 0xFFFFFFFFFFFFFFFF}
+# Slurm's NO_VAL and INFINITE (32 and 64 bits), which some fields carry as plain numbers (the 16-bit
+# ones are not markers in any field ft reads: 65534 is a job id like any other).
+NO_VALUES = {0xFFFFFFFE, 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFE, 0xFFFFFFFFFFFFFFFF}
 
 
 def number(value: object) -> int | float | None:
@@ -42,15 +44,25 @@ def number(value: object) -> int | float | None:
         value = value.get("number")
     if isinstance(value, bool) or not isinstance(value, int | float) or value in NO_VALUES:
         return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
     return value
 
 
+# 22.05 names a job by one word: the first of these flags it has, else its base state (Slurm's
+# job_state_string). 23.02 on lists the base state and its flags: read the same way, a completing
+# job is COMPLETING on every release (not yet finished), a configuring one CONFIGURING (not running).
+FLAG_WORDS = ("COMPLETING", "CONFIGURING", "RESIZING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
+              "SPECIAL_EXIT", "STOPPED", "REVOKED", "RESV_DEL_HOLD", "SIGNALING", "STAGE_OUT")
+
+
 def state(value: object) -> str:
-    """A job's base state (RUNNING, PENDING, ...), the flags that follow it left out; "" when absent."""
+    """A job's state as one word, as 22.05 gives it on every release; "" when absent."""
     if isinstance(value, dict):  # sacct: {"current": ..., "reason": ...}
         value = value.get("current")
     if isinstance(value, list):
-        value = value[0] if value else ""
+        words = [str(word).upper() for word in value]
+        return next((flag for flag in FLAG_WORDS if flag in words[1:]), words[0] if words else "")
     words = str(value or "").split()
     return words[0].upper() if words else ""
 
