@@ -9,13 +9,11 @@ accounting does not answer (off, or slurmdbd down), unless it says otherwise.
 from __future__ import annotations
 
 import getpass
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
-from toolkit.errors import FtError
 from toolkit.slurm import commands, shapes
 
 
@@ -79,22 +77,14 @@ def stamp(when: float) -> str:
 def allocations(since: float, until: float | None = None, account: str | None = None,
                 run: Callable = commands.run) -> list[AccountedJob]:
     """Every allocation of every user's jobs (one account's, where named) that overlaps the period."""
-    result = run([*SACCT, *([f"--accounts={account.lower()}"] if account else []),
-                  f"--starttime={stamp(since)}", f"--endtime={stamp(until) if until else 'now'}"], timeout=60)
-    try:
-        answer = json.loads(result.stdout)
-    except (ValueError, RecursionError) as exc:
-        raise FtError(f"sacct printed no JSON: {exc}") from None
-    return parse_sacct(answer)
+    argv = [*SACCT, *([f"--accounts={account.lower()}"] if account else []),
+            f"--starttime={stamp(since)}", f"--endtime={stamp(until) if until else 'now'}"]
+    return parse_sacct(commands.run_json(argv, timeout=60, runner=run))
 
 
 def jobs_of(job_ids: list[str], run: Callable = commands.run) -> list[AccountedJob]:
     """Every allocation of these jobs."""
-    result = run([*SACCT, f"--jobs={','.join(job_ids)}"], timeout=30)
-    try:
-        return parse_sacct(json.loads(result.stdout))
-    except (ValueError, RecursionError) as exc:
-        raise FtError(f"sacct printed no JSON: {exc}") from None
+    return parse_sacct(commands.run_json([*SACCT, f"--jobs={','.join(job_ids)}"], timeout=30, runner=run))
 
 
 def node_events(since: float, run: Callable = commands.run) -> list[tuple[str, float]]:

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -115,10 +116,11 @@ def run(argv: list[str], timeout: float = DEFAULT_TIMEOUT_S, check: bool = True)
     return result
 
 
-def run_json(argv: list[str], timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
-    """Run a Slurm command with --json and return its parsed output."""
-    result = run([*argv, "--json"], timeout=timeout)
+def run_json(argv: list[str], timeout: float = DEFAULT_TIMEOUT_S, runner: Callable | None = None) -> Any:
+    """Run a Slurm command line that asks for --json (with `runner`, run's stand-in in tests) and
+    return its parsed output; SlurmCommandError where it printed none."""
+    result = (runner or run)(argv, timeout=timeout)
     try:
         return json.loads(result.stdout)
-    except json.JSONDecodeError as exc:
-        raise SlurmCommandError(f"`{' '.join(result.argv)}` printed no valid JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:
+        raise SlurmCommandError(f"`{' '.join(argv[:3])} ...` printed no valid JSON: {exc}") from None

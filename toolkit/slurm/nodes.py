@@ -6,7 +6,6 @@ unit tests give recorded answers instead.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -175,11 +174,7 @@ class NodeDetail:
 
 
 def node_details(run: Callable = commands.run, timeout: float = 10.0) -> list[NodeDetail]:
-    result = run(["sinfo", "--Node", "--json"], timeout=timeout)
-    try:
-        return parse_node_details(json.loads(result.stdout))
-    except (ValueError, RecursionError) as error:
-        raise commands.SlurmCommandError(f"sinfo printed no valid JSON: {error}") from None
+    return parse_node_details(commands.run_json(["sinfo", "--Node", "--json"], timeout=timeout, runner=run))
 
 
 def parse_node_details(answer: object) -> list[NodeDetail]:
