@@ -5,13 +5,16 @@ from __future__ import annotations
 import os
 import stat
 
+import pytest
+
 from tests.support.slurm import wait_for
-from toolkit.slurm import commands
+from toolkit.slurm import commands, nodes
+
+pytestmark = pytest.mark.slurm_matrix  # drains and resumes through Slurm: run on every release
 
 
-def node_info(name: str) -> dict:
-    nodes = commands.run_json(["sinfo", "--Node", "--nodes", name])["nodes"]
-    return next(node for node in nodes if node["name"] == name)
+def node_info(name: str) -> nodes.NodeDetail:
+    return next(node for node in nodes.node_details() if node.name == name)
 
 
 def test_lost_gpu_drains_the_node_and_its_return_resumes_it(lab):
@@ -22,13 +25,13 @@ def test_lost_gpu_drains_the_node_and_its_return_resumes_it(lab):
     os.unlink(device)
     try:
         drained = wait_for(f"{node.name} to be drained by ft-healthcheck",
-                           lambda: (lambda n: n if "DRAIN" in n["state_flags"] else None)(node_info(node.name)),
+                           lambda: (lambda n: n if "DRAIN" in n.flags else None)(node_info(node.name)),
                            timeout=60)
-        assert drained["reason"].startswith("ft-healthcheck: 10-gpu-devices: found 3 of 4")
+        assert drained.reason.startswith("ft-healthcheck: 10-gpu-devices: found 3 of 4")
     finally:
         os.mknod(device, stat.S_IFCHR | 0o666, info.st_rdev)
     wait_for(f"{node.name} to be resumed by ft-healthcheck",
-             lambda: "DRAIN" not in node_info(node.name)["state_flags"], timeout=60)
+             lambda: "DRAIN" not in node_info(node.name).flags, timeout=60)
 
 
 def test_a_drain_by_someone_else_is_left_alone(lab):
@@ -40,7 +43,7 @@ def test_a_drain_by_someone_else_is_left_alone(lab):
 
         time.sleep(12)
         info = node_info(node.name)
-        assert "DRAIN" in info["state_flags"]
-        assert info["reason"] == "admin: maintenance"
+        assert "DRAIN" in info.flags
+        assert info.reason == "admin: maintenance"
     finally:
         commands.run(["scontrol", "update", f"nodename={node.name}", "state=resume"])

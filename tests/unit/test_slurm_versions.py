@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.slurm import accounting, jobs, nodes, shapes
+from toolkit.slurm import accounting, commands, jobs, nodes, shapes
 from toolkit.slurm.client import CliSlurmClient
 from toolkit.slurm.commands import CommandResult
 from toolkit.watch import run_targets
@@ -99,6 +99,8 @@ def test_nodes_and_partitions_read_alike_on_every_release(release):
     assert "standard" in gres["node1"].partitions
     partitions = nodes.parse_partitions(recorded(release, "scontrol-show-partition.txt"))
     assert partitions["standard"].default and set(recorded(release, "sinfo-partitions.txt").split()) == set(partitions)
+    asked = nodes.node_details(answering(release, {"sinfo --Node --json": "sinfo-nodes.json"}))
+    assert asked == details
     config = nodes.config(answering(release, {"scontrol show config": "scontrol-show-config.txt"}))
     assert config["ClusterName"] == "lab" and "job_comment" in config["AccountingStoreFlags"]
 
@@ -158,3 +160,10 @@ def test_numbers_of_every_version_read_alike(value, expected):
 ])
 def test_job_states_of_every_version_read_alike(value, state, flags):
     assert (shapes.state(value), shapes.state_flags(value)) == (state, flags)
+
+
+def test_a_json_reader_that_forgot_json_still_asks_for_it(release):
+    # Without --json, sinfo prints its table and the reader would see no JSON at all.
+    runner = answering(release, {"sinfo --Node --json": "sinfo-nodes.json"})
+    answer = commands.run_json(["sinfo", "--Node"], runner=runner)
+    assert nodes.parse_node_details(answer)

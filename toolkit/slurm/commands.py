@@ -117,8 +117,11 @@ def run(argv: list[str], timeout: float = DEFAULT_TIMEOUT_S, check: bool = True)
 
 
 def run_json(argv: list[str], timeout: float = DEFAULT_TIMEOUT_S, runner: Callable | None = None) -> Any:
-    """Run a Slurm command line that asks for --json (with `runner`, run's stand-in in tests) and
-    return its parsed output; SlurmCommandError where it printed none."""
+    """Run a Slurm command line with --json (added where the caller left it out: without it Slurm
+    prints text) and return its parsed output (`runner`: run's stand-in in tests); SlurmCommandError
+    where it printed none."""
+    if "--json" not in argv:
+        argv = [*argv, "--json"]
     result = (runner or run)(argv, timeout=timeout)
     try:
         return json.loads(result.stdout)
