@@ -73,7 +73,7 @@ def test_nodes_get_namespaces_addresses_and_fake_gpus(tmp_path, clean):
     routes = subprocess.run(["ip", "-n", PREFIX + "a", "route"], capture_output=True, text=True).stdout
     assert "default" not in routes  # a node namespace has no way off the machine
     device = os.stat(tmp_path / "dev" / "a" / "nvidia1")
-    assert stat.S_ISCHR(device.st_mode) and device.st_rdev == os.makedev(1, 3)
+    assert stat.S_ISCHR(device.st_mode) and device.st_rdev == os.makedev(195, 1)  # NVIDIA's numbers, as /dev/nvidia1
     # The bridge carries the subnet: node a reaches a server listening in node b.
     server = subprocess.Popen(["nsenter", f"--net=/run/netns/{PREFIX}b", sys.executable, "-c", SERVER],
                               stdout=subprocess.PIPE, text=True)

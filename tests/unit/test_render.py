@@ -220,11 +220,12 @@ def test_a_job_asks_its_share_of_each_nodes_cores_and_memory():
     --exclusive. The training step is told its cores (srun's inheritance differs by version)."""
     from toolkit.render.node_request import node_request
 
-    lab = resolve(REPO / "recipes" / "tiny-lora-sft.yaml", "lab")  # 1 of 4 GPUs of a 4-core, 4 GB node
-    assert node_request(lab) == node_request(lab).__class__(False, 2, 1024, 2)
+    lab = resolve(REPO / "recipes" / "tiny-lora-sft.yaml", "lab")  # 1 of 4 GPUs of a 4-core, 16 GB node
+    assert node_request(lab) == node_request(lab).__class__(False, 2, 4096, 2)
     script = render(lab, RunPlacement("r1", "/shared/runs/r1"), login_python="/usr/bin/python3")
-    assert "#SBATCH --cpus-per-task=2\n#SBATCH --mem=1024M\n" in script and "--exclusive" not in script
-    assert "--kill-on-bad-exit=1 \\\n        --cpus-per-task=2 \\\n" in script  # the step told its cores
+    assert "#SBATCH --cpus-per-task=2\n#SBATCH --mem=4096M\n" in script and "--exclusive" not in script
+    # The step is told the job's cores, as the #SBATCH line says (a power user's edit carries).
+    assert '--kill-on-bad-exit=1 \\\n        --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \\\n' in script
     lab.profile = lab.profile.model_copy(update={"cpus_per_node": 64, "memory_per_node_mb": None})
     lab.recipe.resources.gpus_per_node = 2
     request = node_request(lab)  # 2 of 4 GPUs

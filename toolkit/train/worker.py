@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from toolkit.launch import cores
 from toolkit.recipe.run_spec import RunSpec
 from toolkit.runs.layout import RunLayout, RunSpecError
 from toolkit.train.loop import RunEnds
@@ -45,6 +46,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, request_stop)
     # The watchdog's way to see where a hung rank is when py-spy is not installed.
     faulthandler.register(stacks.FAULTHANDLER_SIGNAL, all_threads=True)
+    keep_to_planned_cores()
     layout = RunLayout(Path(os.environ["FT_RUN_DIR"]))
     try:
         train(layout, layout.read_spec())
@@ -57,6 +59,18 @@ def main() -> None:
     print(f"[rank {os.environ.get('RANK', '?')} {time.strftime('%H:%M:%S')}] {ending}", flush=True)
     exits.leave_exit_status(layout.root, ending.code)  # every rank: whichever srun stops last
     sys.exit(ending.code)
+
+
+def keep_to_planned_cores() -> None:
+    """The cores the launcher planned for this rank, and thread pools as wide as OMP_NUM_THREADS (a
+    rank forked from the warm template has the template's pools; a new process sized them from it)."""
+    planned = cores.pin_to_planned_cores()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+    if planned is not None:
+        print(f"[rank {os.environ.get('RANK', '?')}] cores {cores.format_cpu_list(planned)}, "
+              f"{threads or 'default'} thread(s)", flush=True)
 
 
 # What train() imports, loaded ahead by the node's warm template (toolkit/train/warm.py): a rank

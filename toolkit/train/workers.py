@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from toolkit.launch import cores
 from toolkit.launch.node import log
 from toolkit.runs.layout import RunLayout, RunSpecError
 from toolkit.shared_dirs import write_atomically
@@ -71,8 +72,19 @@ def start_workers(layout: RunLayout, node_rank: int, per_node: int, nodes: int
     processes), and the read end of each one's progress pipe."""
     workers: dict[int, subprocess.Popen | WarmWorker] = {}
     pipes: dict[int, int] = {}
+    step_cores = sorted(os.sched_getaffinity(0))
+    if warning := cores.shortfall(step_cores, per_node):
+        log(warning)
+    planned = cores.plan(step_cores, per_node)
+    log(f"cores: the step holds {cores.format_cpu_list(step_cores)}; "
+        + ", ".join(f"rank {node_rank * per_node + local}: {cores.format_cpu_list(mine)}"
+                    for local, mine in enumerate(planned)))
     for local_rank in range(per_node):
         env = worker_env(node_rank, local_rank, per_node, nodes)
+        env[cores.RANK_CORES_ENV] = cores.format_cpu_list(planned[local_rank])
+        # Thread pools as wide as the rank's share, unless the site says otherwise (DeepSpeed's
+        # --bind_cores_to_rank does the same; the default, every core of the node, oversubscribes).
+        env.setdefault("OMP_NUM_THREADS", str(len(planned[local_rank])))
         rank = int(env["RANK"])
         read_end, write_end = os.pipe()
         env[PROGRESS_FD] = str(write_end)
@@ -82,16 +94,16 @@ def start_workers(layout: RunLayout, node_rank: int, per_node: int, nodes: int
                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(write_end,))
         os.close(write_end)
         pipes[rank] = read_end
-        record_place(layout, rank, workers[rank])
+        record_place(layout, rank, workers[rank], env[cores.RANK_CORES_ENV])
     return workers, pipes
 
 
-def record_place(layout: RunLayout, rank: int, process: subprocess.Popen | WarmWorker) -> None:
+def record_place(layout: RunLayout, rank: int, process: subprocess.Popen | WarmWorker, planned_cores: str = "") -> None:
     """Where the rank runs now, for `ft chaos` and for whoever looks (a forked rank's command line
     and environment in /proc are its template's, so they cannot tell)."""
     place = {"node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(), "pid": process.pid,
              "job": os.environ.get("SLURM_JOB_ID", ""), "start": os.environ.get("FT_WATCH_START", ""),
-             "warm": isinstance(process, WarmWorker), "time": time.time()}
+             "warm": isinstance(process, WarmWorker), "cores": planned_cores, "time": time.time()}
     with contextlib.suppress(OSError):
         path = layout.rank_place(rank)
         path.parent.mkdir(exist_ok=True)

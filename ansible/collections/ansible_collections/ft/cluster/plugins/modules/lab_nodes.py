@@ -80,7 +80,15 @@ import time
 
 from ansible.module_utils.basic import AnsibleModule
 
-NULL_DEVICE = os.makedev(1, 3)  # fake GPUs alias /dev/null: Slurm only needs character devices
+# Fake GPUs are character devices with NVIDIA's numbers (major 195, minor the index), as
+# /dev/nvidiaN are: Slurm needs character devices, and its device cgroup then allows a job the GPUs
+# it was given and denies the rest, which a test can see (no driver here: opening an allowed one
+# fails with ENXIO, a denied one with EPERM). Aliases of /dev/null would deny a job /dev/null.
+NVIDIA_MAJOR = 195
+
+
+def gpu_device(index):
+    return os.makedev(NVIDIA_MAJOR, index)
 
 
 class Lab:
@@ -184,7 +192,7 @@ class Lab:
             path = os.path.join(directory, f"nvidia{index}")
             try:
                 info = os.stat(path)
-                if stat.S_ISCHR(info.st_mode) and info.st_rdev == NULL_DEVICE:
+                if stat.S_ISCHR(info.st_mode) and info.st_rdev == gpu_device(index):
                     continue
             except FileNotFoundError:
                 pass
@@ -193,7 +201,7 @@ class Lab:
                 os.makedirs(directory, exist_ok=True)
                 if os.path.lexists(path):
                     os.unlink(path)
-                os.mknod(path, stat.S_IFCHR | 0o666, NULL_DEVICE)
+                os.mknod(path, stat.S_IFCHR | 0o666, gpu_device(index))
         # Devices beyond the wanted count (an earlier lab with more GPUs) would mislead gres.conf.
         if os.path.isdir(directory):
             for entry in sorted(os.listdir(directory)):
