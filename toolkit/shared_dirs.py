@@ -215,8 +215,12 @@ def write_output(path: Path, text: str, mode: int = 0o600) -> None:
     """What a user's -o names: a device, a FIFO or /dev/stdout is written to, never replaced (as
     root, a rename over /dev/null puts a file in its place); a link's file is written through it;
     anything else atomically."""
-    if path.exists() and not path.is_file():
-        with open(path, "w") as out:
-            out.write(text)
-        return
-    write_atomically(path.resolve(), text, mode)
+    try:
+        if path.exists() and not path.is_file():
+            with open(path, "w") as out:
+                out.write(text)
+            return
+        write_atomically(path.resolve(), text, mode)
+    except OSError as exc:  # /dev/full, a folder under /proc, a read-only or missing folder
+        raise FtError(f"cannot write {path}: {exc.strerror or exc}",
+                      hint="name a file in a folder you may write (e.g. -o ./job.sbatch)") from None

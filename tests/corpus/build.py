@@ -65,9 +65,9 @@ def recipe_cases() -> dict[str, str]:
         "missing-data.yaml": yaml.safe_dump({k: v for k, v in BASE.items() if k != "data"}),
     }
     bad_values = {
-        "resources.nodes": ["two", -1, 0, 10**9, 1.5, None, [1]],
+        "resources.nodes": ["two", -1, 0, 10**9, 1.5, None, [1], True],
         "resources.gpus_per_node": [-1, 1000, "8"],
-        "resources.time": ["٠٤:٠٠:٠٠", "abc", "04:00", "-1", "1-", "04:00:00\n#SBATCH --x"],
+        "resources.time": ["٠٤:٠٠:٠٠", "abc", "04:00", "-1", "1-", "04:00:00\n#SBATCH --x", "99:99:99", "1-24:00:00"],
         "resources.tier": ["platinum", 1],
         "resources.account": ["a b", "a\nb", "$(id)"],
         "method.kind": ["rlhf", None],
@@ -77,8 +77,8 @@ def recipe_cases() -> dict[str, str]:
         "training.learning_rate": [-1, 0, 2, ".nan", "fast"],
         "training.micro_batch": [0, 3],
         "training.global_batch": [0, -2],
-        "training.steps": [0, -5],
-        "training.epochs": [0, -1],
+        "training.steps": [0, -5, False],
+        "training.epochs": [0, -1, float("inf"), float("nan")],
         "training.zero_stage": [4, -1],
         "training.precision": ["fp8", 16],
         "training.lr_schedule": ["exp"],
@@ -153,6 +153,10 @@ def data_cases() -> dict[str, bytes]:
         "array-row.jsonl": GOOD_JSONL + b"[1, 2]\n",
         "number-row.jsonl": GOOD_JSONL + b"42\n",
         "deep-json.jsonl": b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n" + GOOD_JSONL,
+        # Within Python's parser but past the readers after it (duplicates, PII scan): 600-900 deep.
+        "deep-extra-field.jsonl": GOOD_JSONL + b'{"prompt": "q", "completion": "a", "meta": ' + b"[" * 900
+        + b"]" * 900 + b"}\n",
+        "deep-messages.jsonl": b'{"messages": ' + b"[" * 600 + b"]" * 600 + b"}\n" + GOOD_JSONL,
         "huge-number.jsonl": b'{"prompt": "q", "completion": ' + b"9" * 5000 + b"}\n" + GOOD_JSONL,
         "nul-bytes.jsonl": GOOD_JSONL + b'{"prompt": "a\x00b", "completion": "c"}\n',
         "crlf.jsonl": GOOD_JSONL.replace(b"\n", b"\r\n"),

@@ -163,3 +163,41 @@ def test_a_fault_reads_as_a_sentence_in_ft_status():
     assert host.endswith("node node1 lost (batch host lost), reported by node2")
     assert _fault_line({"time": 1_795_500_000, "event": "restart", "restart": 2, "after": "exit 6"}).endswith(
         "restart 2 after exit 6")
+
+
+@pytest.mark.timeout(30, method="thread")
+@pytest.mark.parametrize("planted", ["fifo", "dev-zero", "folder"])
+def test_logs_refuse_what_is_no_file_in_a_logs_place(tmp_path, planted):
+    run = tmp_path / "r1"
+    (run / "logs").mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"run_id": "r1", "recipe_name": "r", "recipe_path": "/r.yaml",
+                                              "cluster": "lab", "mode": "train", "created": 1.0,
+                                              "idempotency_key": None, "jobs": [{"job_id": "7", "submitted": 1.0}]}))
+    place = run / "logs" / "slurm-7.out"
+    {"fifo": lambda: os.mkfifo(place), "dev-zero": lambda: place.symlink_to("/dev/zero"),
+     "folder": place.mkdir}[planted]()
+    result = ft("logs", "r1", env={"FT_RUNS_DIR": str(tmp_path)})  # neither blocks nor streams forever
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "is not a regular file" in " ".join(result.stderr.split())
+
+
+def test_a_long_log_streams_whole_across_reads(tmp_path):
+    run = tmp_path / "r1"
+    (run / "logs").mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"run_id": "r1", "recipe_name": "r", "recipe_path": "/r.yaml",
+                                              "cluster": "lab", "mode": "train", "created": 1.0,
+                                              "idempotency_key": None, "jobs": [{"job_id": "7", "submitted": 1.0}]}))
+    text = "é" * (3 << 19) + "end\n"  # 3 MiB of two-byte characters: reads split some of them
+    (run / "logs" / "slurm-7.out").write_text(text)
+    result = ft("logs", "r1", env={"FT_RUNS_DIR": str(tmp_path)})
+    assert result.returncode == 0 and result.stdout == text
+
+
+@pytest.mark.parametrize("target", ["/dev/full", "/proc/self/status", "/proc/no-such-process/job.sbatch"])
+def test_a_script_that_cannot_be_written_is_an_error_and_leaves_no_run_folder(tmp_path, target):
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny-lora-sft.yaml"
+    result = ft("render", str(recipe), "--cluster", "lab", "--run-id", "unwritten", "-o", target,
+                env={"FT_RUNS_DIR": str(tmp_path)})
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"cannot write {target}" in result.stderr and "-o ./job.sbatch" in result.stderr
+    assert not (tmp_path / "unwritten").exists()

@@ -73,6 +73,16 @@ def test_every_single_byte_changed_in_an_entry_is_named(run, site):
             (offset, found)
 
 
+@pytest.mark.parametrize("constant", [b"NaN", b"Infinity", b"-Infinity"])
+def test_an_entry_holding_nan_or_infinity_is_named_not_a_crash(run, site, constant):
+    original = lines(run)
+    entry = json.loads(original[2])
+    entry["time"] = 0.0  # a number ft wrote, replaced by what Python's json reads but JSON has not
+    changed = json.dumps(entry).encode().replace(b'"time": 0.0', b'"time": ' + constant) + b"\n"
+    run.path.write_bytes(b"".join(original[:2]) + changed + b"".join(original[3:]))
+    assert f"line 3: not JSON ({constant.decode()} is not JSON)" in findings(run, site)
+
+
 @pytest.mark.parametrize("artifact", ["data", "recipe", "manifest", "adapter", "results"])
 def test_one_changed_byte_in_any_recorded_file_is_named_with_its_entry(run, site, tmp_path, artifact):
     path = {"data": tmp_path / "data" / "train.jsonl", "recipe": run.layout.recipe_resolved,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
 import typer
 
 from toolkit.cli.output import console, plain, print_json
+from toolkit.errors import FtError
 
 app = typer.Typer(help="Recipes: check them and see every resolved value.", no_args_is_help=True)
 
@@ -84,8 +86,14 @@ def render_command(
             private_dir(run_dir)  # another user's folder there: say so now, not when the job starts
         typer.echo(script, nl=False)
         return
+    existed = run_dir.exists()
     store.create_run_dir(run_id, exist_ok=True)  # the script's log folder must exist at sbatch time
-    write_output(output, script, mode=0o700)
+    try:
+        write_output(output, script, mode=0o700)
+    except FtError:
+        if not existed:  # nothing half-done: no run folder for a script that was never written
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     # `ft ls` shows the run now; its job adds itself as it starts.
     store.placeholder(RunRecord(run_id, resolved.recipe.name, str(recipe.resolve()), resolved.profile.name,
                                 "preflight" if preflight else "train", time.time()))

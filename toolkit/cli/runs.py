@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import codecs
 import json
+import os
+import stat
 import time
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -295,6 +299,28 @@ def sync(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, "-
     console.print(f"run [bold]{plain(run_id)}[/]: {len(folders)} offline W&B log{'s' * (len(folders) != 1)} pushed")
 
 
+LOG_CHUNK_BYTES = 1 << 20
+
+
+def read_from(path: Path, position: int) -> Iterator[tuple[int, bytes]]:
+    """What a log holds past `position`, in chunks (a log of any size streams in bounded memory).
+    Only a regular file is read: a FIFO or a device put in a log's place (/dev/zero) would block
+    or never end."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as exc:
+        raise FtError(f"cannot read {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise FtError(f"{path} is not a regular file (a FIFO, a device or a folder): ft reads logs only from files",
+                      hint="remove it; Slurm and ft write the run's logs as files")
+    with os.fdopen(descriptor, "rb") as handle:
+        handle.seek(position)
+        while chunk := handle.read(LOG_CHUNK_BYTES):
+            yield position, chunk
+            position += len(chunk)
+
+
 def logs(run_id: str = typer.Argument(...), follow: bool = typer.Option(False, "--follow", "-f"),
          node: str = typer.Option(None, "--node", help="A node's launcher log."),
          rank: int = typer.Option(None, "--rank", help="A rank's log."),
@@ -309,17 +335,16 @@ def logs(run_id: str = typer.Argument(...), follow: bool = typer.Option(False, "
     job_id = job_of(record, client)
     path = log_path(store.run_dir(run_id), job_id, node, rank)
     position = 0
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character split across reads
     while True:
         if path.exists():
-            with open(path, errors="replace") as handle:
-                handle.seek(position)
-                chunk = handle.read()
-                position = handle.tell()
-            if chunk and as_json:
-                print(json.dumps({"path": str(path), "offset": position - len(chunk.encode()), "text": chunk}),
-                      flush=True)
-            elif chunk:
-                typer.echo(chunk, nl=False)
+            for offset, chunk in read_from(path, position):
+                position = offset + len(chunk)
+                text = decoder.decode(chunk)
+                if as_json:
+                    print(json.dumps({"path": str(path), "offset": offset, "text": text}), flush=True)
+                else:
+                    typer.echo(text, nl=False)
         elif not follow:
             available = sorted(p.name for p in RunLayout(store.run_dir(run_id)).logs.glob("*"))
             raise FtError(f"no log at {path} yet", hint="logs so far: " + (", ".join(available) or "none"))

@@ -16,6 +16,9 @@ KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv",
 COMPRESSIONS = {".gz": "gzip", ".gzip": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 JSON_VALUES = (str, int, float, bool, type(None), list, dict)
 MAX_ROW_BYTES = 16 << 20  # one example; a longer line is an error, never a memory blow-up
+# An example is a few levels deep (a row, its messages, a message); far deeper nesting is no data,
+# and every reader after this one (duplicates, PII scan, encoding) walks rows recursively.
+MAX_NESTING = 32
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,9 @@ def read_jsonl(stream) -> Iterator[Row]:
         if not isinstance(value, dict):
             yield Row(number, None, Problem("wrong_type", f"a row must be a JSON object, not {type(value).__name__}"))
             continue
+        if nesting(value) > MAX_NESTING:
+            yield Row(number, None, Problem("unparseable", f"nested deeper than {MAX_NESTING} levels: no example is"))
+            continue
         yield Row(number, value)
 
 
@@ -226,6 +232,18 @@ class ZstdStream(io.RawIOBase):
             compressed, self.in_frame = self.frame.unused_data, False  # the next frame, if any
             self.frame = self.decompressor.decompressobj()
         return b"".join(out)
+
+
+def nesting(value: Any) -> int:
+    """How deep lists and objects nest in a JSON value (without recursion: any depth is measured)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if depth <= MAX_NESTING:  # past the limit, deeper is no different
+                stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def stream_problems(rows: Iterator[Row]) -> Iterator[Row]:

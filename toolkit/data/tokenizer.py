@@ -7,14 +7,10 @@ import hashlib
 import json
 from pathlib import Path
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from toolkit.data.chat_template import RENDERING as CHAT_RENDERING
+from toolkit.data.chat_template import ChatTemplate
 
 SPECIAL_OVERHEAD = 2  # BOS + EOS around every sequence
-# The environment transformers renders chat templates in (trim_blocks, lstrip_blocks, loop
-# controls): the same text, token for token. Part of the tokenizer's identity (cache keys).
-CHAT_TEMPLATES = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                               extensions=["jinja2.ext.loopcontrols"])
-CHAT_RENDERING = "immutable-sandbox/trim_blocks/lstrip_blocks"
 
 
 class TokenizerNotFound(ValueError):
@@ -37,9 +33,9 @@ class LengthCounter:
     def __init__(self, tokenizer, chat_template: str | None, bos: str = "<s>", eos: str = "</s>"):
         self.tokenizer = tokenizer
         self.identity = identity(tokenizer, chat_template, bos, eos)
-        # A model folder's chat template is code from whoever wrote the folder: it renders in
-        # jinja2's immutable sandbox (as transformers does), so it can read its inputs and nothing else.
-        self._template = CHAT_TEMPLATES.from_string(chat_template) if chat_template else None
+        # A model folder's chat template is code from whoever wrote the folder: it renders in a
+        # bounded sandbox (toolkit/data/chat_template.py), reading its inputs and nothing else.
+        self._template = ChatTemplate(chat_template) if chat_template else None
         self.bos_id = tokenizer.token_to_id(bos)
         self.eos_id = tokenizer.token_to_id(eos)
 
@@ -58,7 +54,7 @@ class LengthCounter:
     def render_chat(self, messages: list[dict]) -> str:
         if self._template is None:
             return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
-        return self._template.render(messages=messages, add_generation_prompt=False)
+        return self._template.render(messages)
 
 
 def _from_dir(folder: Path) -> LengthCounter:

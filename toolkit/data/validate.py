@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from toolkit.data import pii
+from toolkit.data.chat_template import ChatTemplateError
 from toolkit.data.encode import encode_rows, sequences_per_row
 from toolkit.data.readers import Row, UnsupportedFile, open_rows
 from toolkit.data.schemas import FORMATS, check_row, detect_format
@@ -145,7 +146,11 @@ class _Pass:
         fmt = self.report.format
         per_row = sequences_per_row(fmt)
         limit = self.limits.max_seq_len or 1 << 30
-        encoded = encode_rows([r.data for r in good], fmt, self.counter, limit)
+        try:
+            encoded = encode_rows([r.data for r in good], fmt, self.counter, limit)
+        except ChatTemplateError:
+            self.template_failed(good, fmt, limit)
+            return
         for index, row in enumerate(good):
             parts = encoded[index * per_row:(index + 1) * per_row]
             length = max(part[2] for part in parts)
@@ -155,6 +160,21 @@ class _Pass:
                 held_out = is_eval(row.data, self.cache.eval_fraction, self.cache.seed)
                 for ids, labels, _ in parts:
                     self.cache.writer.add(ids, labels, held_out)
+
+    def template_failed(self, rows: list[Row], fmt: str, limit: int) -> None:
+        """The model's chat template failed on a conversation of this batch: one error at the first
+        row it fails on (each alone, within the template's bounds), and no more token counts (the
+        template is the model's, not the data's: it would fail again)."""
+        for row in rows:
+            try:
+                encode_rows([row.data], fmt, self.counter, limit)
+            except ChatTemplateError as exc:
+                self.report.add("error", "chat_template", Finding(
+                    self.where(row.line), "messages",
+                    f"the model's chat template cannot render this conversation: {exc} (fix the template, "
+                    "chat_template.jinja or tokenizer_config.json's chat_template, or use another tokenizer)"))
+                break
+        self.counter = None
 
     def check_length(self, row: Row, length: int) -> None:
         limit = self.limits.max_seq_len

@@ -69,12 +69,17 @@ def entry_hash(entry: Mapping) -> str:
     return hashlib.sha256(canonical({key: value for key, value in entry.items() if key != "hash"})).hexdigest()
 
 
+def _no_constant(name: str) -> None:
+    # NaN and Infinity are Python's JSON, not JSON: ft never writes them (canonical() refuses them).
+    raise ValueError(f"{name} is not JSON")
+
+
 def parse_entry(line: bytes) -> dict:
     """One line as an entry's fields, or ValueError saying why it is none (its hash is not checked)."""
     if len(line) > MAX_ENTRY_BYTES:
         raise ValueError(f"over {MAX_ENTRY_BYTES} bytes: not an entry ft writes")
     try:
-        entry = json.loads(line)
+        entry = json.loads(line, parse_constant=_no_constant)
     except RecursionError:
         raise ValueError("nested too deeply: not an entry ft writes") from None
     except ValueError as exc:

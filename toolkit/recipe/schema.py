@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -26,8 +26,32 @@ RESERVED_ENV = re.compile(r"(SLURM|SLURMD|PMI|PMIX|OMPI|TORCHELASTIC)_.*|FT_(?!F
 MAX_ENV_VALUE_BYTES = 128 * 1024 - 1  # Linux refuses a longer single string when the job starts
 
 
+def _takes_bool(annotation: object) -> bool:
+    """Whether a field's type admits true/false (bool itself, or a union or Annotated holding it)."""
+    return annotation is bool or any(_takes_bool(arg) for arg in get_args(annotation))
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=True)
+    # inf and nan are no numbers a recipe means (`epochs: .inf` would train forever).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def numbers_are_not_booleans(cls, value: object, info: ValidationInfo) -> object:
+        """`nodes: true` is a mistake, not 1 (pydantic takes true for 1 and 1.0)."""
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and not _takes_bool(annotation):
+            raise ValueError(f"expected {_kind(annotation)}, not {str(value).lower()}")
+        return value
+
+
+def _kind(annotation: object) -> str:
+    """What a field holds, in words, for an error: 'a whole number', 'a number', ..."""
+    def holds(kind: type, annotation: object) -> bool:
+        return annotation is kind or any(holds(kind, arg) for arg in get_args(annotation))
+    if holds(int, annotation):
+        return "a whole number"
+    return "a number" if holds(float, annotation) else "a value of this field's kind"
 
 
 class Method(StrEnum):
@@ -160,8 +184,13 @@ class ResourceSpec(Strict):
     @field_validator("time")
     @classmethod
     def slurm_time(cls, value: str) -> str:
-        if not re.fullmatch(r"([0-9]+-)?[0-9]{1,2}:[0-9]{2}:[0-9]{2}|[0-9]+", value, re.ASCII):
+        match = re.fullmatch(r"(?:([0-9]+)-)?([0-9]{1,3}):([0-9]{2}):([0-9]{2})|[0-9]+", value, re.ASCII)
+        if not match:
             raise ValueError("use Slurm's format: [D-]HH:MM:SS, or minutes (e.g. 04:00:00, 1-12:00:00, 90)")
+        days, hours, minutes, seconds = match.groups()
+        if minutes is not None and (int(minutes) > 59 or int(seconds) > 59 or (days and int(hours) > 23)):
+            raise ValueError(f"{value!r} is no time: minutes and seconds run to 59, and hours to 23 after a "
+                             "day count (e.g. 04:00:00, 72:00:00, 3-00:00:00)")
         return value
 
     def time_limit_seconds(self) -> int:

@@ -1,0 +1,73 @@
+"""A model folder's chat template renders within bounds: a hostile one is a located error of the
+data gate, never a hang, a crash or memory exhausted (toolkit/data/chat_template.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from toolkit.cli.app import app
+from toolkit.data.chat_template import ChatTemplate, ChatTemplateError
+from toolkit.data.tiny_tokenizer import TINY_CHAT_TEMPLATE
+
+CONVERSATION = [{"role": "user", "content": "x" * 2000}, {"role": "assistant", "content": "fine"}]
+
+HOSTILE = {
+    "nested ranges": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                      r"range\(\) items"),
+    "loops that call nothing": ("{% set s = messages[0].content %}{% for a in s %}{% for b in s %}{% for c in s %}"
+                                "{% endfor %}{% endfor %}{% endfor %}", "took more than"),
+    "string repetition": ("{{ 'x' * 10**10 }}", "repeats a value"),
+    "a huge power": ("{{ 7 ** 99999999 }}", "to the power"),
+    "a filter asked for a huge string": ("{{ 'x' | center(10**10) }}", "asks a call for"),
+    "a method asked for a huge string": ("{{ 'x'.ljust(10**10) }}", "asks a call for"),
+    "doubling through a namespace": ("{% set ns = namespace(s='x') %}{% for i in range(64) %}"
+                                     "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}", "stores a value"),
+    "a refused call": ("{{ messages.append(1) }}", "SecurityError"),
+    "endless recursion": ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
+    "a syntax error": ("{% for m in messages %}", "does not parse"),
+}
+
+
+# The thread method: pytest-timeout's signal method would hold the one interval timer, which the
+# render uses on the main thread (as it does in ft, where nothing else holds it).
+@pytest.mark.timeout(30, method="thread")
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_template_fails_within_its_bounds(case):
+    text, why = HOSTILE[case]
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateError, match=why):
+        ChatTemplate(text).render(CONVERSATION)
+    assert time.monotonic() - started < 8  # RENDER_SECONDS and a margin
+
+
+def test_a_real_template_renders_as_transformers_does():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    reference = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                              extensions=["jinja2.ext.loopcontrols"])
+    expected = reference.from_string(TINY_CHAT_TEMPLATE).render(messages=CONVERSATION, add_generation_prompt=False)
+    assert ChatTemplate(TINY_CHAT_TEMPLATE).render(CONVERSATION) == expected
+    # The budget is per render: a thousand renders in a row are not one long one.
+    template = ChatTemplate("{% for i in range(5000) %}{% endfor %}{{ messages | length }}")
+    assert all(template.render(CONVERSATION) == "2" for _ in range(1000))
+
+
+@pytest.mark.timeout(60, method="thread")
+def test_the_data_gate_names_the_row_a_hostile_template_fails_on(tmp_path):
+    from toolkit.data.tiny_tokenizer import train_tiny_tokenizer
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    train_tiny_tokenizer().save(str(folder / "tokenizer.json"))
+    (folder / "chat_template.jinja").write_text(HOSTILE["nested ranges"][0])
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": CONVERSATION}) + "\n" for _ in range(3)))
+    result = CliRunner().invoke(app, ["data", "check", str(data), "--tokenizer", str(folder)], env={"COLUMNS": "400"})
+    assert result.exit_code == 1, result.output
+    said = " ".join(result.output.split())
+    assert f"{data}:1 messages: the model's chat template cannot render this conversation" in said
+    assert said.count("chat template cannot render") == 1  # once, not once per row

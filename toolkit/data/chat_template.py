@@ -1,0 +1,191 @@
+"""A model folder's chat template, rendered as transformers renders it (jinja2's immutable sandbox,
+trim_blocks, lstrip_blocks, loop controls: the same text, token for token) and within bounds.
+
+The template is code from whoever wrote the folder. The sandbox keeps it to its inputs; the bounds
+keep its cost: a render may take RENDER_SECONDS and make text of MAX_TEXT characters, and a template
+that would take more (nested loops over huge ranges, 'x' * 10**10, a filter asked for a 10 GB
+string) fails with a ChatTemplateError naming why, instead of hanging or exhausting memory. Every
+attribute, item, call, operator and range charges the budget; on the main thread a timer also
+stops a loop that calls nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
+
+RENDER_SECONDS = 5.0
+MAX_TEXT = 1 << 22  # characters (or items) any one value or the rendered text may have
+MAX_RANGE_ITEMS = 1_000_000  # summed over every range() of one render
+MAX_EXPONENT = 4096
+RENDERING = "immutable-sandbox/trim_blocks/lstrip_blocks"  # part of a tokenizer's identity (cache keys)
+
+
+class ChatTemplateError(ValueError):
+    """The template does not parse, or failed or went past its bounds on a conversation."""
+
+
+class _Budget(threading.local):
+    deadline: float | None = None
+    ranged: int = 0
+
+
+_budget = _Budget()
+
+
+def _charge(items: int = 0) -> None:
+    if _budget.deadline is None:
+        return
+    _budget.ranged += items
+    if _budget.ranged > MAX_RANGE_ITEMS:
+        raise ChatTemplateError(f"its loops ask for more than {MAX_RANGE_ITEMS:,} range() items")
+    if time.monotonic() > _budget.deadline:
+        raise ChatTemplateError(f"it took more than {RENDER_SECONDS:g} s")
+
+
+def _too_big(value: object) -> bool:
+    return isinstance(value, str | bytes | list | tuple | dict) and len(value) > MAX_TEXT
+
+
+class BoundedEnvironment(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset({"*", "**", "+"})
+
+    def __init__(self) -> None:
+        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        self.globals["range"] = self._range
+        self.globals["namespace"] = _BoundedNamespace
+        self.filters = {name: _bounded_filter(f) for name, f in self.filters.items()}
+
+    @staticmethod
+    def _range(*args: int) -> range:
+        span = range(*args)
+        _charge(len(span))
+        return span
+
+    def call_binop(self, context, operator: str, left, right):
+        _charge()
+        if operator == "**" and isinstance(right, int) and abs(right) > MAX_EXPONENT:
+            raise ChatTemplateError(f"it raises a number to the power {right}")
+        if operator == "*":
+            for sequence, count in ((left, right), (right, left)):
+                if isinstance(sequence, str | list | tuple) and isinstance(count, int) \
+                        and len(sequence) * count > MAX_TEXT:
+                    raise ChatTemplateError(f"it repeats a value {count:,} times (more than {MAX_TEXT:,} items)")
+        result = super().call_binop(context, operator, left, right)
+        if _too_big(result):
+            raise ChatTemplateError(f"it makes a value of more than {MAX_TEXT:,} items")
+        return result
+
+    def getattr(self, obj, attribute):
+        _charge()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+        _charge()
+        return super().getitem(obj, argument)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja2's own signature
+        _charge()
+        _check_sizes(args, kwargs)
+        result = super().call(__context, __obj, *args, **kwargs)
+        if _too_big(result):
+            raise ChatTemplateError(f"it makes a value of more than {MAX_TEXT:,} items")
+        return result
+
+
+class _BoundedNamespace(Namespace):
+    """`{% set ns.text = ns.text ~ ns.text %}` in a loop doubles a string past any memory: a
+    namespace holds no value past MAX_TEXT."""
+
+    def __setitem__(self, name, value):
+        _charge()
+        if _too_big(value):
+            raise ChatTemplateError(f"it stores a value of more than {MAX_TEXT:,} items")
+        super().__setitem__(name, value)
+
+
+def _check_sizes(args: tuple, kwargs: dict) -> None:
+    """A number past MAX_TEXT given to a call or filter ('x'.center(10**10), |indent(10**9)) would
+    make text that large."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_TEXT:
+            raise ChatTemplateError(f"it asks a call for {value:,} (more than {MAX_TEXT:,})")
+
+
+def _bounded_filter(function):
+    @functools.wraps(function)
+    def bounded(*args, **kwargs):
+        _charge()
+        _check_sizes(args, kwargs)
+        result = function(*args, **kwargs)
+        if _too_big(result):
+            raise ChatTemplateError(f"a filter made a value of more than {MAX_TEXT:,} items")
+        return result
+    return bounded
+
+
+ENVIRONMENT = BoundedEnvironment()
+
+
+class ChatTemplate:
+    """A template's text, compiled on first use (a template that does not parse fails as the first
+    conversation is rendered, where the data gate can say so beside a row)."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self._compiled = None
+
+    def render(self, messages: list[dict]) -> str:
+        if self._compiled is None:
+            try:
+                self._compiled = ENVIRONMENT.from_string(self.text)
+            except (TemplateError, RecursionError, MemoryError) as exc:
+                raise ChatTemplateError(f"it does not parse: {_why(exc)}") from None
+        with _bounded():
+            try:
+                chunks, size = [], 0
+                for chunk in self._compiled.generate(messages=messages, add_generation_prompt=False):
+                    size += len(chunk)
+                    if size > MAX_TEXT:
+                        raise ChatTemplateError(f"it renders more than {MAX_TEXT:,} characters")
+                    chunks.append(chunk)
+                return "".join(chunks)
+            except ChatTemplateError:
+                raise
+            except (TemplateError, RecursionError, MemoryError, OverflowError, TypeError, ValueError,
+                    KeyError, IndexError, AttributeError, ZeroDivisionError) as exc:
+                raise ChatTemplateError(f"it failed: {_why(exc)}") from None
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+@contextlib.contextmanager
+def _bounded() -> Iterator[None]:
+    """The budget for one render, and on the main thread (where no other timer runs) a timer that
+    stops a loop the hooks never see."""
+    _budget.deadline, _budget.ranged = time.monotonic() + RENDER_SECONDS, 0
+    timer = threading.current_thread() is threading.main_thread() and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    previous = signal.getsignal(signal.SIGALRM) if timer else None
+    if timer:
+        def expired(_signum, _frame):
+            raise ChatTemplateError(f"it took more than {RENDER_SECONDS:g} s")
+        signal.signal(signal.SIGALRM, expired)
+        signal.setitimer(signal.ITIMER_REAL, RENDER_SECONDS + 0.5)
+    try:
+        yield
+    finally:
+        if timer:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
+        _budget.deadline = None
