@@ -87,11 +87,13 @@ def test_lab_up_as_a_normal_user_explains_it_needs_root(monkeypatch, capsys):
     from toolkit.cli import app
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    monkeypatch.setattr(sys, "argv", ["ft", "lab", "up"])
-    with pytest.raises(SystemExit) as exited:
-        app.main()
-    assert exited.value.code == 1
-    assert "sudo ft lab up" in capsys.readouterr().err
+    for argv, command in ((["lab", "up"], "ft lab up"), (["chaos", "kill", "some-run", "--rank", "0"], "ft chaos")):
+        monkeypatch.setattr(sys, "argv", ["ft", *argv])
+        with pytest.raises(SystemExit) as exited:
+            app.main()
+        assert exited.value.code == 1
+        said = " ".join(capsys.readouterr().err.split())
+        assert f"`{command}` needs root" in said and f"sudo {command}" in said  # the command that was run
 
 
 def test_crash_of_an_unknown_node_names_the_real_ones(tmp_path):

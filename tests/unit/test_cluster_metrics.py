@@ -226,3 +226,31 @@ def test_the_publisher_asks_slurm_when_claims_change_and_keeps_its_word_while_sl
     answer["fail"] = False
     publisher.once()
     assert json.loads((published / "runs.json").read_text()) == []
+
+
+def test_a_folder_flooded_with_claims_costs_a_bounded_turn_and_hides_no_ones_claim(tmp_path, monkeypatch):
+    """Twenty thousand claims naming alice's job, planted by bob, and forty of alice's own: each is
+    named and lstat'ed, bob's are refused unopened, alice's newest few are read, hers is published."""
+    import os
+
+    from toolkit.watch import run_targets
+
+    users = {"alice": 5001, "bob": 5002}
+    monkeypatch.setattr(run_targets, "login_name", lambda uid: {v: k for k, v in users.items()}.get(uid))
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    for index in range(20_000):  # "-" sorts before ".": all of them before alice's plain name
+        path = claims / f"alice-llama.42-{index:08x}.json"
+        path.write_text("x")
+        os.chown(path, users["bob"], users["bob"])
+    for index in range(40):
+        made = claim(claims, f"alice-llama.42-a{index:07x}.json", users["alice"], address=f"node3:{40000 + index}")
+        os.utime(made, (1_700_000_000 + index, 1_700_000_000 + index))
+    opened = []
+    real = run_targets.read_claim
+    monkeypatch.setattr(run_targets, "read_claim", lambda path, job: opened.append(path.name) or real(path, job))
+    jobs = run_targets.ft_running(parse_queue(RUNNING))
+    groups, refusals = run_targets.verified_targets(claims, jobs)
+    assert groups[0]["targets"] == ["node3:40039"] and groups[0]["labels"]["user"] == "alice"
+    assert len(opened) == run_targets.MAX_CLAIMS_READ and all(name.startswith("alice-llama.42-a") for name in opened)
+    assert len(refusals) == run_targets.MAX_REFUSALS + 1 and refusals[-1].why == "refused"

@@ -334,6 +334,24 @@ def test_a_version_whose_record_claims_another_creator_is_not_a_version(registry
         registry.version(version.id)
 
 
+def test_a_bloated_record_is_skipped_unread(registry, tmp_path, monkeypatch):
+    from toolkit.registry import store
+
+    version = registered(registry, tmp_path)
+    planted = registry.layout.versions / ("f" * 64)  # a version folder with a 4 MiB record, as planted
+    planted.mkdir()
+    written = json.loads(registry.layout.version_record(version.id).read_text())
+    written.update(id="f" * 64, reason="x" * (4 << 20))
+    (planted / "version.json").write_text(json.dumps(written))
+    parsed = []
+    real = store.VersionRecord.model_validate_json
+    monkeypatch.setattr(store.VersionRecord, "model_validate_json", lambda text: parsed.append(len(text)) or real(text))
+    assert [listed.id for listed in registry.versions()] == [version.id]
+    assert max(parsed) < store.MAX_VERSION_RECORD_BYTES  # the planted one was never parsed
+    with pytest.raises(RegistryError, match="is over"):
+        registry.version("f" * 12)
+
+
 @needs_root
 def test_a_registry_folder_another_user_made_is_never_read(registry, tmp_path):
     registered(registry, tmp_path)

@@ -35,10 +35,13 @@ def run_folder(run_id: str) -> Path:
     return RunStore.for_shared_root(load_profile("lab").shared_root).run_dir(run_id)
 
 
+CHAOS_NEEDS_ROOT = "it signals processes on the lab's nodes and takes nodes and devices away"
+
+
 def find_rank(run_dir: Path, rank: int) -> RankProcess:
     """The worker process of one rank of a run, where its launcher says it runs (ranks/<n>.json in
     the run folder), checked: a process of the run on that lab node."""
-    require_root("chaos")
+    require_root("ft chaos", CHAOS_NEEDS_ROOT)
     manifest = LabManifest.load()
     if manifest is None:
         raise FtError("there is no lab on this machine", hint="run `ft lab up` first")
@@ -78,7 +81,7 @@ def crash_rank_node(run_dir: Path, rank: int) -> RankProcess:
 def crash_batch_host(run_dir: Path) -> str:
     """Crash the node the run's job script runs on (its batch host; not a training node while the
     job holds a spare: toolkit/watch/supervise.py keeps it as the last one). The node's name."""
-    require_root("chaos")
+    require_root("ft chaos", CHAOS_NEEDS_ROOT)
     starts = read_lines(RunLayout(run_dir).attempts, {"job_id": str})  # each start's, watchdog or not
     job = starts[-1]["job_id"] if starts else ""
     host = slurm_jobs.batch_host(job, commands.run)
@@ -155,7 +158,7 @@ def checkpoint_disk_full(run_dir: Path) -> Iterator[Path]:
     checkpoint.staging): filling the lab's own disk would fill this machine's. The folder is opened
     once, without following links, and the balloon made inside it the same way: a link planted in
     the run's folder cannot point the filling anywhere else."""
-    require_root("chaos")
+    require_root("ft chaos", CHAOS_NEEDS_ROOT)
     folder = Path(os.path.realpath(checkpoint_folder(run_dir)))
     refuse = FtError(f"the run's checkpoints are not on a small tmpfs made for it ({folder}): ft chaos fills "
                      "only one made for it",

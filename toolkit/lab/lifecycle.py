@@ -43,10 +43,10 @@ class UpOutcome:
         return self.playbook.changed if self.playbook else 0
 
 
-def require_root(action: str) -> None:
+def require_root(command: str, why: str = "it creates network namespaces and starts daemons") -> None:
+    """`command`: as the user typed it (ft lab up, ft chaos kill), so the hint is one to run."""
     if os.geteuid() != 0:
-        raise FtError(f"`ft lab {action}` needs root: it creates network namespaces and starts daemons",
-                      hint=f"run `sudo ft lab {action}`")
+        raise FtError(f"`{command}` needs root: {why}", hint=f"run it as root: `sudo {command} ...`")
 
 
 def node_count(requested: int | None, manifest: LabManifest | None) -> int:
@@ -183,7 +183,7 @@ def up(nodes: int | None = None, slices: int | None = None, reprovision: bool = 
        slurm: str | None = None) -> UpOutcome:
     """Bring the lab up as asked. `only`: a lab that is up as configured is checked and healed on
     these nodes alone (a slice's user heals no node another slice crashed on purpose)."""
-    require_root("up")
+    require_root("ft lab up")
     manifest = LabManifest.load()
     extra_vars = lab_vars(nodes, slices, manifest, slurm)
     if not reprovision and as_last_up(extra_vars, manifest):
@@ -217,7 +217,7 @@ def up(nodes: int | None = None, slices: int | None = None, reprovision: bool = 
 
 
 def down(purge: bool = False, on_task: Callable[[str], None] | None = None) -> PlaybookResult:
-    require_root("down")
+    require_root("ft lab down")
     manifest = LabManifest.load()
     applied_path().unlink(missing_ok=True)
     extra_vars = {**lab_vars(None, None, manifest), "lab_purge": purge}
@@ -229,7 +229,7 @@ def down(purge: bool = False, on_task: Callable[[str], None] | None = None) -> P
 
 def crash(node_name: str) -> list[int]:
     """Kill every process in a lab node's namespace, as a power loss would. `ft lab up` heals it."""
-    require_root("crash")
+    require_root("ft lab crash")
     manifest = LabManifest.load()
     if manifest is None:
         raise FtError("there is no lab on this machine", hint="run `ft lab up` first")

@@ -112,15 +112,17 @@ class RunPublisher:
 
     def __init__(self, claims: Path, published: Path, run: Callable = commands.run):
         self.claims, self.published, self.run = claims, published, run
-        self.seen: tuple = ()
+        self.seen: int | None = None  # the claims folder's change time at the last turn
         self.asked = float("-inf")
         self.refused: dict[str, str] = {}  # claim -> why, said once (forgotten once the claim is gone)
 
     def once(self) -> None:
+        # Watchdogs write claims whole under a new name and rename them: the folder's own change time
+        # says whether anything changed, at the cost of one stat however many files it holds.
         try:
-            listing = tuple(sorted((path.name, path.lstat().st_mtime_ns) for path in self.claims.glob("*.json")))
+            listing = self.claims.stat().st_mtime_ns
         except OSError:
-            listing = ()
+            listing = None
         if listing == self.seen and time.monotonic() - self.asked < CACHE_S:
             return
         try:

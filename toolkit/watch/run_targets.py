@@ -39,6 +39,8 @@ PUBLISHED_NAME = "runs.json"
 CLAIM_NAME = re.compile(r"(?P<run>[A-Za-z0-9][A-Za-z0-9._-]{0,127})\.(?P<job>[0-9]{1,12})(?:-[0-9a-f]{8})?\.json")
 ADDRESS = re.compile(r'\[\{"targets": ?\["(?P<host>[A-Za-z0-9._-]{1,253}):(?P<port>[0-9]{1,5})"\]\}\]\s*')
 WHY_MAX = 200  # a refusal's reason, as logged
+MAX_CLAIMS_READ = 16  # per running job, newest first: its watchdog writes one (two where a name was taken)
+MAX_REFUSALS = 100  # named one by one in a turn; the rest counted
 
 
 @dataclass(frozen=True)
@@ -107,27 +109,52 @@ def read_claim(path: Path, job: RunningJob) -> tuple[str, float]:
 def verified_targets(claims: Path, jobs: dict[str, RunningJob]) -> tuple[list[dict], list[Refusal]]:
     """file_sd groups for the claims Slurm vouches for (one per job: its user's newest), and why each
     other claim of a running job is not published (a claim of a job that is not running is ignored:
-    it is the normal end of a lost run)."""
+    it is the normal end of a lost run). The cost is bounded whatever the folder holds: a name and an
+    lstat per file, and at most MAX_CLAIMS_READ files opened per running job (a watchdog writes one)."""
+    refusals: list[Refusal] = []
+    owners: dict[int, str] = {}
+    candidates: dict[str, list[tuple[float, str]]] = {}
+    try:
+        listing = os.scandir(claims)
+    except OSError:
+        return [], []
+    with listing:
+        for entry in listing:
+            named = CLAIM_NAME.fullmatch(entry.name)
+            job = jobs.get(named.group("job")) if named else None
+            if job is None:
+                continue
+            try:
+                if named.group("run") != job.run:
+                    raise ValueError(f"names run {named.group('run')}; job {job.job_id} runs {job.run}")
+                info = entry.stat(follow_symlinks=False)
+                if info.st_uid not in owners:
+                    owners[info.st_uid] = login_name(info.st_uid) or f"uid {info.st_uid}"
+                if owners[info.st_uid] != job.user:  # refused before it is opened
+                    raise ValueError(f"owned by {owners[info.st_uid]}, while job {job.job_id} is {job.user}'s")
+            except Exception as error:  # noqa: BLE001 - whatever a claim does, it costs only itself
+                refusals.append(Refusal(entry.name, (str(error) or type(error).__name__)[:WHY_MAX]))
+                continue
+            candidates.setdefault(job.job_id, []).append((info.st_mtime, entry.name))
     newest: dict[str, tuple[float, str]] = {}
-    refusals = []
-    for path in sorted(claims.glob("*.json")):
-        named = CLAIM_NAME.fullmatch(path.name)
-        job = jobs.get(named.group("job")) if named else None
-        if job is None:
-            continue
-        try:
-            if named.group("run") != job.run:
-                raise ValueError(f"names run {named.group('run')}; job {job.job_id} runs {job.run}")
-            address, made = read_claim(path, job)
-        except Exception as error:  # noqa: BLE001 - whatever a claim does, it costs only itself
-            refusals.append(Refusal(path.name, (str(error) or type(error).__name__)[:WHY_MAX]))
-            continue
-        if made >= newest.get(job.job_id, (float("-inf"), ""))[0]:
-            newest[job.job_id] = (made, address)
+    for job_id, found in candidates.items():
+        found.sort(reverse=True)
+        for _, name in found[:MAX_CLAIMS_READ]:
+            try:
+                address, made = read_claim(claims / name, jobs[job_id])
+            except Exception as error:  # noqa: BLE001
+                refusals.append(Refusal(name, (str(error) or type(error).__name__)[:WHY_MAX]))
+                continue
+            if made >= newest.get(job_id, (float("-inf"), ""))[0]:
+                newest[job_id] = (made, address)
+        if len(found) > MAX_CLAIMS_READ:
+            refusals.append(Refusal(f"{len(found) - MAX_CLAIMS_READ} older claims of job {job_id}",
+                                    f"not read: a job's newest {MAX_CLAIMS_READ} are"))
     groups = [{"targets": [address], "labels": {"run": jobs[job_id].run, "user": jobs[job_id].user,
                                                 "slurm_job": job_id}}
               for job_id, (_, address) in sorted(newest.items())]
-    return groups, refusals
+    return groups, refusals[:MAX_REFUSALS] + ([Refusal(f"{len(refusals) - MAX_REFUSALS} more claims", "refused")]
+                                              if len(refusals) > MAX_REFUSALS else [])
 
 
 def publish(folder: Path, groups: list[dict]) -> bool:
