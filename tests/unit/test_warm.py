@@ -278,3 +278,18 @@ def test_a_rank_dies_with_its_template(tmp_path, launcher, monkeypatch):
         lock.close()
         os.close(progress)
         own["process"].wait(timeout=10)
+
+
+def test_the_templates_folder_is_named_by_the_jobs_secret(monkeypatch, tmp_path):
+    """Another user who makes /tmp/ft-warm-<uid> first would turn this user's templates off: the
+    folder's name holds a digest of the job's secret, which no one else knows."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("FT_JOB_SECRET", "a" * 64)
+    first = warm.socket_path().parent
+    assert first.name.startswith(f"ft-warm-{os.getuid()}-") and len(first.name) > len(f"ft-warm-{os.getuid()}-") + 16
+    (tmp_path / f"ft-warm-{os.getuid()}").mkdir(mode=0o777)  # the predictable name, taken: no matter
+    assert warm.private_folder(first)
+    monkeypatch.setenv("FT_JOB_SECRET", "b" * 64)
+    assert warm.socket_path().parent != first  # another job: another folder
+    monkeypatch.delenv("FT_JOB_SECRET")
+    assert warm.socket_path().parent.name == f"ft-warm-{os.getuid()}"  # outside a rendered job

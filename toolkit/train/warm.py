@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import json
 import os
 import re
@@ -62,7 +63,18 @@ def socket_path(node: str | None = None) -> Path:
     node = node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     name = "{}.{}.{}.sock".format(os.environ.get("SLURM_JOB_ID", "0"), os.environ.get("SLURM_RESTART_COUNT", "0"),
                                   re.sub(r"[^A-Za-z0-9_.-]", "_", node))
-    return Path(os.environ.get("TMPDIR") or "/tmp") / f"ft-warm-{os.getuid()}" / name
+    return Path(os.environ.get("TMPDIR") or "/tmp") / folder_name() / name
+
+
+def folder_name() -> str:
+    """ft-warm-<uid>-<a digest of the job's secret>: a name another user cannot guess, so cannot
+    make first (a folder of theirs at a name anyone could predict turned the templates off for the
+    user it named). Without the job's secret (outside a rendered job), the plain ft-warm-<uid>."""
+    secret = os.environ.get("FT_JOB_SECRET", "")
+    if len(secret) < 32:
+        return f"ft-warm-{os.getuid()}"
+    digest = hashlib.sha256(b"ft-warm-folder\n" + secret.encode()).hexdigest()[:20]
+    return f"ft-warm-{os.getuid()}-{digest}"
 
 
 def private_folder(folder: Path) -> bool:
