@@ -185,6 +185,30 @@ def test_a_signature_for_another_user_than_the_folder_s_owner_fails(run, site):
         os.chown(run.layout.root, 0, -1)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives the run folder to another user (needs root)")
+def test_another_users_verify_reads_no_file_outside_the_run_that_is_not_the_owners(run, site, monkeypatch):
+    """The receipt is its owner's word: root's verify of it reads what lies outside the run folder
+    only where the owner owns it (the data file here is root's: a receipt naming /etc/shadow)."""
+    from toolkit.receipts import verify as verifying
+
+    data = [json.loads(line) for line in lines(run)][0]["artifacts"]["data"]["path"]
+    read: list[str] = []
+    real = verifying.file_digest
+    monkeypatch.setattr(verifying, "file_digest", lambda path: read.append(str(path)) or real(path))
+    os.chown(run.layout.root, 65534, -1)
+    try:
+        verdict = verify(run.layout.root, site)
+    finally:
+        os.chown(run.layout.root, 0, -1)
+    assert data not in read and read  # the run's own files are read, the outside one is not
+    nobody = verifying.user_name(65534)
+    assert any(note.endswith(f"{data} is outside the run folder and not {nobody}'s: not read by another user's "
+                             f"verify (run `ft receipt verify` as {nobody} to check it)") for note in verdict.notes)
+    assert not any(data in finding.what for finding in verdict.findings)
+    read.clear()
+    assert verify(run.layout.root, site).verified and data in read  # the owner's own verify reads it
+
+
 def test_a_pruned_checkpoint_is_a_note_and_a_removed_adapter_a_finding(run, site):
     (run.layout.checkpoints / "step-00000010" / "manifest.json").unlink()
     verdict = verify(run.layout.root, site)

@@ -295,13 +295,48 @@ def check_artifacts(run_dir: Path, entries: list[tuple[int, dict]], verdict: Ver
                 digests[path] = exc
         return digests[path]
 
+    foreign = foreign_reader(run_dir)
     for line, entry in entries:
         for name, artifact in sorted(entry["artifacts"].items()):
             where = f"{label(entry, line)}, artifact {str(name)[:80]!r}"
             if gone_as_allowed(run_dir, artifact):
                 verdict.notes.append(f"{where}: {artifact['path']} is gone (recorded as one that may be pruned)")
                 continue
+            unread = foreign(artifact)
+            if unread:
+                verdict.notes.append(f"{where}: {unread}")
+                continue
             verdict.findings += [Finding(where, problem) for problem in artifact_problems(run_dir, artifact, now)]
+
+
+def foreign_reader(run_dir: Path):
+    """Where the verifier is not the run's owner (root, a reviewer): a recorded file outside the run
+    folder is read only when it is the owner's. A receipt is the owner's word: naming /etc/shadow or
+    a folder of /root would otherwise have root's verify tell its size or list its files. The owner's
+    own verify reads what the owner may read."""
+    try:
+        owner = os.stat(run_dir).st_uid
+    except OSError:
+        return lambda artifact: None
+    if os.geteuid() == owner:
+        return lambda artifact: None
+    inside = os.path.realpath(run_dir)
+
+    def reason(artifact: object) -> str | None:
+        if not isinstance(artifact, dict) or not isinstance(artifact.get("path"), str):
+            return None  # artifact_problems says what is wrong with it
+        recorded = recorded_at(run_dir, artifact["path"])
+        real = os.path.realpath(recorded)
+        if real == inside or real.startswith(inside + os.sep):
+            return None
+        try:
+            if os.stat(real).st_uid == owner:
+                return None
+        except OSError:
+            return None  # missing: said as missing
+        return (f"{recorded} is outside the run folder and not {user_name(owner)}'s: not read by another user's "
+                f"verify (run `ft receipt verify` as {user_name(owner)} to check it)")
+    return reason
 
 
 def recorded_at(run_dir: Path, path: str) -> Path:
