@@ -118,6 +118,26 @@ def test_the_login_install_has_no_training_stack_and_nothing_is_roots(user_path,
     assert foreign == []
 
 
+def test_the_login_install_reads_data_from_the_object_store(user_path, carol, lab):
+    """scripts/install-user.sh brings s3fs: the data gate reads s3:// data on the login node."""
+    import fsspec
+
+    exports = subprocess.run([str(REPO / ".venv" / "bin" / "ft"), "lab", "env"], capture_output=True, text=True,
+                             check=True).stdout
+    env = dict(line.removeprefix("export ").split("=", 1) for line in exports.splitlines())
+    store = fsspec.filesystem("s3", key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"],
+                              client_kwargs={"endpoint_url": env["AWS_ENDPOINT_URL"]})
+    url = f"ft-models/tests/carol-{carol['uid']}/tiny-sft.jsonl"
+    store.pipe_file(url, (REPO / "recipes" / "data" / "tiny-sft.jsonl").read_bytes())
+    try:
+        checked = as_carol(carol, LOGIN + f"ft data check s3://{url} --tokenizer tiny-llama --json")
+        assert checked.returncode == 0, checked.stderr[-2000:]
+        [report] = json.loads(checked.stdout)
+        assert report["ok"] and report["valid_rows"] == 256 and report["path"] == f"s3://{url}"
+    finally:
+        store.rm(url)
+
+
 def test_submit_before_the_training_environment_is_refused_naming_the_fix(user_path, carol):
     done = as_carol(carol, LOGIN + "ft cluster add early --extends lab --yes --force >/dev/null && "
                            "ft submit ~/ft/recipes/tiny-lora-sft.yaml --cluster early")
