@@ -22,6 +22,7 @@ from toolkit.recipe.schema import WatchdogSpec
 from toolkit.runs.layout import RunLayout
 from toolkit.watch.heartbeat import Receiver, Sender, seal
 from toolkit.watch.progress import HangRule, NodeProgress, Reporter
+from toolkit.watch.supervise import FLOOD_DATAGRAMS
 
 SECRET = b"s" * 64
 
@@ -195,7 +196,9 @@ FAKE_SRUN = textwrap.dedent("""
     while time.monotonic() < deadline:
         time.sleep(0.3)
         for node, sender in senders.items():
-            if node != plan.get("lose"):
+            muted = plan.get("mute") == node and 0 < time.monotonic() - deadline + plan.get("seconds", 2) \
+                - plan.get("mute_after", 0) < plan.get("mute_for", 0)  # its beats lost on the way
+            if node != plan.get("lose") and not muted:
                 sender.send()
     if plan.get("lose"):
         time.sleep(plan.get("linger", 60))  # srun waits for a lost node, as the real one does until it is DOWN
@@ -212,6 +215,7 @@ class FakeSlurm:
     def __init__(self, nodes: list[str], drains: dict | None = None):
         self.nodes, self.downed, self.drains, self.lifted = nodes, [], drains or {}, []
         self.began = time.monotonic()
+        self.not_answering: set[str] = set()  # nodes whose slurmd Slurm says does not answer
 
     def hostnames(self, nodelist: str) -> list[str]:
         return self.nodes
@@ -223,6 +227,9 @@ class FakeSlurm:
     def lift_hold(self, job_id: str) -> None:
         """The requeue helper's stand-in (toolkit/watch/requeue.py, which test_requeue.py tests)."""
         self.lifted.append(job_id)
+
+    def unresponsive(self, nodes: list[str]) -> list[str]:
+        return [node for node in nodes if node in self.not_answering]
 
     def drained(self, nodes: list[str]) -> dict[str, str]:
         """drains: {node: seconds after the start when a health check drains it}."""
@@ -456,3 +463,63 @@ def test_the_last_scrape_is_waited_for_only_at_the_runs_end_for_good(tmp_path, m
     monkeypatch.setattr(Supervisor, "start_exporter", lambda self: exporter)
     supervised(tmp_path, monkeypatch, ["n1", "n2"], 2, plan, max_restarts=max_restarts)
     assert exporter.waits == [None if final else 0]
+
+
+FLOODER = """
+import socket, sys, time
+target, until = ("127.0.0.1", int(sys.argv[1])), time.monotonic() + float(sys.argv[2])
+flood = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+junk = b"x" * 512
+while time.monotonic() < until:
+    for _ in range(256):
+        try:
+            flood.sendto(junk, target)
+        except OSError:
+            pass
+"""
+
+
+def flooding(port: int, seconds: float, senders: int = 3) -> list[subprocess.Popen]:
+    """Junk datagrams from the job node's own address (127.0.0.1 here), as fast as Python sends."""
+    return [subprocess.Popen([sys.executable, "-c", FLOODER, str(port), str(seconds)]) for _ in range(senders)]
+
+
+def test_a_flood_from_a_job_nodes_own_address_is_refused_cheaply_and_counted():
+    receiver = Receiver(SECRET, host="127.0.0.1", sources={"127.0.0.1"}).listen()
+    sender = Sender("127.0.0.1", receiver.port, SECRET, "node1", receiver.next_start(), state=dict).start()
+    flooders = flooding(receiver.port, 4)
+    for flooder in flooders:
+        flooder.wait(timeout=30)
+    refused, sources = receiver.flood(10)
+    time.sleep(2.5)
+    sender.stop(0)
+    receiver.close()
+    # Here the three senders outrun the reader on two cores and the kernel drops the heartbeats with
+    # the junk: what the supervisor does about such a silence is the next test's.
+    assert refused > FLOOD_DATAGRAMS and sources == ["127.0.0.1"]
+    assert receiver.seen()["node1"].seq >= 2  # the reader kept going: the beats after the flood are heard
+
+
+@pytest.mark.parametrize("slurm_says", ["answers", "does not answer"])
+def test_a_node_silent_under_a_flood_is_lost_only_on_slurms_word(tmp_path, monkeypatch, slurm_says):
+    """Three senders flood the supervisor from a job node's own address while n2's heartbeats are
+    lost for 4 s (twice the timeout), as the kernel drops them in a flood: no loss while Slurm says
+    its slurmd answers; lost, and replaced by the spare, where Slurm says it does not."""
+    def flood(supervisor):
+        if slurm_says != "answers":
+            supervisor.slurm.not_answering.add("n2")
+        time.sleep(0.5)
+        for flooder in flooding(supervisor.receiver.port, 6):
+            flooder.wait(timeout=30)
+
+    plan = {"1": {"seconds": 8, "mute": "n2", "mute_after": 1.5, "mute_for": 4, "trains": True},
+            "2": {"seconds": 1}}
+    code, starts, events, slurm, _ = supervised(tmp_path, monkeypatch, ["n1", "n2", "n3"], 2, plan, during=flood)
+    assert code == 0
+    lost = [event for event in events if event["event"] == "node_lost"]
+    if slurm_says == "answers":
+        assert lost == [] and len(starts) == 1 and slurm.downed == []
+        [said] = [event for event in events if event["event"] == "heartbeat_flood"]
+        assert "n2" in said["silent"] and said["refused"] >= FLOOD_DATAGRAMS  # n1's beats may drop too
+    else:
+        assert [event["node"] for event in lost] == ["n2"] and [s["nodes"] for s in starts][1] == ["n1", "n3"]

@@ -88,6 +88,8 @@ class SlurmClient(Protocol):
 
     def drained(self, nodes: list[str]) -> dict[str, str]: ...
 
+    def unresponsive(self, nodes: list[str]) -> list[str]: ...
+
 
 def _parse_version(text: str) -> tuple[int, int, int]:
     match = re.search(r"(\d+)\.(\d+)\.(\d+)", text)
@@ -178,6 +180,10 @@ class CliSlurmClient:
         """The nodes among these that are drained or draining (a health check found them bad, or an
         admin took them out), with the reason."""
         return slurm_nodes.drained(nodes, commands.run, timeout=self.timeout)
+
+    def unresponsive(self, nodes: list[str]) -> list[str]:
+        """The nodes among these whose slurmd does not answer the controller (or that are down)."""
+        return slurm_nodes.unresponsive(nodes, commands.run, timeout=self.timeout)
 
     # -- sources -----------------------------------------------------------------------------
     def _from_squeue(self, job_id: str) -> JobInfo | None:

@@ -31,6 +31,11 @@ class NodeState:
     def drained(self) -> bool:
         return self.state.startswith("drain")
 
+    @property
+    def responding(self) -> bool:
+        """slurmd answers the controller: not marked `*` (not responding) and not down or failed."""
+        return not self.state.endswith("*") and not self.state.startswith(("down", "fail"))
+
 
 NODE_STATE_FORMAT = "--format=%N|%T|%E"
 
@@ -160,6 +165,14 @@ def drained(nodes: list[str], run: Callable = commands.run, timeout: float = 20.
                  timeout=timeout, check=False)
     return {name: node.reason or node.state for name, node in parse_node_states(result.stdout).items()
             if name in nodes and "drain" in node.state}
+
+
+def unresponsive(nodes: list[str], run: Callable = commands.run, timeout: float = 20.0) -> list[str]:
+    """The nodes among these whose slurmd Slurm says does not answer (or that are down)."""
+    result = run(["sinfo", "--noheader", "--Node", "--nodes", ",".join(nodes), NODE_STATE_FORMAT],
+                 timeout=timeout, check=False)
+    states = parse_node_states(result.stdout)
+    return sorted(name for name, node in states.items() if name in nodes and not node.responding)
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,12 @@ heartbeat it answers: a launcher that hears no fresh answer for long knows the b
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import hmac
 import json
+import select
 import socket
 import threading
 import time
@@ -29,20 +31,32 @@ from dataclasses import dataclass, field
 MAX_DATAGRAM = 4096
 INTERVAL_S = 1.0
 RECEIVE_BUFFER = 4 << 20  # room for a burst of junk without losing the real heartbeats
+DRAIN_BATCH = 4096  # datagrams read per wake before looking at the clock again
+REFUSALS_KEPT_S = 120  # refused datagrams counted per second, this far back
+SOURCES_KEPT = 64  # distinct source addresses counted per second
 ANSWERS_PER_BEAT = 64  # datagrams a launcher reads per heartbeat: a flood never starves the sending
 REPORT_WAIT_S = 60.0  # a launcher ending waits this long for its report of a lost batch host to reach Slurm
 
 
+def job_tag(secret: bytes) -> bytes:
+    """The job's 16-byte mark, first in each of its datagrams: a datagram without it is dropped with
+    one comparison, before any HMAC (a flood of junk costs the reader little). Derived from the
+    secret, so only the job's processes know it (one who can read the job's traffic could copy it:
+    the HMAC still refuses what they send)."""
+    return hmac.new(secret, b"ft-heartbeat-tag", hashlib.sha256).hexdigest()[:16].encode()
+
+
 def seal(secret: bytes, message: dict) -> bytes:
     body = json.dumps(message, sort_keys=True, separators=(",", ":")).encode()
-    return hmac.new(secret, body, hashlib.sha256).hexdigest().encode() + b" " + body
+    return job_tag(secret) + hmac.new(secret, body, hashlib.sha256).hexdigest().encode() + b" " + body
 
 
-def unseal(secret: bytes, datagram: bytes) -> dict | None:
+def unseal(secret: bytes, datagram: bytes, tag: bytes | None = None) -> dict | None:
     """The message, or None when it is not one sealed with this job's secret (whatever the bytes)."""
-    if len(datagram) > MAX_DATAGRAM:
+    tag = tag or job_tag(secret)
+    if len(datagram) > MAX_DATAGRAM or not datagram.startswith(tag):
         return None
-    mac, _, body = datagram.partition(b" ")
+    mac, _, body = datagram[len(tag):].partition(b" ")
     if not hmac.compare_digest(mac, hmac.new(secret, body, hashlib.sha256).hexdigest().encode()):
         return None
     try:
@@ -61,6 +75,7 @@ class Sender:
     def __init__(self, address: str, port: int, secret: bytes, node: str, start: int, state: Callable[[], dict],
                  silence_s: float = 0, on_silence: Callable[[float], None] | None = None):
         self.target, self.secret, self.node, self.start_number, self.state = (address, port), secret, node, start, state
+        self.tag = job_tag(secret)
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.socket.setblocking(False)
         self.seq = 0
@@ -102,7 +117,7 @@ class Sender:
                 return
             if source != self.target:
                 continue
-            answer = unseal(self.secret, datagram)
+            answer = unseal(self.secret, datagram, self.tag)
             fresh = answer and answer.get("answer") == self.node and answer.get("start") == self.start_number \
                 and type(answer.get("to")) is int and self.answered_seq < answer["to"] <= self.seq
             if fresh:  # a replayed answer names a heartbeat answered before: it proves nothing
@@ -125,6 +140,33 @@ class Sender:
             self.reporting.join(timeout=REPORT_WAIT_S)
 
 
+class Refusals:
+    """Refused datagrams per second (the last REFUSALS_KEPT_S), and per source address (the top few
+    named in the log). Bounded: a flood from any number of addresses keeps only counts."""
+
+    def __init__(self) -> None:
+        self.seconds: collections.deque[list] = collections.deque()  # [second, count, Counter of sources]
+        self.lock = threading.Lock()
+
+    def add(self, address: str) -> None:
+        second = int(time.monotonic())
+        with self.lock:
+            if not self.seconds or self.seconds[-1][0] != second:
+                self.seconds.append([second, 0, collections.Counter()])
+                while self.seconds and self.seconds[0][0] < second - REFUSALS_KEPT_S:
+                    self.seconds.popleft()
+            bucket = self.seconds[-1]
+            bucket[1] += 1
+            if address in bucket[2] or len(bucket[2]) < SOURCES_KEPT:
+                bucket[2][address] += 1
+
+    def since(self, start: float) -> tuple[int, list[str]]:
+        with self.lock:
+            buckets = [bucket for bucket in self.seconds if bucket[0] >= int(start)]
+        sources = sum((bucket[2] for bucket in buckets), collections.Counter())
+        return sum(bucket[1] for bucket in buckets), [address for address, _ in sources.most_common(3)]
+
+
 @dataclass
 class NodeSeen:
     last: float  # monotonic time of the newest heartbeat
@@ -139,11 +181,13 @@ class Receiver:
     computed, so a flood costs little."""
 
     def __init__(self, secret: bytes, host: str = "0.0.0.0", sources: set[str] | None = None):
-        self.secret, self.sources = secret, sources
+        self.secret, self.sources, self.tag = secret, sources, job_tag(secret)
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         with contextlib.suppress(OSError):
             self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
+        self.socket.setblocking(False)
         self.socket.bind((host, 0))
+        self.refusals = Refusals()
         self.port = self.socket.getsockname()[1]
         self.nodes: dict[str, NodeSeen] = {}
         self.refused = 0
@@ -161,33 +205,44 @@ class Receiver:
             self.poll(time.monotonic() + 0.5)
 
     def poll(self, until: float) -> None:
-        """Read and answer every datagram that arrives before `until` (monotonic)."""
+        """Read and answer every datagram that arrives before `until` (monotonic): wait for the
+        socket once, then drain what the kernel holds, one system call a datagram."""
         while (remaining := until - time.monotonic()) > 0 and not self.closed.is_set():
             try:
-                self.socket.settimeout(remaining)
-                datagram, source = self.socket.recvfrom(MAX_DATAGRAM + 1)
-            except (TimeoutError, BlockingIOError):
+                readable, _, _ = select.select([self.socket], [], [], remaining)
+            except (OSError, ValueError):  # closed under the wait
                 return
-            except OSError:
-                if self.closed.is_set():
-                    return
-                continue
-            try:
-                self.take(datagram, source)
-            except Exception:  # noqa: BLE001 - no datagram, however made, stops the reader
-                self.refused += 1
+            if not readable:
+                return
+            for _ in range(DRAIN_BATCH):
+                try:
+                    datagram, source = self.socket.recvfrom(MAX_DATAGRAM + 1)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    if self.closed.is_set():
+                        return
+                    break
+                try:
+                    self.take(datagram, source)
+                except Exception:  # noqa: BLE001 - no datagram, however made, stops the reader
+                    self.refuse(source)
+
+    def refuse(self, source: tuple[str, int]) -> None:
+        self.refused += 1
+        self.refusals.add(source[0])
 
     def take(self, datagram: bytes, source: tuple[str, int]) -> None:
-        if self.sources is not None and source[0] not in self.sources:
-            self.refused += 1
+        if self.sources is not None and source[0] not in self.sources or not datagram.startswith(self.tag):
+            self.refuse(source)  # the cheap checks first: a flood costs a comparison a datagram
             return
-        message = unseal(self.secret, datagram)
+        message = unseal(self.secret, datagram, self.tag)
         node = message.get("node") if message else None
         with self.lock:
             seen = self.nodes.get(node) if isinstance(node, str) else None
             if not isinstance(node, str) or message.get("start") != self.start_number or (
                     seen and message["seq"] <= seen.seq):
-                self.refused += 1
+                self.refuse(source)
                 return
             self.nodes[node] = NodeSeen(time.monotonic(), message["seq"], message)
             self.answers += 1
@@ -195,6 +250,12 @@ class Receiver:
                                         "to": message["seq"]})
         with contextlib.suppress(OSError):
             self.socket.sendto(answer, source)
+
+    def flood(self, window_s: float) -> tuple[int, list[str]]:
+        """Datagrams refused in the last `window_s` seconds, and the sources that sent most of them:
+        where a job's own traffic is a few datagrams a second, thousands are a flood, under which
+        the kernel drops real heartbeats too, so silence alone proves no loss."""
+        return self.refusals.since(time.monotonic() - window_s)
 
     def next_start(self) -> int:
         """A new start of the training: only its launchers are heard from now on."""

@@ -55,6 +55,9 @@ SRUN_ERRORS = "srun.err"  # in FT_LAUNCH_MARKS: srun's messages (the job script'
 LAUNCH_FAILED = b"Application launch failed"  # srun's words for a step that did not launch everywhere
 LOST_STOP_GRACE_S = 1.0  # a step with a lost node: nothing worth waiting for (no checkpoint can be taken)
 DRAIN_CHECK_S = 5.0  # how often the step's nodes are checked for a drain
+# Refused datagrams within a heartbeat timeout that make silence no proof of loss: a job's own
+# traffic is a datagram a second a node, so this many are a flood (the kernel drops real ones in it).
+FLOOD_DATAGRAMS = 1000
 CHECKPOINT_GRACE_S = 120.0  # how long ranks on a drained node may take to checkpoint before the stop
 
 
@@ -134,6 +137,7 @@ class Supervisor:
         # Heartbeats are heard only from the job's nodes (where all of them resolve).
         sources = set(peers.values()) | {self.address} if len(peers) == len(self.allocation) else None
         self.receiver = Receiver(job_secret(), sources=sources).listen()
+        self.flood_said = False  # a flood is said once, not every half second
         self.process: subprocess.Popen | None = None
         self.warm: dict[str, subprocess.Popen] = {}  # node: its template's step
         self.spares_warm = False  # the spares' templates are started (once training has begun)
@@ -212,7 +216,7 @@ class Supervisor:
                 self.spares_warm = True
                 self.start_warm()
             seen = self.receiver.seen()
-            silent = self.silent(seen, nodes, now, timeout)
+            silent = self.flood_checked(self.silent(seen, nodes, now, timeout), timeout)
             silent += [n for n in nodes if n not in seen and now - began > startup]
             lost = Lost(silent, f"no heartbeat for {timeout:.0f} s") if silent else None
             if lost is None and now - drain_checked > DRAIN_CHECK_S and not self.auto_resume:
@@ -254,6 +258,31 @@ class Supervisor:
         quiet = self.silent(self.receiver.seen(), nodes, time.monotonic(), SILENT_AT_END_S)
         return Outcome(code, Lost(quiet, f"no heartbeat for {SILENT_AT_END_S:.0f} s before the step ended")
                        if quiet else None)
+
+    def flood_checked(self, silent: list[str], timeout: float) -> list[str]:
+        """Nodes gone silent while the receiver refused a flood of datagrams (FLOOD_DATAGRAMS or more
+        within the timeout: the kernel drops real heartbeats in it too) are lost only where Slurm
+        says their slurmd does not answer either. Slurm's own timeout is slower, but a flood must not
+        stop a healthy run. Said once per flood, with the addresses that sent the most."""
+        if not silent:
+            return silent
+        refused, sources = self.receiver.flood(timeout)
+        if refused < FLOOD_DATAGRAMS:
+            self.flood_said = False
+            return silent
+        try:
+            confirmed = self.slurm.unresponsive(silent)
+        except FtError as exc:
+            log(f"could not ask Slurm about {', '.join(silent)} ({exc.message}): taken as silent")
+            return silent
+        kept = sorted(set(silent) - set(confirmed))
+        if kept and not self.flood_said:
+            self.flood_said = True
+            log(f"heartbeats of {', '.join(kept)} silent under a flood of {refused} datagrams in {timeout:.0f} s "
+                f"(mostly from {', '.join(sources) or 'unknown'}): Slurm says their slurmd answers, so they are not "
+                "taken as lost")
+            record(self.run_dir, "heartbeat_flood", refused=refused, sources=sources, silent=kept)
+        return confirmed
 
     @staticmethod
     def silent(seen: dict, nodes: list[str], now: float, limit: float) -> list[str]:
