@@ -177,6 +177,26 @@ def test_a_fault_slurm_confirms_costs_what_was_redone_and_the_wait_a_preemption_
     assert losses(nan, [held(T, 400, gpus=2)], []) == Losses(0.0, 0.2, 0.0)  # a user error ended: 2 GPUs x 360 s
 
 
+def test_a_forged_episode_refunds_only_what_slurms_own_records_vouch_for(tmp_path):
+    """events.jsonl is the user's to write: a made-up node loss naming a node outside the allocation
+    (which Slurm saw go down) refunds nothing, and one whose claimed wait runs hours past a real
+    event on the allocation's node refunds the time around that event only."""
+    from toolkit.account.usage import RECOVERY_MAX_S, REDONE_MAX_S
+
+    day = 24 * 3600
+    forged = run_folder(tmp_path, "forged", [
+        {"time": T, "job": "7", "event": "start"},
+        {"time": T + 60, "job": "7", "event": "node_lost", "node": "n9", "nodes": ["n9"]},
+        {"time": T + day - 60, "job": "7", "event": "start"}, {"time": T + day, "job": "7", "event": "end", "code": 0}],
+        [(T + 30, 1), (T + day - 30, 2)], [])
+    elsewhere = losses(forged, [held(T, day)], [NodeEvent("n9", T + 61)])  # n9 is another job's node
+    assert elsewhere.refundable == 0 and elsewhere.unconfirmed > 20  # the whole claimed wait: the run's word
+    ours = losses(forged, [held(T, day)], [NodeEvent("n2", T + 61)])  # a real event on the allocation's node
+    # From the last step before the fault (T+30, within REDONE_MAX_S of it) to RECOVERY_MAX_S after it.
+    assert REDONE_MAX_S > 31 and ours.refundable == pytest.approx(4 * (31 + RECOVERY_MAX_S) / 3600, abs=1e-3)
+    assert ours.refundable + ours.unconfirmed == pytest.approx(elsewhere.unconfirmed, abs=1e-3)
+
+
 def test_without_accounting_the_run_records_give_each_allocation(tmp_path):
     folder = run_folder(tmp_path, "rec", [
         {"time": T + 10, "job": "7", "event": "start"}, {"time": T + 1800, "job": "7", "event": "end", "code": 0}],

@@ -85,6 +85,10 @@ class NodeEvent:
 
 
 CONFIRMS_WITHIN_S = 300.0  # a node event this close to a fault episode confirms it
+# What a confirmed fault may cost around its node event: the steps redone since the last checkpoint
+# before it, and the detection, wait and restart after it. Beyond, the run's own records say alone.
+REDONE_MAX_S = 3600.0
+RECOVERY_MAX_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -219,10 +223,12 @@ def losses(run_dir: Path, allocations: list[Allocation], events: list[NodeEvent]
         for allocation in held:
             cost = allocation.gpus * sum(overlap(span, [(allocation.start, allocation.end)])
                                          for span in episode["spans"])
-            if cost and confirms(events or [], episode, allocation):
-                confirmed += cost
-            else:
-                unconfirmed += cost
+            window = confirmed_window(events or [], episode, allocation)
+            vouched = 0.0 if window is None else allocation.gpus * sum(
+                overlap(span, [(max(allocation.start, window[0]), min(allocation.end, window[1]))])
+                for span in episode["spans"])
+            confirmed += vouched
+            unconfirmed += cost - vouched
     total = sum(a.gpus * a.seconds for a in held)
     confirmed = min(confirmed, total)
     unconfirmed = min(unconfirmed, total - confirmed)
@@ -232,13 +238,16 @@ def losses(run_dir: Path, allocations: list[Allocation], events: list[NodeEvent]
     return Losses(*(round(seconds / 3600, 4) for seconds in (confirmed, user_error, unconfirmed)))
 
 
-def confirms(events: list[NodeEvent], episode: dict, allocation: Allocation) -> bool:
-    """Whether Slurm saw one of the allocation's nodes (or a node the episode names) go down or be
-    drained around the episode's fault."""
-    nodes = set(allocation.nodes) | set(episode.get("nodes") or [])
+def confirmed_window(events: list[NodeEvent], episode: dict, allocation: Allocation) -> tuple[float, float] | None:
+    """The part of time Slurm's own records vouch for, or None: a node event (down, drained) on one
+    of the allocation's own nodes (Slurm's node list, never one the run's records name: those are
+    the user's word) around the episode's fault; from the work a fault makes redo before it
+    (REDONE_MAX_S) to the recovery after it (RECOVERY_MAX_S). An episode's spans outside it, or
+    with no such event, are unconfirmed, whatever the run's records say."""
     since = episode["time"] - CONFIRMS_WITHIN_S
     until = (episode["spans"][0][1] if episode["spans"] else episode["time"]) + CONFIRMS_WITHIN_S
-    return any(event.node in nodes and since <= event.start <= until for event in events)
+    starts = [event.start for event in events if event.node in allocation.nodes and since <= event.start <= until]
+    return (min(starts) - REDONE_MAX_S, max(starts) + RECOVERY_MAX_S) if starts else None
 
 
 def overlap(span: tuple[float, float] | list[float], held: list[tuple[float, float]]) -> float:
