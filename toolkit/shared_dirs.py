@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import pwd
 import stat
+import sys
 import tempfile
 from pathlib import Path
 
@@ -135,7 +136,28 @@ def user_cache(shared_root: str) -> Path:
         raise SharedFolderError(f"the shared root {root} does not exist",
                                 hint="ask the cluster's admins to create it (`ft lab up` makes the lab's), or fix "
                                      "shared_root in the cluster profile")
-    return private_dir(common_dir(require_trusted(root) / "cache") / f"uid-{os.getuid()}")
+    return user_folder(require_trusted(root), "cache")
+
+
+_said: set[Path] = set()
+
+
+def user_folder(root: Path, name: str) -> Path:
+    """This user's folder <root>/<name>/uid-N in the common folder <name>; where another user made
+    <name> first (on a site whose admins did not: the first user of ft owns it, or someone took the
+    name to block everyone), <root>/.<name>-uid-N instead, said once: one user's folder never
+    decides for the others. Private either way (a folder of someone else's there is refused)."""
+    try:
+        return private_dir(common_dir(root / name) / f"uid-{os.getuid()}")
+    except SharedFolderError as exc:
+        if folder_problem(root / name) is None:  # the common folder is fine: the problem is this user's own
+            raise
+        fallback = root / f".{name}-uid-{os.getuid()}"
+        if fallback not in _said:
+            _said.add(fallback)
+            print(f"warning: {exc.message}: using {fallback} instead (ask the cluster's admins for a common one: "
+                  f"`mkdir -m 1777 {root / name}` as root, once it is removed)", file=sys.stderr)
+        return private_dir(fallback)
 
 
 def trusted_owner_dir(folder: Path) -> bool:

@@ -58,9 +58,12 @@ def test_a_private_folder_another_user_made_first_is_refused_naming_them(tmp_pat
 
 @needs_root
 @pytest.mark.parametrize("made", ["by another user", "as a symlink", "open and not sticky"])
-def test_a_common_folder_anyone_could_rename_entries_in_is_refused(tmp_path, made):
+def test_a_common_folder_anyone_could_rename_entries_in_is_not_used_and_blocks_no_one(tmp_path, made, capsys):
     """The owner of a folder may rename anything in it, sticky or not: swap a user's private
-    folder for a symlink to their own, after ft checked it."""
+    folder for a symlink to their own, after ft checked it. So it is not used; and since such a
+    folder (made by the first user of ft on a site whose admins made none, or taken to block
+    everyone) would otherwise turn the cache off for every other user, each uses a private folder
+    of their own beside it, said once."""
     shared = tmp_path / "shared"
     shared.mkdir()
     cache = shared / "cache"
@@ -72,7 +75,18 @@ def test_a_common_folder_anyone_could_rename_entries_in_is_refused(tmp_path, mad
     else:
         cache.mkdir()
         cache.chmod(0o777)
-    with pytest.raises(SharedFolderError, match=r"ask the cluster's admins to make it root's"):
+    from toolkit import shared_dirs
+
+    shared_dirs._said.clear()
+    folder = user_cache(str(shared))
+    assert folder == shared / f".cache-uid-{os.getuid()}" and stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert not (cache / f"uid-{os.getuid()}").exists()
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"using {folder} instead" in said and f"mkdir -m 1777 {cache}" in said
+    assert user_cache(str(shared)) == folder and capsys.readouterr().err == ""  # said once
+    os.rmdir(folder)
+    made_by_another_user(folder, mode=0o700)  # the fallback taken too: this one user is refused, by name
+    with pytest.raises(SharedFolderError, match="ask the cluster's admins to remove"):
         user_cache(str(shared))
 
 

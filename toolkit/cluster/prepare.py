@@ -31,10 +31,10 @@ from toolkit.errors import FtError
 from toolkit.paths import resource_dir
 from toolkit.shared_dirs import (
     SharedFolderError,
-    common_dir,
     private_dir,
     require_trusted,
     shared_root_path,
+    user_folder,
     write_atomically,
 )
 from toolkit.slurm import commands
@@ -84,7 +84,7 @@ def env_place(profile: ClusterProfile) -> EnvPlace:
     if not root.is_dir():
         raise ProfileError(f"the shared root {root} does not exist", hint=f"mkdir -p {root}, or {fix}")
     try:
-        mine = private_dir(common_dir(require_trusted(root) / "envs") / f"uid-{os.getuid()}")
+        mine = user_folder(require_trusted(root), "envs")
         private_dir(mine / profile.name)
     except SharedFolderError as exc:
         raise ProfileError(exc.message, hint=f"{exc.hint}; or {fix}") from None
