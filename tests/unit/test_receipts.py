@@ -73,14 +73,14 @@ def test_every_single_byte_changed_in_an_entry_is_named(run, site):
             (offset, found)
 
 
-@pytest.mark.parametrize("constant", [b"NaN", b"Infinity", b"-Infinity"])
+@pytest.mark.parametrize("constant", [b"NaN", b"Infinity", b"-Infinity", b"1e999"])
 def test_an_entry_holding_nan_or_infinity_is_named_not_a_crash(run, site, constant):
     original = lines(run)
     entry = json.loads(original[2])
     entry["time"] = 0.0  # a number ft wrote, replaced by what Python's json reads but JSON has not
     changed = json.dumps(entry).encode().replace(b'"time": 0.0', b'"time": ' + constant) + b"\n"
     run.path.write_bytes(b"".join(original[:2]) + changed + b"".join(original[3:]))
-    assert f"line 3: not JSON ({constant.decode()} is not JSON)" in findings(run, site)
+    assert f"line 3: not JSON ({constant.decode().replace('1e999', 'inf')} is not JSON)" in findings(run, site)
 
 
 @pytest.mark.parametrize("artifact", ["data", "recipe", "manifest", "adapter", "results"])
@@ -202,11 +202,39 @@ def test_another_users_verify_reads_no_file_outside_the_run_that_is_not_the_owne
         os.chown(run.layout.root, 0, -1)
     assert data not in read and read  # the run's own files are read, the outside one is not
     nobody = verifying.user_name(65534)
-    assert any(note.endswith(f"{data} is outside the run folder and not {nobody}'s: not read by another user's "
-                             f"verify (run `ft receipt verify` as {nobody} to check it)") for note in verdict.notes)
+    expected = (f"{data} leads outside the run folder to a file not {nobody}'s: not read by another user's verify "
+                f"(run `ft receipt verify` as {nobody} to check it)")
+    assert any(note.endswith(expected) for note in verdict.notes)
     assert not any(data in finding.what for finding in verdict.findings)
     read.clear()
     assert verify(run.layout.root, site).verified and data in read  # the owner's own verify reads it
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives the run folder to another user (needs root)")
+def test_another_users_verify_follows_neither_a_folders_file_names_nor_links_out_of_the_run(tmp_path, monkeypatch):
+    from toolkit.receipts import verify as verifying
+
+    run_dir = tmp_path / "runs" / "run-x"
+    (run_dir / "ck").mkdir(parents=True)
+    secret = tmp_path / "secret"
+    secret.write_text("root's own\n")  # root's, as /etc/shadow is
+    (run_dir / "ck" / "a").symlink_to(secret)
+    from toolkit.receipts.chain import GENESIS
+
+    zero = {"bytes": 1, "sha256": "0" * 64}
+    entry = {"seq": 1, "kind": "checkpoint", "time": 1.0, "body": {}, "prev": GENESIS,
+             "artifacts": {"ck": {"path": "ck", "files": {"a": zero, str(secret): zero, "../../secret": zero}}}}
+    entry["hash"] = entry_hash(entry)
+    (run_dir / "receipt.jsonl").write_bytes(canonical(entry) + b"\n")  # as written by hand: the owner's word
+    read: list[str] = []
+    real = verifying.file_digest
+    monkeypatch.setattr(verifying, "file_digest", lambda path: read.append(str(path)) or real(path))
+    os.chown(run_dir, 65534, -1)
+    verdict = verify(run_dir, None)
+    said = " ".join([*map(str, verdict.findings), *verdict.notes])
+    assert read == [] and "root's own" not in said and " is 11 bytes" not in said
+    assert f"{run_dir / 'ck' / 'a'} leads outside the run folder" in said
+    assert f"{str(secret)!r} is no file name ft records" in said and "'../../secret' is no file name" in said
 
 
 def test_a_pruned_checkpoint_is_a_note_and_a_removed_adapter_a_finding(run, site):

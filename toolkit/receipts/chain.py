@@ -74,12 +74,19 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):  # 1e999: a literal past float's range reads as infinity
+        _no_constant("inf")
+    return value
+
+
 def parse_entry(line: bytes) -> dict:
     """One line as an entry's fields, or ValueError saying why it is none (its hash is not checked)."""
     if len(line) > MAX_ENTRY_BYTES:
         raise ValueError(f"over {MAX_ENTRY_BYTES} bytes: not an entry ft writes")
     try:
-        entry = json.loads(line, parse_constant=_no_constant)
+        entry = json.loads(line, parse_constant=_no_constant, parse_float=_finite)
     except RecursionError:
         raise ValueError("nested too deeply: not an entry ft writes") from None
     except ValueError as exc:

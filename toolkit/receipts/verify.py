@@ -15,6 +15,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from toolkit.checkpoint.manifest import safe_name
 from toolkit.cluster.profile import ReceiptSigning
 from toolkit.receipts.chain import (
     GENESIS,
@@ -295,47 +296,44 @@ def check_artifacts(run_dir: Path, entries: list[tuple[int, dict]], verdict: Ver
                 digests[path] = exc
         return digests[path]
 
-    foreign = foreign_reader(run_dir)
+    unread = foreign_reader(run_dir)
     for line, entry in entries:
         for name, artifact in sorted(entry["artifacts"].items()):
             where = f"{label(entry, line)}, artifact {str(name)[:80]!r}"
             if gone_as_allowed(run_dir, artifact):
                 verdict.notes.append(f"{where}: {artifact['path']} is gone (recorded as one that may be pruned)")
                 continue
-            unread = foreign(artifact)
-            if unread:
-                verdict.notes.append(f"{where}: {unread}")
-                continue
-            verdict.findings += [Finding(where, problem) for problem in artifact_problems(run_dir, artifact, now)]
+            notes: list[str] = []
+            verdict.findings += [Finding(where, problem)
+                                 for problem in artifact_problems(run_dir, artifact, now, unread, notes)]
+            verdict.notes += [f"{where}: {note}" for note in notes]
 
 
 def foreign_reader(run_dir: Path):
-    """Where the verifier is not the run's owner (root, a reviewer): a recorded file outside the run
-    folder is read only when it is the owner's. A receipt is the owner's word: naming /etc/shadow or
-    a folder of /root would otherwise have root's verify tell its size or list its files. The owner's
-    own verify reads what the owner may read."""
+    """Where the verifier is not the run's owner (root, a reviewer): why a path is not read, or None.
+    A path that leads out of the run folder (itself, through a symlink, or through a folder artifact's
+    file names) is read only when the owner owns what it leads to. A receipt is the owner's word:
+    naming /etc/shadow, or a folder of /root, would otherwise have root's verify tell its size, its
+    digest or whether it exists. The owner's own verify reads what the owner may read."""
     try:
         owner = os.stat(run_dir).st_uid
     except OSError:
-        return lambda artifact: None
+        return lambda path: None
     if os.geteuid() == owner:
-        return lambda artifact: None
+        return lambda path: None
     inside = os.path.realpath(run_dir)
 
-    def reason(artifact: object) -> str | None:
-        if not isinstance(artifact, dict) or not isinstance(artifact.get("path"), str):
-            return None  # artifact_problems says what is wrong with it
-        recorded = recorded_at(run_dir, artifact["path"])
-        real = os.path.realpath(recorded)
+    def reason(path: Path) -> str | None:
+        real = os.path.realpath(path)
         if real == inside or real.startswith(inside + os.sep):
             return None
         try:
             if os.stat(real).st_uid == owner:
                 return None
         except OSError:
-            return None  # missing: said as missing
-        return (f"{recorded} is outside the run folder and not {user_name(owner)}'s: not read by another user's "
-                f"verify (run `ft receipt verify` as {user_name(owner)} to check it)")
+            pass  # what does not exist outside the run is not said either: no oracle
+        return (f"{path} leads outside the run folder to a file not {user_name(owner)}'s: not read by another "
+                f"user's verify (run `ft receipt verify` as {user_name(owner)} to check it)")
     return reason
 
 
@@ -349,21 +347,25 @@ def gone_as_allowed(run_dir: Path, artifact: object) -> bool:
         and not os.path.lexists(recorded_at(run_dir, artifact["path"]))
 
 
-def artifact_problems(run_dir: Path, artifact: object, now) -> list[str]:
+def artifact_problems(run_dir: Path, artifact: object, now, unread, notes: list[str]) -> list[str]:
     if not isinstance(artifact, dict) or not isinstance(artifact.get("path"), str):
         return ["not an artifact record"]
     path = recorded_at(run_dir, artifact["path"])
     if isinstance(artifact.get("files"), dict):
-        return folder_problems(path, artifact["files"], now)
-    return file_problems(path, artifact, now)
+        return folder_problems(path, artifact["files"], now, unread, notes)
+    return file_problems(path, artifact, now, unread, notes)
 
 
-def file_problems(path: Path, recorded: object, now) -> list[str]:
+def file_problems(path: Path, recorded: object, now, unread, notes: list[str]) -> list[str]:
     if not isinstance(recorded, dict) or type(recorded.get("bytes")) is not int \
             or not SHA256_PATTERN.fullmatch(str(recorded.get("sha256"))):
         return [f"{path}: not a file's record (bytes, sha256)"]
     if Path(os.path.realpath(path)).parts[1:2] in (("proc",), ("sys",), ("dev",)):
         return [f"{path} is no file ft records (a receipt naming /proc/kcore would keep a verifier reading)"]
+    why = unread(path)
+    if why:
+        notes.append(why)
+        return []
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
@@ -382,12 +384,19 @@ def file_problems(path: Path, recorded: object, now) -> list[str]:
     return []
 
 
-def folder_problems(folder: Path, files: dict, now) -> list[str]:
+def folder_problems(folder: Path, files: dict, now, unread, notes: list[str]) -> list[str]:
+    why = unread(folder)
+    if why:
+        notes.append(why)
+        return []
     if not folder.is_dir():
         return [f"missing: {folder}"]
     problems = []
     for name, recorded in sorted(files.items()):
-        problems += file_problems(folder / str(name), recorded, now)
+        if not safe_name(str(name)):  # ft records a folder's files by their names in it, nothing else
+            problems.append(f"{folder}: {str(name)[:200]!r} is no file name ft records (a path of its own)")
+            continue
+        problems += file_problems(folder / str(name), recorded, now, unread, notes)
     try:  # listed only so far: a receipt naming / as a folder never has the verifier walk every disk
         present = folder_files(folder, limit=len(files) + MAX_FILES_ADDED)
     except OSError as exc:
