@@ -523,3 +523,25 @@ def test_a_node_silent_under_a_flood_is_lost_only_on_slurms_word(tmp_path, monke
         assert "n2" in said["silent"] and said["refused"] >= FLOOD_DATAGRAMS  # n1's beats may drop too
     else:
         assert [event["node"] for event in lost] == ["n2"] and [s["nodes"] for s in starts][1] == ["n1", "n3"]
+
+
+def test_junk_from_outside_the_job_is_no_flood_and_slurm_silent_is_no_word():
+    """Refusals from addresses that are not the job's do not excuse a silence (anyone could send
+    them); and where sinfo fails, a silent node is not taken as answering."""
+    from toolkit.errors import FtError
+    from toolkit.watch.supervise import Supervisor
+
+    receiver = Receiver(SECRET, host="127.0.0.1", sources={"10.9.9.9"}).listen()
+    for flooder in flooding(receiver.port, 1, senders=1):
+        flooder.wait(timeout=30)
+    assert receiver.refused > FLOOD_DATAGRAMS and receiver.flood(10) == (0, [])
+    receiver.close()
+
+    class Failing:
+        def unresponsive(self, nodes):
+            raise FtError("sinfo: Unable to contact slurm controller")
+
+    supervisor = Supervisor.__new__(Supervisor)  # only what flood_checked reads
+    supervisor.receiver = type("Flooded", (), {"flood": lambda self, window: (50_000, ["10.0.0.7"])})()
+    supervisor.slurm, supervisor.flood_said, supervisor.flood_answer = Failing(), False, (float("-inf"), {})
+    assert supervisor.flood_checked(["n1"], 10) == ["n1"]

@@ -229,8 +229,11 @@ class Receiver:
                     self.refuse(source)
 
     def refuse(self, source: tuple[str, int]) -> None:
+        """Counted as a flood only from the job's own addresses: junk from elsewhere never reaches
+        the job's sockets on a fabric that filters sources, and must not make silence look excusable."""
         self.refused += 1
-        self.refusals.add(source[0])
+        if self.sources is None or source[0] in self.sources:
+            self.refusals.add(source[0])
 
     def take(self, datagram: bytes, source: tuple[str, int]) -> None:
         if self.sources is not None and source[0] not in self.sources or not datagram.startswith(self.tag):

@@ -138,6 +138,7 @@ class Supervisor:
         sources = set(peers.values()) | {self.address} if len(peers) == len(self.allocation) else None
         self.receiver = Receiver(job_secret(), sources=sources).listen()
         self.flood_said = False  # a flood is said once, not every half second
+        self.flood_answer: tuple[float, dict[str, bool]] = (float("-inf"), {})  # Slurm's word, when asked
         self.process: subprocess.Popen | None = None
         self.warm: dict[str, subprocess.Popen] = {}  # node: its template's step
         self.spares_warm = False  # the spares' templates are started (once training has begun)
@@ -216,8 +217,9 @@ class Supervisor:
                 self.spares_warm = True
                 self.start_warm()
             seen = self.receiver.seen()
-            silent = self.flood_checked(self.silent(seen, nodes, now, timeout), timeout)
-            silent += [n for n in nodes if n not in seen and now - began > startup]
+            silent = self.silent(seen, nodes, now, timeout) + [n for n in nodes if n not in seen
+                                                                   and now - began > startup]
+            silent = self.flood_checked(silent, timeout)
             lost = Lost(silent, f"no heartbeat for {timeout:.0f} s") if silent else None
             if lost is None and now - drain_checked > DRAIN_CHECK_S and not self.auto_resume:
                 drain_checked = now
@@ -270,11 +272,16 @@ class Supervisor:
         if refused < FLOOD_DATAGRAMS:
             self.flood_said = False
             return silent
-        try:
-            confirmed = self.slurm.unresponsive(silent)
-        except FtError as exc:
-            log(f"could not ask Slurm about {', '.join(silent)} ({exc.message}): taken as silent")
-            return silent
+        asked, answer = self.flood_answer
+        if time.monotonic() - asked > DRAIN_CHECK_S or not set(silent) <= set(answer):
+            try:  # asked at most every DRAIN_CHECK_S: a flood must not become a flood of sinfo
+                unanswering = set(self.slurm.unresponsive(silent))
+            except FtError as exc:
+                log(f"could not ask Slurm about {', '.join(silent)} ({exc.message}): taken as lost")
+                return silent
+            answer = {node: node in unanswering for node in silent}
+            self.flood_answer = (time.monotonic(), answer)
+        confirmed = [node for node in silent if answer[node]]
         kept = sorted(set(silent) - set(confirmed))
         if kept and not self.flood_said:
             self.flood_said = True
