@@ -67,7 +67,8 @@ def recipe_cases() -> dict[str, str]:
     bad_values = {
         "resources.nodes": ["two", -1, 0, 10**9, 1.5, None, [1], True],
         "resources.gpus_per_node": [-1, 1000, "8"],
-        "resources.time": ["٠٤:٠٠:٠٠", "abc", "04:00", "-1", "1-", "04:00:00\n#SBATCH --x", "99:99:99", "1-24:00:00"],
+        "resources.time": ["٠٤:٠٠:٠٠", "abc", "04:00", "-1", "1-", "04:00:00\n#SBATCH --x", "99:99:99", "1-24:00:00",
+                           90],
         "resources.tier": ["platinum", 1],
         "resources.account": ["a b", "a\nb", "$(id)"],
         "method.kind": ["rlhf", None],
@@ -141,6 +142,7 @@ def zstd(data: bytes) -> bytes:
 
 def data_cases() -> dict[str, bytes]:
     import datetime
+    import decimal
 
     rows = GOOD_JSONL.splitlines(keepends=True)
     cases = {
@@ -156,6 +158,11 @@ def data_cases() -> dict[str, bytes]:
         # Within Python's parser but past the readers after it (duplicates, PII scan): 600-900 deep.
         "deep-extra-field.jsonl": GOOD_JSONL + b'{"prompt": "q", "completion": "a", "meta": ' + b"[" * 900
         + b"]" * 900 + b"}\n",
+        "lone-surrogate.jsonl": GOOD_JSONL + b'{"prompt": "\\ud800 half a pair", "completion": "a"}\n'
+        + b'{"prompt": "q", "completion": "a", "\\udc00": 1}\n',
+        "nested-extra-types.parquet": parquet({"prompt": ["q"] * 150, "completion": ["a"] * 150,
+                                               "meta": [{"price": decimal.Decimal("1.50"), "when": [datetime.datetime(
+                                                   2026, 1, 1)], "raw": b"\x00\xff"}] * 150}),
         "deep-messages.jsonl": b'{"messages": ' + b"[" * 600 + b"]" * 600 + b"}\n" + GOOD_JSONL,
         "huge-number.jsonl": b'{"prompt": "q", "completion": ' + b"9" * 5000 + b"}\n" + GOOD_JSONL,
         "nul-bytes.jsonl": GOOD_JSONL + b'{"prompt": "a\x00b", "completion": "c"}\n',

@@ -29,6 +29,10 @@ HOSTILE = {
     "a refused call": ("{{ messages.append(1) }}", "SecurityError"),
     "endless recursion": ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
     "a syntax error": ("{% for m in messages %}", "does not parse"),
+    "formatting folded at compile time": ("{{ ('%0900000000d' % 1) | length }}", "wider than"),
+    "a float formatted very wide": ("{{ '%.999999999f' % 1.0 }}", "wider than"),
+    "an unknown codec": ("{{ messages[0].content.encode('nope') }}", "LookupError"),
+    "a 5000-digit literal": ("{{ " + "9" * 5000 + " }}", "does not parse|failed"),
 }
 
 

@@ -130,6 +130,10 @@ def read_jsonl(stream) -> Iterator[Row]:
         if nesting(value) > MAX_NESTING:
             yield Row(number, None, Problem("unparseable", f"nested deeper than {MAX_NESTING} levels: no example is"))
             continue
+        if ("\\ud" in text or "\\uD" in text) and lone_surrogate(value):
+            yield Row(number, None, Problem("encoding", "a \\ud800-\\udfff escape with no pair: not text a tokenizer "
+                                                        "reads (save the file as UTF-8 with whole characters)"))
+            continue
         yield Row(number, value)
 
 
@@ -232,6 +236,15 @@ class ZstdStream(io.RawIOBase):
             compressed, self.in_frame = self.frame.unused_data, False  # the next frame, if any
             self.frame = self.decompressor.decompressobj()
         return b"".join(out)
+
+
+def lone_surrogate(value: Any) -> bool:
+    """Whether a JSON value holds half of a UTF-16 pair (JSON lets "\\ud800" through; no text is it)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def nesting(value: Any) -> int:

@@ -131,7 +131,8 @@ class _Pass:
             if not problems:
                 good.append(row)
         for row in good:
-            canonical = json.dumps(row.data, sort_keys=True, ensure_ascii=False).encode()
+            # default=str: a Parquet file's extra columns may hold decimals, times or bytes.
+            canonical = json.dumps(row.data, sort_keys=True, ensure_ascii=False, default=str).encode()
             self.hashes.append(int.from_bytes(hashlib.blake2b(canonical, digest_size=8).digest(), "little"))
             self.lines.append(row.line)
             for kind in pii.find(" ".join(_strings(row.data))):

@@ -181,6 +181,15 @@ class ResourceSpec(Strict):
     spare_nodes: Annotated[int, Field(ge=0, le=64, description="Extra nodes held: a lost node is replaced "
                                                               "at once, inside the allocation")] = 0
 
+    @field_validator("time", mode="before")
+    @classmethod
+    def quoted_time(cls, value: object) -> object:
+        if isinstance(value, int) and not isinstance(value, bool):
+            # YAML reads `time: 90` as a number and `time: 72:00:00` as 259200 (base 60): ambiguous.
+            raise ValueError(f"write the time limit in quotes (\"90\" minutes, \"72:00:00\"): YAML read {value} "
+                             "as a number, and reads an unquoted 72:00:00 as seconds")
+        return value
+
     @field_validator("time")
     @classmethod
     def slurm_time(cls, value: str) -> str:
