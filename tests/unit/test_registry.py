@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.adapters import DIGEST, record, write_adapter
+from tests.support.adapters import DIGEST, evaluation, record, write_adapter
 from tests.support.model_folders import write_model_folder
 from toolkit.errors import UsageError
 from toolkit.registry import adapter, states
@@ -332,6 +332,16 @@ def test_a_version_whose_record_claims_another_creator_is_not_a_version(registry
     assert registry.versions() == []
     with pytest.raises(RegistryError, match="names another id or creator than its folder's"):
         registry.version(version.id)
+
+
+def test_a_version_with_the_largest_evaluation_allowed_is_read_back(registry, tmp_path):
+    """Indented, an evaluation of many numbers takes three times its room: such a record is written
+    compact, within the bound listing reads (never a version placed that ft then refuses)."""
+    scores = [0.5] * 50_000  # about 250 KB as JSON: just within MAX_EVAL_BYTES
+    evaluation_ = dict(evaluation(), scores=scores)
+    version = registered(registry, tmp_path, eval=evaluation_)
+    assert [listed.id for listed in registry.versions()] == [version.id]
+    assert registry.version(version.short_id).record.eval["scores"] == scores
 
 
 def test_a_bloated_record_is_skipped_unread(registry, tmp_path, monkeypatch):

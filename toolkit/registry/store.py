@@ -64,7 +64,7 @@ MAX_REASON = 1000
 # A version's record: its evaluation (at most MAX_EVAL_BYTES), its files (at most 64) and its shape.
 # A larger one is no record ft wrote: listing skips it unread (a hundred planted 4 MiB records took
 # `ft adapters ls` 6.6 s).
-MAX_VERSION_RECORD_BYTES = MAX_EVAL_BYTES + (128 << 10)
+MAX_VERSION_RECORD_BYTES = MAX_EVAL_BYTES + (128 << 10)  # compact; a record that fits indented is indented
 
 
 class RegistryError(FtError):
@@ -285,7 +285,10 @@ class Registry:
         final = self.layout.version(record.id)
         s3_uri = self.mirror.uri(self.layout.relative(self.layout.adapter(record.id))) if self.mirror else None
         serving = handoff.serving_manifest(record, self.layout.adapter(record.id), s3_uri)
-        write_atomically(staging / VERSION_RECORD, record.model_dump_json(indent=2) + "\n", mode=0o444)
+        text = record.model_dump_json(indent=2) + "\n"
+        if len(text.encode()) > MAX_VERSION_RECORD_BYTES:  # indented, an evaluation's numbers take more room
+            text = record.model_dump_json() + "\n"
+        write_atomically(staging / VERSION_RECORD, text, mode=0o444)
         write_atomically(staging / SERVING, json.dumps(serving, indent=2) + "\n", mode=0o444)
         for folder in (staging / ADAPTER, staging):
             os.chmod(folder, 0o555)
