@@ -315,6 +315,8 @@ def read_from(path: Path, position: int) -> Iterator[tuple[int, bytes]]:
         raise FtError(f"{path} is not a regular file (a FIFO, a device or a folder): ft reads logs only from files",
                       hint="remove it; Slurm and ft write the run's logs as files")
     with os.fdopen(descriptor, "rb") as handle:
+        if os.fstat(descriptor).st_size < position:  # cut short or replaced while followed: from its start
+            position = 0
         handle.seek(position)
         while chunk := handle.read(LOG_CHUNK_BYTES):
             yield position, chunk
