@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -210,14 +212,14 @@ def test_an_object_store_that_never_answers_is_reported_within_the_deadline(monk
     "{% set x = messages.append({'role': 'x'}) %}{{ messages }}",
 ])
 def test_a_chat_template_cannot_reach_python(tmp_path, template):
-    """A model folder's chat template renders in jinja2's immutable sandbox, as in transformers."""
-    from jinja2.exceptions import SecurityError
-
+    """A model folder's chat template renders in jinja2's immutable sandbox, as in transformers: what
+    it may not reach is refused, as the template's located failure (toolkit/data/chat_template.py)."""
+    from toolkit.data.chat_template import ChatTemplateError
     from toolkit.data.tokenizer import LengthCounter
 
     counter = LengthCounter(load_length_counter("tiny-llama").tokenizer, template)
     messages = [{"role": "user", "content": "hi"}]
-    with pytest.raises(SecurityError):
+    with pytest.raises(ChatTemplateError, match="SecurityError: access to attribute .* is unsafe"):
         counter.render_chat(messages)
     assert messages == [{"role": "user", "content": "hi"}]
 
@@ -228,15 +230,22 @@ def test_an_unwritable_token_cache_degrades_to_no_cache_with_a_warning(tmp_path,
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({"name": "r", "model": {"base": "tiny-llama"}, "data": {"train": str(data)}}))
     clusters = tmp_path / "clusters.yaml"
-    # A file where the cache folder should be: no user, root included, can create the cache there.
+    # A file where the cache folder should be: the user's own folder beside it is used instead.
     (tmp_path / "shared").mkdir()
     (tmp_path / "shared" / "cache").write_text("not a folder")
     clusters.write_text(yaml.safe_dump({"ro": {"extends": "lab", "shared_root": str(tmp_path / "shared")}}))
     monkeypatch.setenv("FT_CLUSTERS_FILE", str(clusters))
     (report,) = recipe_data.validate_recipe_data(resolve(recipe, "ro"))
+    assert report.ok and "token_cache_unusable" not in report.warnings
+    fallback = tmp_path / "shared" / f".cache-uid-{os.getuid()}"
+    assert fallback.is_dir()
+    # And a file there too: no user, root included, can create a cache: no cache, and a warning.
+    shutil.rmtree(fallback)
+    fallback.write_text("not a folder either")
+    (report,) = recipe_data.validate_recipe_data(resolve(recipe, "ro"))
     assert report.ok and "token_cache_unusable" in report.warnings
     assert "is not used: " in report.warnings["token_cache_unusable"].examples[0].message
-    assert "shared/cache is not a folder" in report.warnings["token_cache_unusable"].examples[0].message
+    assert f"{fallback} is not a folder" in report.warnings["token_cache_unusable"].examples[0].message
 
 
 def test_a_data_file_gone_by_the_time_the_job_reads_it_is_a_user_error_no_restart_helps(tmp_path):
