@@ -40,6 +40,17 @@ print(json.dumps({"cpus": cpus, "widened": widened, "limit_mb": limit >> 20,
 """
 
 
+def two_rank_recipe(folder: Path, name: str, cluster: str) -> Path:
+    """The tiny recipe, short, on one node with two GPUs' worth of ranks, on `cluster`."""
+    recipe = tiny_recipe()
+    recipe.update({"name": name, "cluster": cluster})
+    recipe["resources"].update({"nodes": 1, "gpus_per_node": 2})
+    recipe["training"]["steps"] = 4
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
 def test_a_step_is_held_to_its_cores_memory_and_gpus(lab, shared_tmp):
     probe = shared_tmp / "probe.py"
     probe.write_text(PROBE)
@@ -64,12 +75,7 @@ def test_each_rank_keeps_to_its_share_of_the_steps_cores(lab, shared_tmp):
     # Slurm holds as the machine's 2 cores: a core each.
     clusters = shared_tmp / "clusters.yaml"
     clusters.write_text(yaml.safe_dump({"lab-two-ranks": {"extends": "lab", "cpu_workers_per_node": 2}}))
-    recipe = tiny_recipe()
-    recipe.update({"name": "tiny-cores", "cluster": "lab-two-ranks"})
-    recipe["resources"].update({"nodes": 1, "gpus_per_node": 2})
-    recipe["training"]["steps"] = 4
-    path = shared_tmp / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
+    path = two_rank_recipe(shared_tmp, "tiny-cores", "lab-two-ranks")
     runs = lab_runs(lab, "confinement")
     submitted = submit(path, runs_dir=runs, env={"FT_CLUSTERS_FILE": str(clusters)})
     assert wait_done(submitted["run_id"], runs_dir=runs) == "COMPLETED"
@@ -97,12 +103,7 @@ def test_a_job_asking_too_few_cores_is_told_so_before_and_as_it_runs(lab, shared
         # A profile that does not know its nodes' cores: jobs ask a core per rank and one more.
         "lab-unsized": {"extends": "lab", "cpu_workers_per_node": 2, "cpus_per_node": None}}))
     env = {"FT_CLUSTERS_FILE": str(clusters)}
-    recipe = tiny_recipe()
-    recipe.update({"name": "tiny-few-cores", "cluster": "lab-unsized"})
-    recipe["resources"].update({"nodes": 1, "gpus_per_node": 2})
-    recipe["training"]["steps"] = 4
-    path = shared_tmp / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
+    path = two_rank_recipe(shared_tmp, "tiny-few-cores", "lab-unsized")
 
     explained = ft("recipe", "explain", str(path), runs_dir=shared_tmp, env=env)
     assert explained.returncode == 0, explained.stderr
@@ -114,8 +115,7 @@ def test_a_job_asking_too_few_cores_is_told_so_before_and_as_it_runs(lab, shared
 
     # A power user's edit: the rendered script asks one core for its two ranks. Slurm holds the step
     # to it, and the launcher says so in the run's log as it starts.
-    recipe["cluster"] = "lab-two-ranks"
-    path.write_text(yaml.safe_dump(recipe))
+    path = two_rank_recipe(shared_tmp, "tiny-few-cores", "lab-two-ranks")
     script = shared_tmp / "job.sbatch"
     rendered = ft("render", str(path), "--run-id", "tiny-few-cores-by-hand", "-o", str(script), runs_dir=shared_tmp,
                   env=env)

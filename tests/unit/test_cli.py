@@ -139,12 +139,18 @@ def test_user_text_is_printed_as_written_never_as_markup_or_escapes(tmp_path, ho
     assert shown in result.stdout
 
 
-def test_logs_as_json_carry_the_log_text_exactly(tmp_path):
-    run = tmp_path / "r1"
+def run_of_job_7(runs: Path) -> Path:
+    """A run record r1 of job 7, with its logs folder, for `ft logs`."""
+    run = runs / "r1"
     (run / "logs").mkdir(parents=True)
     (run / "run.json").write_text(json.dumps({"run_id": "r1", "recipe_name": "r", "recipe_path": "/r.yaml",
                                               "cluster": "lab", "mode": "train", "created": 1.0,
                                               "idempotency_key": None, "jobs": [{"job_id": "7", "submitted": 1.0}]}))
+    return run
+
+
+def test_logs_as_json_carry_the_log_text_exactly(tmp_path):
+    run = run_of_job_7(tmp_path)
     (run / "logs" / "slurm-7.out").write_text("ft: job 7\nline ü two\n")
     result = ft("logs", "r1", "--json", env={"FT_RUNS_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
@@ -170,11 +176,7 @@ def test_a_fault_reads_as_a_sentence_in_ft_status():
 @pytest.mark.timeout(30, method="thread")
 @pytest.mark.parametrize("planted", ["fifo", "dev-zero", "folder"])
 def test_logs_refuse_what_is_no_file_in_a_logs_place(tmp_path, planted):
-    run = tmp_path / "r1"
-    (run / "logs").mkdir(parents=True)
-    (run / "run.json").write_text(json.dumps({"run_id": "r1", "recipe_name": "r", "recipe_path": "/r.yaml",
-                                              "cluster": "lab", "mode": "train", "created": 1.0,
-                                              "idempotency_key": None, "jobs": [{"job_id": "7", "submitted": 1.0}]}))
+    run = run_of_job_7(tmp_path)
     place = run / "logs" / "slurm-7.out"
     {"fifo": lambda: os.mkfifo(place), "dev-zero": lambda: place.symlink_to("/dev/zero"),
      "folder": place.mkdir}[planted]()
@@ -184,11 +186,7 @@ def test_logs_refuse_what_is_no_file_in_a_logs_place(tmp_path, planted):
 
 
 def test_a_long_log_streams_whole_across_reads(tmp_path):
-    run = tmp_path / "r1"
-    (run / "logs").mkdir(parents=True)
-    (run / "run.json").write_text(json.dumps({"run_id": "r1", "recipe_name": "r", "recipe_path": "/r.yaml",
-                                              "cluster": "lab", "mode": "train", "created": 1.0,
-                                              "idempotency_key": None, "jobs": [{"job_id": "7", "submitted": 1.0}]}))
+    run = run_of_job_7(tmp_path)
     text = "é" * (3 << 19) + "end\n"  # 3 MiB of two-byte characters: reads split some of them
     (run / "logs" / "slurm-7.out").write_text(text)
     result = ft("logs", "r1", env={"FT_RUNS_DIR": str(tmp_path)})

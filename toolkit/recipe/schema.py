@@ -26,9 +26,9 @@ RESERVED_ENV = re.compile(r"(SLURM|SLURMD|PMI|PMIX|OMPI|TORCHELASTIC)_.*|FT_(?!F
 MAX_ENV_VALUE_BYTES = 128 * 1024 - 1  # Linux refuses a longer single string when the job starts
 
 
-def _takes_bool(annotation: object) -> bool:
-    """Whether a field's type admits true/false (bool itself, or a union or Annotated holding it)."""
-    return annotation is bool or any(_takes_bool(arg) for arg in get_args(annotation))
+def _holds(kind: type, annotation: object) -> bool:
+    """Whether a field's type admits `kind` (itself, or a union or Annotated holding it)."""
+    return annotation is kind or any(_holds(kind, arg) for arg in get_args(annotation))
 
 
 class Strict(BaseModel):
@@ -40,18 +40,16 @@ class Strict(BaseModel):
     def numbers_are_not_booleans(cls, value: object, info: ValidationInfo) -> object:
         """`nodes: true` is a mistake, not 1 (pydantic takes true for 1 and 1.0)."""
         annotation = cls.model_fields[info.field_name].annotation
-        if isinstance(value, bool) and not _takes_bool(annotation):
+        if isinstance(value, bool) and not _holds(bool, annotation):
             raise ValueError(f"expected {_kind(annotation)}, not {str(value).lower()}")
         return value
 
 
 def _kind(annotation: object) -> str:
     """What a field holds, in words, for an error: 'a whole number', 'a number', ..."""
-    def holds(kind: type, annotation: object) -> bool:
-        return annotation is kind or any(holds(kind, arg) for arg in get_args(annotation))
-    if holds(int, annotation):
+    if _holds(int, annotation):
         return "a whole number"
-    return "a number" if holds(float, annotation) else "a value of this field's kind"
+    return "a number" if _holds(float, annotation) else "a value of this field's kind"
 
 
 class Method(StrEnum):

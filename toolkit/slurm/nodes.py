@@ -170,8 +170,7 @@ def drained(nodes: list[str], run: Callable = commands.run, timeout: float = 20.
 def unresponsive(nodes: list[str], run: Callable = commands.run, timeout: float = 20.0) -> list[str]:
     """The nodes among these whose slurmd Slurm says does not answer (or that are down, or that
     Slurm does not list). SlurmCommandError where sinfo fails: no answer is no word that they answer."""
-    result = run(["sinfo", "--noheader", "--Node", "--nodes", ",".join(nodes), NODE_STATE_FORMAT], timeout=timeout)
-    states = parse_node_states(result.stdout)
+    states = node_states(run, ",".join(nodes), timeout)
     return sorted(name for name in nodes if name not in states or not states[name].responding)
 
 
