@@ -168,8 +168,8 @@ def test_hostile_strings_reach_the_job_exactly_and_never_execute(tmp_path):
     marker = tmp_path / "pwned"
     resolved = resolve(hostile_recipe(tmp_path, marker), "lab")
     script = render(resolved, RunPlacement("hostile", str(tmp_path / "run")), login_python=PYTHON)
-    # Everything up to the rendezvous: run dir, recipe heredoc, exports. Then print the environment.
-    head = script.split("# Rendezvous:")[0]
+    # Everything up to the job's start: run dir, recipe heredoc, exports. Then print the environment.
+    head = script.split("\nexec ")[0]
     probe = tmp_path / "probe.sh"
     probe.write_text(head + '\nenv -0 > "$FT_RUN_DIR/env.bin"\n')
     result = subprocess.run(["bash", str(probe)], capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
@@ -225,7 +225,7 @@ def test_a_job_asks_its_share_of_each_nodes_cores_and_memory():
     script = render(lab, RunPlacement("r1", "/shared/runs/r1"), login_python="/usr/bin/python3")
     assert "#SBATCH --cpus-per-task=2\n#SBATCH --mem=4096M\n" in script and "--exclusive" not in script
     # The step is told the job's cores, as the #SBATCH line says (a power user's edit carries).
-    assert '--kill-on-bad-exit=1 \\\n        --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \\\n' in script
+    assert '"whole_nodes": false' in script
     lab.profile = lab.profile.model_copy(update={"cpus_per_node": 64, "memory_per_node_mb": None})
     lab.recipe.resources.gpus_per_node = 2
     request = node_request(lab)  # 2 of 4 GPUs
@@ -237,4 +237,4 @@ def test_a_job_asks_its_share_of_each_nodes_cores_and_memory():
     whole = resolve(REPO / "recipes" / "llama3-8b-lora-sft.yaml", "hyperpod")
     assert node_request(whole).exclusive
     script = render(whole, RunPlacement("r1", "/fsx/ft/runs/r1"), login_python="/usr/bin/python3")
-    assert "#SBATCH --exclusive\n#SBATCH --mem=0\n" in script and '--cpus-per-task="$SLURM_CPUS_ON_NODE"' in script
+    assert "#SBATCH --exclusive\n#SBATCH --mem=0\n" in script and '"whole_nodes": true' in script

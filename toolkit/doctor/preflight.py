@@ -29,7 +29,7 @@ exec "$python" -m toolkit.train.doctor "$2"
 # Beside a container: the job script's own steps run on the host, with the login node's install.
 BATCH_WRAPPER = r"""
 python=$1 node=$(hostname)
-if ! "$python" -c 'import toolkit.watch.supervise' >/dev/null 2>&1; then echo "FT-DOCTOR-MISSING $node batch"; fi
+if ! "$python" -c 'import toolkit.job.controller' >/dev/null 2>&1; then echo "FT-DOCTOR-MISSING $node batch"; fi
 echo "FT-DOCTOR-DONE $node 0"
 """
 

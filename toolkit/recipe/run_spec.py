@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pydantic import ConfigDict, Field, model_validator
 
+from toolkit.job.plan import StepPlan
 from toolkit.recipe.schema import Recipe, Strict, TrainingSpec
 
 
@@ -48,6 +49,7 @@ class Derived(Strict):
 class RunSpec(Strict):
     recipe: Recipe
     derived: Derived
+    step: StepPlan = StepPlan()
 
     @model_validator(mode="after")
     def derived_from_the_recipe(self) -> RunSpec:

@@ -260,6 +260,9 @@ class WatchdogSpec(Strict):
                                                                          "first step")] = 1800
     max_restarts: Annotated[int, Field(ge=0, le=100, description="Restarts inside the allocation before the "
                                                                  "job gives up")] = 5
+    max_requeues: Annotated[int, Field(ge=0, le=100, description="Requeues for lost nodes in a row without a new "
+                                                                 "checkpoint before the job gives up (a run that "
+                                                                 "goes on between losses is never given up on)")] = 3
 
 
 class WandbSpec(Strict):

@@ -18,8 +18,10 @@ import jinja2.bccache
 from toolkit import __version__
 from toolkit.cluster.profile import SBATCH_UNSAFE
 from toolkit.errors import FtError
+from toolkit.job.plan import StepPlan
 from toolkit.paths import resource_dir
 from toolkit.recipe.resolve import ResolvedRecipe
+from toolkit.recipe.run_spec import RunSpec
 from toolkit.render.node_request import node_request
 from toolkit.runs import layout
 from toolkit.runs.layout import RUN_ID_PATTERN
@@ -73,12 +75,14 @@ def environment(resolved: ResolvedRecipe) -> list[tuple[str, str]]:
     return sorted(merged.items())
 
 
-def srun_options(resolved: ResolvedRecipe) -> str:
+def step_plan(resolved: ResolvedRecipe, login_python: str, whole_nodes: bool) -> StepPlan:
+    """The training step the job starts (toolkit/job/plan.py): the profile's interpreter and srun options."""
     options = list(resolved.profile.srun_extra_args)
     if resolved.profile.container_runtime == "pyxis" and resolved.profile.container_image:
         options += [f"--container-image={resolved.profile.container_image}",
                     f"--container-mounts={resolved.profile.shared_root}", "--container-workdir=/"]
-    return "".join(f" {shell_quote(option)}" for option in options)
+    return StepPlan(python=resolved.profile.training_python(login_python), srun_options=options,
+                    whole_nodes=whole_nodes)
 
 
 class PrivateBytecodeCache(jinja2.FileSystemBytecodeCache):
@@ -149,6 +153,9 @@ def render(resolved: ResolvedRecipe, placement: RunPlacement, mode: str = "train
         raise RenderError(f"run id {placement.run_id!r} is not typeable",
                           hint="use letters, digits, '.', '_' and '-'")
     key = placement.idempotency_key
+    node = node_request(resolved)
+    step = step_plan(resolved, login_python or sys.executable, node.exclusive)
+    spec = RunSpec(recipe=resolved.recipe, derived=resolved.derived, step=step)
     context = {
         "version": __version__,
         "recipe": resolved.recipe,
@@ -162,17 +169,15 @@ def render(resolved: ResolvedRecipe, placement: RunPlacement, mode: str = "train
         "gres_gpus": resolved.recipe.resources.gpus_per_node,
         "gpus_as_gres": slurm_version is not None and slurm_version < GPUS_PER_NODE_SINCE,
         "workers_per_node": resolved.derived.workers_per_node,
-        "node": node_request(resolved),
+        "node": node,
         "world_size": resolved.derived.world_size,
         "pre_timeout_seconds": resolved.recipe.checkpoint.before_time_limit,
         "comment": job_comment.compose(placement.run_id, key),
         "modules": resolved.profile.modules,
         "environment": environment(resolved),
         "secret_names": SECRET_NAMES,
-        "srun_options": srun_options(resolved),
-        "python": resolved.profile.training_python(login_python or sys.executable),
         "batch_python": resolved.profile.batch_python(login_python or sys.executable),
         "files": layout.TEMPLATE_NAMES,
-        "spec_json": json.dumps(resolved.spec.model_dump(mode="json"), indent=2, sort_keys=True),
+        "spec_json": json.dumps(spec.model_dump(mode="json"), indent=2, sort_keys=True),
     }
     return template_environment().get_template("job.sbatch.j2").render(context)

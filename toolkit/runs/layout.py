@@ -197,6 +197,16 @@ class RunLayout:
         return self.root / CHECKPOINT_STATUS
 
     @property
+    def launch_marks(self) -> Path:
+        """A folder per start of the step: its launchers' marks and srun's messages (toolkit/job)."""
+        return self.root / LAUNCH_MARKS
+
+    @property
+    def launch_failures(self) -> Path:
+        """Each loss of nodes under the run, with its checkpoint step (toolkit/job/losses.py)."""
+        return self.root / LAUNCH_FAILURES
+
+    @property
     def output(self) -> Path:
         return self.root / OUTPUT
 

@@ -90,6 +90,10 @@ class SlurmClient(Protocol):
 
     def unresponsive(self, nodes: list[str]) -> list[str]: ...
 
+    def slurmd_timeout(self) -> int | None: ...
+
+    def requeues_preempted(self, job_id: str, partition: str) -> bool: ...
+
 
 def _parse_version(text: str) -> tuple[int, int, int]:
     match = re.search(r"(\d+)\.(\d+)\.(\d+)", text)
@@ -184,6 +188,31 @@ class CliSlurmClient:
     def unresponsive(self, nodes: list[str]) -> list[str]:
         """The nodes among these whose slurmd does not answer the controller (or that are down)."""
         return slurm_nodes.unresponsive(nodes, commands.run, timeout=self.timeout)
+
+    def slurmd_timeout(self) -> int | None:
+        """How long the controller waits for a silent slurmd before marking its node DOWN (seconds;
+        None where `scontrol show config` does not say)."""
+        try:
+            value = slurm_nodes.config(commands.run, timeout=self.timeout).get("SlurmdTimeout", "")
+        except SlurmCommandError:
+            return None
+        match = re.fullmatch(r"(\d+)\s*(?:sec)?", value)
+        return int(match[1]) if match else None
+
+    def requeues_preempted(self, job_id: str, partition: str) -> bool:
+        """Whether Slurm requeues this job itself as it ends: preempted (its PreemptTime set) in a
+        partition whose PreemptMode requeues, on Slurm 24.05 or newer ("assume that a job signalled
+        for GraceTime was preempted"); before 24.05 such a job just completes."""
+        try:
+            if self.version() < (24, 5, 0):
+                return False
+            job = commands.run(["scontrol", "show", "job", "--oneliner", job_id], timeout=self.timeout)
+            preempted = slurm_nodes.key_values(job.stdout).get("PreemptTime", "None")
+            modes = slurm_nodes.partitions(commands.run)
+        except SlurmCommandError:
+            return False
+        mode = modes[partition].preempt_mode if partition in modes else "OFF"
+        return preempted[:1].isdigit() and "REQUEUE" in mode.upper().split(",")
 
     # -- sources -----------------------------------------------------------------------------
     def _from_squeue(self, job_id: str) -> JobInfo | None:

@@ -79,6 +79,7 @@ class Partition:
     total_nodes: int = 0
     allow_accounts: str = "ALL"
     allow_qos: str = "ALL"
+    preempt_mode: str = "OFF"  # REQUEUE, CANCEL, SUSPEND, GANG..., comma-separated
 
     def admits(self, account: str | None, qos: str | None) -> str | None:
         """Why this partition refuses the account or QOS, or None."""
@@ -110,7 +111,8 @@ def parse_partitions(text: str) -> dict[str, Partition]:
         partitions[name] = Partition(
             name=name, default=values.get("Default") == "YES", state=values.get("State", "UP"),
             max_nodes=int(max_nodes) if max_nodes.isdigit() else None, total_nodes=int(total) if total.isdigit() else 0,
-            allow_accounts=values.get("AllowAccounts", "ALL"), allow_qos=values.get("AllowQos", "ALL"))
+            allow_accounts=values.get("AllowAccounts", "ALL"), allow_qos=values.get("AllowQos", "ALL"),
+            preempt_mode=values.get("PreemptMode", "OFF"))
     return partitions
 
 

@@ -1,4 +1,4 @@
-"""Steps ft starts itself outside a job script: srun's options, spelled in one place."""
+"""Steps ft starts: srun's options, spelled in one place."""
 
 from __future__ import annotations
 
@@ -35,6 +35,14 @@ class ShortStep:
             argv += [f"--container-image={self.container_image}", "--container-workdir=/",
                      *([f"--container-mounts={self.container_mounts}"] if self.container_mounts else [])]
         return [*argv, *command]
+
+
+def training_step(nodes: int, cpus_per_task: str, output: str, options: list[str], command: list[str]) -> list[str]:
+    """A job's training step: one task (the node's launcher) on each of `nodes` nodes, told its
+    cores (whether srun inherits the job's --cpus-per-task changed in 22.05 and again in 23.11);
+    --kill-on-bad-exit: one failed node stops them all at once."""
+    return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+            f"--cpus-per-task={cpus_per_task}", f"--output={output}", *options, *command]
 
 
 # The options that shape a step (where it runs, how many tasks, its output): what a step made from

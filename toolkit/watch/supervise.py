@@ -7,21 +7,20 @@ node's heartbeat, and decides what a failure costs:
   the step is stopped at once (not when Slurm notices, after SlurmdTimeout), a silent node is
   marked DOWN with a reason naming the run,
   and training starts again from the latest checkpoint on the survivors and a spare node, in the
-  same job. With no spare left, it exits exits.NODES_LOST naming the lost nodes, and the job script
-  requeues the job without them;
-- the batch host itself lost: the job script and this supervisor die with it; the launchers on
+  same job. With no spare left, it returns exits.NODES_LOST (the nodes in `excluded`), and the job
+  requeues itself without them;
+- the batch host itself lost: the job and this supervisor die with it; the launchers on
   the other nodes notice that their heartbeats go unanswered and tell Slurm (toolkit/launch/node.py);
 - a dead or hung rank, or a failed collective, on nodes that still answer: the same nodes start
   again from the latest checkpoint, after a short backoff, at most `watchdog.max_restarts` times;
-- a user error (4) or running out of memory (5) goes back to the job script unchanged: restarting
-  would fail the same way (the script retries out of memory once, with a smaller micro batch);
+- a user error (4) or running out of memory (5) goes back to the job unchanged: restarting
+  would fail the same way (the job retries out of memory once, with a smaller micro batch);
 - under HyperPod's `srun --auto-resume=1`, HyperPod replaces a faulty node and restarts the step
   itself: the supervisor then only watches and records, so that no fault is restarted twice.
 
-The codes are those of toolkit/watch/exits.py.
-Every decision is a line in the batch log and in <run dir>/events.jsonl.
-
-    python -m toolkit.watch.supervise -- srun [options] python -m toolkit.launch
+The codes are those of toolkit/watch/exits.py; the job (toolkit/job/controller.py) runs the
+supervisor and acts on what it returns. Every decision is a line in the batch log and in
+<run dir>/events.jsonl.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -41,7 +39,7 @@ from pathlib import Path
 from toolkit.errors import FtError
 from toolkit.launch.rendezvous import job_secret
 from toolkit.receipts import entries as receipt_entries
-from toolkit.runs.layout import RunLayout, RunSpecError
+from toolkit.runs.layout import RunLayout
 from toolkit.runs.timeline import record
 from toolkit.slurm import steps
 from toolkit.slurm.client import CliSlurmClient, SlurmClient
@@ -51,7 +49,7 @@ from toolkit.watch.requeue import lift_hold_soon
 
 SILENT_AT_END_S = 3.0  # a node quiet this long before srun ended was lost, whatever srun says
 STOP_GRACE_S = 5.0
-SRUN_ERRORS = "srun.err"  # in FT_LAUNCH_MARKS: srun's messages (the job script's redirect)
+SRUN_ERRORS = "srun.err"  # in FT_LAUNCH_MARKS: srun's messages
 LAUNCH_FAILED = b"Application launch failed"  # srun's words for a step that did not launch everywhere
 LOST_STOP_GRACE_S = 1.0  # a step with a lost node: nothing worth waiting for (no checkpoint can be taken)
 DRAIN_CHECK_S = 5.0  # how often the step's nodes are checked for a drain
@@ -145,7 +143,7 @@ class Supervisor:
         self.lifting = False  # the helper that lifts Slurm's requeue hold is started (once)
         self.stopping = threading.Event()  # the time limit is near, or the job is ending: no restart
         self.for_good = False  # the run ended here for good (done, a user error, restarts spent)
-        self.handing_back = False  # the job script requeues the job (lost nodes) or fails it at once
+        self.handing_back = False  # the job requeues itself (lost nodes) or fails at once
         self.err_seen = 0  # how much of srun.err (FT_LAUNCH_MARKS) earlier starts wrote
         self.auto_resume = any(arg.startswith("--auto-resume") for arg in command)  # HyperPod restarts itself
         self.marks = Path(os.environ["FT_LAUNCH_MARKS"]) if os.environ.get("FT_LAUNCH_MARKS") else None
@@ -176,7 +174,10 @@ class Supervisor:
         record(self.run_dir, "start", start=start, nodes=nodes, spares=self.spares())
         receipt_entries.attempt(self.run_dir, start, nodes, self.spares())
         self.err_seen = self.srun_errors_size()
-        return subprocess.Popen(argv, env=env)
+        if self.marks is None:
+            return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+        with open(self.marks / SRUN_ERRORS, "ab") as errors:  # read by launch_failed, and the job's lost_nodes
+            return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stderr=errors)
 
     def srun_errors_size(self) -> int:
         try:
@@ -186,7 +187,7 @@ class Supervisor:
 
     def launch_failed(self) -> bool:
         """srun said this start could not launch on some node. It then only waits for the rest of
-        the step (KillWait + 2 s; the lost node never answers) before exiting: the job script,
+        the step (KillWait + 2 s; the lost node never answers) before exiting: the job,
         which judges the failure, need not wait with it while Slurm may find a lost node itself."""
         if self.marks is None or self.srun_errors_size() <= self.err_seen:
             return False
@@ -249,7 +250,7 @@ class Supervisor:
         """srun is done. After a failure, a node already quiet for SILENT_AT_END_S when srun ended,
         without a goodbye, was lost. Not one that srun's own stop killed as it ended (it had no time
         to say goodbye: its silence starts with the end), nor any node of a step that did not
-        launch everywhere (the job script judges those, from srun's messages). A node lost only
+        launch everywhere (the job judges those, from srun's messages). A node lost only
         just before the end is found at the next start, which cannot launch on it. A success, a
         user error or a requested stop is what it says, whatever the heartbeats."""
         if code:  # the code of whichever rank or launcher ended the step, not srun's (exits.py)
@@ -325,7 +326,7 @@ class Supervisor:
     # -- decisions --------------------------------------------------------------------------------
     def usable(self) -> list[str]:
         """The allocation's nodes left, in the order they are taken: the batch host last. Its loss
-        costs a requeue whatever the spares (the job script dies with it), so it waits as the last
+        costs a requeue whatever the spares (the job dies with it), so it waits as the last
         spare while there are others: a node that trains is the likelier to fail (GPU faults come
         under load), and a lost node that trained is replaced inside the job."""
         left = [n for n in self.allocation if n not in self.excluded]
@@ -364,7 +365,7 @@ class Supervisor:
         return RunLayout(self.run_dir).done.exists()
 
     def end(self, code: int, **why) -> int:
-        """The supervisor's own verdict: what the job script reads (an older rank's exit-status
+        """The supervisor's own verdict: what the job reads (an older rank's exit-status
         must not override it)."""
         exits.clear_exit_status(self.run_dir)
         if code:
@@ -447,7 +448,7 @@ class Supervisor:
             self.stop_warm(wait=not self.handing_back)
             if exporter is not None:
                 # One last scrape at the run's end only (finished, or failed for good): never while
-                # the job script has more to do at once (requeue without a node lost at launch before
+                # the job has more to do at once (requeue without a node lost at launch before
                 # Slurm notices it, retry out of memory) nor while Slurm is stopping the job (its
                 # grace is the checkpoint's).
                 last = self.for_good and not self.stopping.is_set()
@@ -492,11 +493,11 @@ class Supervisor:
             if outcome.lost and not self.stopping.is_set():
                 self.exclude(outcome.lost)
             elif outcome.code == 0 or self.stopping.is_set() or self.auto_resume or outcome.code in exits.NOT_RESTARTED:
-                # Out of memory is the job script's to retry, a stop the next job's to resume.
+                # Out of memory is the job's to retry, a stop the next job's to resume.
                 self.for_good = outcome.code in (exits.DONE, exits.USER_ERROR) and not self.stopping.is_set()
                 self.record_end(outcome.code)
                 return outcome.code if outcome.code is not None else 1
-            elif self.unstarted(nodes):  # a node lost at step launch, or refused it: the job script's to judge
+            elif self.unstarted(nodes):  # a node lost at step launch, or refused it: the job's to judge
                 self.handing_back = True
                 self.record_end(outcome.code, why="the step did not start on every node",
                        nodes=self.unstarted(nodes))
@@ -518,43 +519,25 @@ class Supervisor:
 
     def requeue_soon(self) -> None:
         """No spare left: the job is about to be requeued (by Slurm, for a node marked DOWN, or by
-        the job script), and everything of it killed. A helper outlives that to lift Slurm's
+        the job itself), and everything of it killed. A helper outlives that to lift Slurm's
         requeue hold (toolkit/watch/requeue.py): the job may start again at once, elsewhere."""
         if not self.lifting and not self.auto_resume:
             self.lift_hold(self.job_id)
             self.lifting = True
 
     def hand_back_lost(self) -> int:
-        """No spare left: the job script requeues the job without the lost nodes."""
+        """No spare left: the job requeues itself without the lost nodes (`excluded`)."""
         self.requeue_soon()
-        marks = os.environ.get("FT_LAUNCH_MARKS")
-        if marks:
-            Path(marks, "lost-nodes").write_text("\n".join(self.excluded) + "\n")
         log(f"no spare node left for {', '.join(self.excluded)}: the job requeues without them")
         self.handing_back = True
         return self.end(exits.NODES_LOST, why="no spare node left", lost=self.excluded)
+
+    def close(self) -> None:
+        """Its heartbeat socket closed: a retry out of memory starts another supervisor."""
+        self.receiver.close()
 
     def on_signal(self, signum, _frame) -> None:
         """USR2 (time limit near) and TERM (the job ends): passed on to the step; no restart after."""
         self.stopping.set()
         if self.process and self.process.poll() is None:
             self.process.send_signal(signum)
-
-
-def main(argv: list[str]) -> int:
-    if "--" not in argv or argv.index("--") == len(argv) - 1:
-        print("usage: python -m toolkit.watch.supervise -- srun [options] COMMAND", file=sys.stderr)
-        return 2
-    try:
-        supervisor = Supervisor(argv[argv.index("--") + 1:], Path(os.environ["FT_RUN_DIR"]))
-    except RunSpecError as exc:  # the job script reads exit-status: a damaged spec is not worth a requeue
-        print(f"ft-watch: {exc}", file=sys.stderr, flush=True)
-        exits.leave_exit_status(Path(os.environ["FT_RUN_DIR"]), exits.USER_ERROR)
-        return exits.USER_ERROR
-    signal.signal(signal.SIGUSR2, supervisor.on_signal)
-    signal.signal(signal.SIGTERM, supervisor.on_signal)
-    return supervisor.run()
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,12 @@
+"""The job on its batch host: one typed program from the job script's last line to the job's end.
+
+The job script only says what the job is (its #SBATCH lines, the run spec, the environment) and
+starts `python -m toolkit.job`; everything it then decides lives here, each decision with one owner:
+
+- plan.py        the training step the job starts (travels in the run spec, typed);
+- losses.py      which nodes a failed step launch lost, and how many such losses in a row the run
+                 may take without progress;
+- controller.py  the job itself: the step (under the watchdog, toolkit/watch/supervise.py), the
+                 time limit and Slurm's signals, and what each ending costs (toolkit/watch/exits.py):
+                 a requeue without lost nodes, one retry out of memory, a stop.
+"""
