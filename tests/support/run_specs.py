@@ -6,17 +6,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from toolkit.job.plan import SitePlan
 from toolkit.recipe.run_spec import Derived, RunSpec
 from toolkit.recipe.schema import Recipe
 from toolkit.runs.layout import RunLayout
 
 
-def run_spec(nodes: int = 1, watchdog: dict | None = None, env: dict | None = None) -> RunSpec:
+def run_spec(nodes: int = 1, watchdog: dict | None = None, env: dict | None = None,
+             site: dict | None = None) -> RunSpec:
+    """A spec of `nodes` CPU nodes (gloo), the cluster's values `site` (toolkit/job/plan.py's SitePlan)."""
     recipe = Recipe.model_validate({"name": "unit", "model": {"base": "tiny-llama"}, "data": {"train": "/dev/null"},
                                     "resources": {"nodes": nodes}, "training": {"global_batch": nodes},
                                     "watchdog": watchdog or {}, "env": env or {}})
     return RunSpec(recipe=recipe, derived=Derived(workers_per_node=1, world_size=nodes, gradient_accumulation=1,
-                                                  out_of_memory_micro_batch=1, partition="standard"))
+                                                  out_of_memory_micro_batch=1, partition="standard"),
+                   site=SitePlan.model_validate({"distributed_backend": "gloo", **(site or {})}))
 
 
 def write_run_spec(run_dir: Path, spec: RunSpec) -> None:

@@ -19,6 +19,7 @@ from toolkit.job.controller import JobController, requeue_backoff
 from toolkit.job.plan import StepPlan
 from toolkit.recipe.resolve import resolve
 from toolkit.render.sbatch import RunPlacement, render
+from toolkit.slurm.client import JobInfo
 
 REPO = Path(__file__).resolve().parents[2]
 COMMUNICATION = "Communication connection failure"
@@ -54,7 +55,8 @@ class FakeSlurm:
         self.preempted_requeue = requeues_preempted
         self.downed: list[tuple[str, str]] = []
         self.requeued: list[str] = []
-        self.lifted: list[tuple[str, int]] = []
+        self.lifted: list[tuple[str, int]] = []  # each new begin time asked for: (job, seconds from now)
+        self.noticed = False  # Slurm found a node DOWN itself
 
     def hostnames(self, nodelist: str) -> list[str]:
         return self.nodes
@@ -63,7 +65,11 @@ class FakeSlurm:
         if not self.operator:  # Slurm notices the node itself a while later, and requeues the job
             import threading
 
-            threading.Timer(0.5, self.end_job).start()
+            def notice() -> None:
+                self.noticed = True
+                self.end_job()
+
+            threading.Timer(0.5, notice).start()
             return False
         self.downed.append((node, reason))
         self.end_job()
@@ -84,9 +90,18 @@ class FakeSlurm:
     def requeues_preempted(self, job_id: str, partition: str) -> bool:
         return self.preempted_requeue
 
-    def lift_hold(self, job_id: str, after: int = 1) -> None:
-        """The requeue helper's stand-in (toolkit/watch/requeue.py, which test_requeue.py tests)."""
-        self.lifted.append((job_id, after))
+    def job_brief(self, job_id: str) -> JobInfo:
+        """Requeued (once asked to, or a node marked DOWN), completing until the job's processes end."""
+        requeued = bool(self.requeued or self.downed or self.noticed)
+        return JobInfo(job_id, "COMPLETING" if requeued else "RUNNING", "scontrol", restarts=int(requeued))
+
+    def start_after(self, job_id: str, seconds: int) -> bool:
+        if not self.lifted or self.lifted[-1] != (job_id, seconds):
+            self.lifted.append((job_id, seconds))
+        return True
+
+    def job_pids_here(self, job_id: str) -> list[int]:
+        return [os.getpid()]  # the job's last process here: the batch script
 
     def unresponsive(self, nodes: list[str]) -> list[str]:
         return []
@@ -127,7 +142,7 @@ def job(tmp_path, monkeypatch):
         for name, value in srun_env.items():
             monkeypatch.setenv(name, value)
         slurm = slurm or FakeSlurm(["node1", "node2", "node3"])
-        controller = JobController(run_dir, slurm, lift_hold=slurm.lift_hold)
+        controller = JobController(run_dir, slurm)
         previous = {signum: signal.signal(signum, controller.on_signal) for signum in (signal.SIGTERM, signal.SIGUSR2)}
         try:
             if during:
@@ -150,7 +165,10 @@ def test_an_unreachable_node_is_marked_down_with_the_run_named(job, capfd):
     code, slurm, run_dir = job(STARTED="node1 node3", UNREACHED="node2")
     assert slurm.downed == [("node2", "ft: lost before job 7 (run r1) started on it")]
     assert (run_dir / "launch-failures").read_text() == "7 none node2\n"  # no checkpoint yet
-    assert slurm.lifted == [("7", 1)]  # at once: the first loss in a row
+    # The requeue may start at once (the first loss in a row): this process, the job's last here,
+    # kept its begin time ahead, then left it a second further ahead as it ended.
+    assert slurm.lifted == [("7", 1), ("7", 2)]
+    assert "requeue_hold_lifted" in (run_dir / "events.jsonl").read_text()
     assert code == 143  # ended by Slurm's requeue (TERM), as it marked the node DOWN
     log = batch_log(capfd)
     assert "node node2 was lost before the step started on it: marking it down" in log
@@ -180,7 +198,7 @@ def test_without_operator_rights_the_job_waits_for_slurm_to_notice(job, capfd, m
     monkeypatch.setattr("toolkit.job.controller.POLL_S", 0.05)
     slurm = FakeSlurm(["node1", "node2", "node3"], operator=False)
     code, _, _ = job(slurm=slurm, STARTED="node1 node3", UNREACHED="node2")
-    assert code == 143 and slurm.lifted == [("7", 1)]
+    assert code == 143 and slurm.lifted == [("7", 1), ("7", 2)]
     assert "needs Slurm operator rights: waiting up to 90 s" in batch_log(capfd)
 
 
@@ -191,7 +209,7 @@ def earlier_losses(run_dir: Path, count: int, step: int = 40, checkpoint: int = 
 
 def test_a_node_lost_again_is_requeued_after_a_backoff(job):
     code, slurm, _ = job(during=lambda c: earlier_losses(c.layout.root, 2), STARTED="node1 node3", UNREACHED="node2")
-    assert slurm.lifted == [("7", 60)] and slurm.downed[0][0] == "node2"
+    assert slurm.lifted == [("7", 60), ("7", 61)] and slurm.downed[0][0] == "node2"
 
 
 def test_requeues_stop_after_the_runs_budget(job, capfd):
@@ -203,7 +221,7 @@ def test_requeues_stop_after_the_runs_budget(job, capfd):
 def test_the_budget_is_the_recipes(job):
     code, slurm, _ = job(watchdog={"max_requeues": 5}, during=lambda c: earlier_losses(c.layout.root, 3),
                          STARTED="node1 node3", UNREACHED="node2")
-    assert slurm.lifted == [("7", 90)] and code == 143
+    assert slurm.lifted == [("7", 90), ("7", 91)] and code == 143
 
 
 def test_losses_with_a_new_checkpoint_between_count_afresh(job):
@@ -214,7 +232,7 @@ def test_losses_with_a_new_checkpoint_between_count_afresh(job):
         (controller.layout.root / "checkpoints.json").write_text('{"shared": {"step": 60, "at": 1}}')
 
     _, slurm, run_dir = job(during=five_losses_each_after_a_checkpoint, STARTED="node1 node3", UNREACHED="node2")
-    assert slurm.lifted == [("7", 1)]  # the first in a row: no backoff
+    assert slurm.lifted == [("7", 1), ("7", 2)]  # the first in a row: no backoff
     assert (run_dir / "launch-failures").read_text().splitlines()[-1] == "7 60 node2"
 
 
@@ -231,7 +249,7 @@ def test_the_time_limit_near_checkpoints_then_requeues_at_once(job, capfd):
     code, _, _ = job(slurm=slurm, during=time_limit_near(1.0), UNTIL_SIGNAL="1")
     log = batch_log(capfd)
     assert "time limit near: checkpointing, then requeueing job 7" in log
-    assert code == 0 and slurm.requeued == ["7"] and slurm.lifted == [("7", 1)]
+    assert code == 0 and slurm.requeued == ["7"] and slurm.lifted == [("7", 1), ("7", 2)]
 
 
 def test_the_time_limit_signal_after_the_run_finished_requeues_nothing(job, capfd):
@@ -271,8 +289,8 @@ def test_a_stop_on_request_is_requeued_unless_slurm_requeues_the_preempted_job(j
 
 
 def test_nodes_lost_in_training_requeue_the_job_without_marking_them(job, capfd):
-    """No spare left: the watchdog marked silent nodes DOWN (or left drained ones to their reason)
-    and lifts the hold itself; the job requeues itself, as Slurm requeues nothing under --no-kill."""
+    """No spare left: the watchdog marked silent nodes DOWN (or left drained ones to their reason);
+    the job requeues itself, as Slurm requeues nothing under --no-kill, and lifts the hold."""
     from toolkit.watch import exits
 
     slurm = FakeSlurm(["node1", "node2", "node3"])
@@ -297,7 +315,7 @@ def test_nodes_lost_in_training_requeue_the_job_without_marking_them(job, capfd)
         controller.supervised = lambda argv: Watchdog().run()
 
     code, _, _ = job(slurm=slurm, during=lost_in_training)
-    assert code == 143 and slurm.requeued == ["7"] and slurm.downed == [] and slurm.lifted == []
+    assert code == 143 and slurm.requeued == ["7"] and slurm.downed == [] and slurm.lifted == [("7", 1), ("7", 2)]
     assert "is requeued without node3 (lost nodes, requeue 1 of at most 3)" in batch_log(capfd)
 
 

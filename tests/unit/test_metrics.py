@@ -25,7 +25,7 @@ NAME_RULE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 def run_dir(tmp_path) -> Path:
     folder = tmp_path / "runs" / "r1"
     folder.mkdir(parents=True)
-    write_run_spec(folder, run_spec(nodes=2))
+    write_run_spec(folder, run_spec(nodes=2, site={"cluster": "lab"}))
     now = time.time()
     lines = [{"step": step, "time": now - 40 + step, "loss": 3.0 - step / 100, "lr": 1e-4, "tokens": 1000 * step}
              for step in range(1, 41)]
@@ -53,7 +53,6 @@ def value(text: str, name: str, **labels: str) -> float:
 
 
 def test_a_scrape_reads_the_runs_files_in_prometheus_format(run_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("FT_CLUSTER", "lab")
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     targets = tmp_path / "targets"
     targets.mkdir()

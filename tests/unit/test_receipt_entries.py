@@ -55,12 +55,10 @@ def test_a_signer_that_does_not_answer_is_asked_again_then_the_receipt_stays_uns
         return original(socket_path, timeout=1)
 
     monkeypatch.setattr(receipt, "seal", seal)
-    monkeypatch.setenv(entries.SIGNER_ENV, str(tmp_path / "none.sock"))
-    entries.sealed(receipt, pause=0)
+    entries.sealed(receipt, str(tmp_path / "none.sock"), pause=0)
     assert len(asked) == entries.SEAL_TRIES and not receipt.layout.receipt_signature.exists()
     assert "the receipt was not signed" in capsys.readouterr().err
-    monkeypatch.delenv(entries.SIGNER_ENV)
-    entries.sealed(receipt, pause=0)  # no signer on this cluster: nothing asked, nothing said
+    entries.sealed(receipt, "", pause=0)  # no signer on this cluster: nothing asked, nothing said
     assert len(asked) == entries.SEAL_TRIES and capsys.readouterr().err == ""
 
 

@@ -26,7 +26,7 @@ from toolkit.watch import exits
 from toolkit.watch.supervise import warm_command
 
 REPO = Path(__file__).resolve().parents[2]
-JOB = {"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0", "SLURMD_NODENAME": "node-a", "FT_DIST_BACKEND": "gloo"}
+JOB = {"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0", "SLURMD_NODENAME": "node-a"}
 
 
 def wait_for(probe, timeout: float, what: str):
@@ -41,7 +41,10 @@ def wait_for(probe, timeout: float, what: str):
 
 def start_template(folder: Path) -> dict:
     log = folder / "template.log"
-    env = dict(os.environ, TMPDIR=str(folder), **JOB)
+    run_dir = folder / "job-run"  # the job's run: its spec says the backend (gloo: CPU ranks)
+    run_dir.mkdir(mode=0o700)
+    write_run_spec(run_dir, run_spec(nodes=2))
+    env = dict(os.environ, TMPDIR=str(folder), FT_RUN_DIR=str(run_dir), **JOB)
     with open(log, "w") as output:
         process = subprocess.Popen([sys.executable, "-m", "toolkit.train.warm"], env=env, cwd=REPO, stdout=output,
                                    stderr=subprocess.STDOUT)
@@ -66,7 +69,7 @@ def launcher(template, monkeypatch, tmp_path):
     monkeypatch.setattr(warm, "_cold", False)
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
-    write_run_spec(run_dir, run_spec(nodes=2))
+    write_run_spec(run_dir, run_spec(nodes=2, site={"shared_root": str(run_dir.parent)}))
     locks = tmp_path / "extensions"
     locks.mkdir()
     return {"run_dir": run_dir, "extensions": locks, "log": tmp_path / "rank-1.log"}
@@ -74,7 +77,7 @@ def launcher(template, monkeypatch, tmp_path):
 
 def rank_env(launcher, **extra) -> dict[str, str]:
     return dict(os.environ, RANK="1", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="9",
-                FT_RUN_DIR=str(launcher["run_dir"]), FT_SHARED_ROOT=str(launcher["run_dir"].parent),
+                FT_RUN_DIR=str(launcher["run_dir"]),
                 TORCH_EXTENSIONS_DIR=str(launcher["extensions"]), **extra)
 
 

@@ -36,14 +36,17 @@ from typing import TypeVar
 from toolkit.errors import FtError
 from toolkit.job import losses
 from toolkit.runs.layout import RunLayout, RunSpecError
+from toolkit.runs.timeline import record
 from toolkit.slurm.client import CliSlurmClient, SlurmClient
-from toolkit.watch import exits
-from toolkit.watch.requeue import lift_hold_soon
+from toolkit.watch import exits, requeue
 from toolkit.watch.supervise import SRUN_ERRORS, Supervisor
 
 T = TypeVar("T")
 TERMINATED = 143  # 128 + SIGTERM: the job ended by Slurm (a preemption, a cancel, a requeue)
 POLL_S = 0.2
+# After this process leaves, the job completes (its steps' ends, the epilog) before its begin time
+# must have come: seconds that cost a second each, against Slurm's whole hold.
+LEAVING_MARGIN_S = 1
 
 
 def say(message: str) -> None:
@@ -57,11 +60,9 @@ def requeue_backoff(losses_in_a_row: int) -> int:
 
 
 class JobController:
-    def __init__(self, run_dir: Path, slurm: SlurmClient | None = None,
-                 lift_hold: Callable[..., object] = lift_hold_soon):
+    def __init__(self, run_dir: Path, slurm: SlurmClient | None = None):
         self.layout = RunLayout(run_dir)
         self.slurm = slurm or CliSlurmClient()
-        self.lift_hold = lift_hold
         self.job_id = os.environ["SLURM_JOB_ID"]
         self.restart = os.environ.get("SLURM_RESTART_COUNT", "0")
         self.run_id = os.environ.get("FT_RUN_ID", run_dir.name)
@@ -70,6 +71,7 @@ class JobController:
         self.supervisor: Supervisor | None = None
         self.process: subprocess.Popen | None = None
         self.passed_on = False  # the signal reached the running step
+        self.requeue_after: int | None = None  # a requeue is coming: its new start this long after the end here
 
     # -- the job -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -146,7 +148,7 @@ class JobController:
 
     def supervised(self, argv: list[str]) -> int:
         try:
-            self.supervisor = Supervisor(argv, self.layout.root, self.slurm, lift_hold=self.lift_hold)
+            self.supervisor = Supervisor(argv, self.layout.root, self.slurm, lift_hold=self.expect_requeue)
         except RunSpecError as exc:
             print(f"ft-watch: {exc}", file=sys.stderr, flush=True)
             return exits.USER_ERROR
@@ -189,13 +191,50 @@ class JobController:
 
     def after_signal(self) -> int:
         if self.signal == signal.SIGTERM:
+            self.lift_requeue_hold()
             return TERMINATED
         if self.layout.done.exists():  # the signal came as the run ended: nothing to go on with
             say(f"time limit near, but run {self.run_id} has finished: not requeueing")
             return exits.DONE
-        self.lift_hold(self.job_id, 1)  # the requeued job may start again at once, not after Slurm's hold
-        self.ask(lambda: self.slurm.requeue(self.job_id), False)
+        self.requeue_itself()
         return exits.DONE
+
+    # -- the requeue ---------------------------------------------------------------------------
+    def expect_requeue(self, _job_id: str = "", after: int = requeue.AFTER_S) -> None:
+        """A requeue is coming (asked for here, or by Slurm for a node this job marked DOWN): this
+        process lifts its hold before it ends (lift_requeue_hold)."""
+        self.requeue_after = after
+
+    def requeue_itself(self, after: int = requeue.AFTER_S) -> None:
+        self.expect_requeue(after=after)
+        self.ask(lambda: self.slurm.requeue(self.job_id), False)
+        self.lift_requeue_hold()
+
+    def lift_requeue_hold(self) -> None:
+        """Slurm holds a requeued job for its credential lifetime (cred_expire: 120 s by default)
+        unless its begin time is still ahead as it finishes completing (toolkit/watch/requeue.py). It
+        completes once its last process has ended, and this one, the batch script, ends last: it
+        stays (Slurm's TERM is handled, not fatal) and keeps the begin time ahead until it is the
+        job's last process on its node (`scontrol listpids`), then leaves. Inside the job, as no
+        helper can outlive it where Slurm tracks processes by cgroup (proctrack/cgroup ends every
+        process of the batch step as the script ends). Where the job's processes outlive Slurm's
+        KillWait, the KILL ends this one too, and the job waits out the hold: only seconds lost."""
+        if self.requeue_after is None:
+            return
+        after, self.requeue_after = self.requeue_after, None
+        me = os.getpid()
+
+        def last_here(_state: str) -> bool:
+            pids = self.ask(lambda: self.slurm.job_pids_here(self.job_id), None)
+            return pids is None or me not in pids or not set(pids) - {me}
+
+        restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+        lifted = requeue.lift_hold(self.slurm, self.job_id, after, starter_alive=lambda: False, may_leave=last_here,
+                                   restarts=int(restart) if restart.isdigit() else 0)
+        if lifted:
+            # The job completes once this process is gone; its begin time a margin further ahead.
+            self.ask(lambda: self.slurm.start_after(self.job_id, after + LEAVING_MARGIN_S), False)
+            record(self.layout.root, "requeue_hold_lifted", after=after)
 
     # -- lost nodes ----------------------------------------------------------------------------
     def lost_nodes(self, status: int) -> tuple[list[str], str]:
@@ -227,8 +266,8 @@ class JobController:
                 "not requeueing again. Check those nodes (sinfo -R), then resubmit.")
             return
         wait_s = (self.ask(self.slurm.slurmd_timeout, None) or 300) * 3 + 60
+        self.expect_requeue(after=requeue_backoff(failures))
         if when == "launch":
-            self.lift_hold(self.job_id, requeue_backoff(failures))
             for node in lost:
                 # Said first: Slurm may requeue the job, and end this process, as soon as the node is down.
                 say(f"node {node} was lost before the step started on it: marking it down")
@@ -241,6 +280,7 @@ class JobController:
         if when != "launch":  # refused only when Slurm is requeueing the job already (a node marked DOWN)
             self.ask(lambda: self.slurm.requeue(self.job_id), False)
         if self.wait(wait_s):
+            self.requeue_after = None
             say(f"Slurm did not requeue job {self.job_id} within {wait_s} s: giving up (check sinfo -R)")
 
     # -- the ending ----------------------------------------------------------------------------
@@ -258,7 +298,7 @@ class JobController:
                     "on from it")
             else:
                 say(f"the ranks stopped on request after a checkpoint: requeueing job {self.job_id} to go on from it")
-                self.ask(lambda: self.slurm.requeue(self.job_id), False)
+                self.requeue_itself()
             return exits.DONE
         elif status == exits.OUT_OF_MEMORY:
             say("out of memory again with a smaller micro batch: lower data.max_seq_len or training.micro_batch, "

@@ -28,7 +28,6 @@ from toolkit.receipts.chain import Digest, Receipt
 from toolkit.runs.layout import RunLayout
 from toolkit.watch import exits
 
-SIGNER_ENV = "FT_RECEIPT_SIGNER"
 EXIT_CLASSES = {exits.DONE: "done", exits.USER_ERROR: "user error", exits.OUT_OF_MEMORY: "out of memory",
                 exits.HUNG: "hung rank", exits.NODES_LOST: "nodes lost", exits.STOPPED: "stopped, checkpointed"}
 
@@ -95,14 +94,23 @@ def record(run_dir: Path, kind: str, body: dict, artifacts: dict | None, seal: b
         print(f"ft: the receipt's {kind} entry was not written: {exc.message}", file=sys.stderr, flush=True)
         return
     if seal:
-        sealed(receipt)
+        sealed(receipt, signer_of(run_dir))
 
 
 SEAL_TRIES = 4  # a signer busy or restarting is asked again, 1, 2 then 4 s later
 
 
-def sealed(receipt: Receipt, pause: float = 1.0) -> None:
-    socket = os.environ.get(SIGNER_ENV, "")
+def signer_of(run_dir: Path) -> str:
+    """The site's signer (its socket), as the run spec names it; '' where there is none."""
+    from toolkit.runs.layout import RunLayout, RunSpecError
+
+    try:
+        return RunLayout(run_dir).read_spec().site.receipt_signer
+    except RunSpecError:
+        return ""
+
+
+def sealed(receipt: Receipt, socket: str, pause: float = 1.0) -> None:
     if not socket:
         return  # no signer on this cluster: the receipt stays unsigned, and verify says so
     for attempt in range(SEAL_TRIES):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pydantic import ConfigDict, Field, model_validator
 
-from toolkit.job.plan import StepPlan
+from toolkit.job.plan import SitePlan, StepPlan
 from toolkit.recipe.schema import Recipe, Strict, TrainingSpec
 
 
@@ -49,6 +49,7 @@ class Derived(Strict):
 class RunSpec(Strict):
     recipe: Recipe
     derived: Derived
+    site: SitePlan = SitePlan()
     step: StepPlan = StepPlan()
 
     @model_validator(mode="after")

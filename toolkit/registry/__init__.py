@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 def register_run_adapter(shared_root: str, run_dir: Path, record: AdapterRecord, s3_prefix: str = "",
                          warn: Callable[[str], None] = print) -> Version:
     """The run's adapter (<run dir>/output/) as a draft version, mirrored under `s3_prefix` (in a job,
-    the cluster's: $FT_S3_PREFIX; the endpoint and credentials are the job's AWS_*). An upload that
+    the cluster's s3_prefix, from the run spec; the endpoint and credentials are the job's AWS_*). An upload that
     fails is said through `warn` and done by a later `ft adapters sync`; the version is registered.
     AdapterRefused (a full fine-tune's weights, no adapter_config.json) or RegistryError otherwise."""
     from toolkit.runs.layout import RunLayout

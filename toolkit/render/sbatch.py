@@ -18,7 +18,7 @@ import jinja2.bccache
 from toolkit import __version__
 from toolkit.cluster.profile import SBATCH_UNSAFE
 from toolkit.errors import FtError
-from toolkit.job.plan import StepPlan
+from toolkit.job.plan import SitePlan, StepPlan
 from toolkit.paths import resource_dir
 from toolkit.recipe.resolve import ResolvedRecipe
 from toolkit.recipe.run_spec import RunSpec
@@ -67,12 +67,18 @@ def sbatch_path(path: str) -> str:
 def environment(resolved: ResolvedRecipe) -> list[tuple[str, str]]:
     """Fabric variables from the profile, then the recipe's (which win)."""
     merged = dict(resolved.profile.nccl_env)
-    merged["FT_DIST_BACKEND"] = resolved.profile.distributed_backend
-    merged["FT_SHARED_ROOT"] = resolved.profile.shared_root
-    if resolved.profile.receipts:  # the site's receipt signer (toolkit/receipts/entries.py)
-        merged["FT_RECEIPT_SIGNER"] = str(resolved.profile.receipts.socket)
     merged.update(resolved.recipe.env)
     return sorted(merged.items())
+
+
+def site_plan(resolved: ResolvedRecipe) -> SitePlan:
+    """What the job takes from the cluster profile (toolkit/job/plan.py)."""
+    profile = resolved.profile
+    return SitePlan(cluster=profile.name, shared_root=profile.shared_root,
+                    distributed_backend=profile.distributed_backend, s3_prefix=profile.s3_prefix,
+                    s3_models=profile.s3_models,
+                    monitoring_targets=f"{profile.shared_root}/monitoring/targets" if profile.shared_root else "",
+                    receipt_signer=str(profile.receipts.socket) if profile.receipts else "")
 
 
 def step_plan(resolved: ResolvedRecipe, login_python: str, whole_nodes: bool) -> StepPlan:
@@ -155,7 +161,7 @@ def render(resolved: ResolvedRecipe, placement: RunPlacement, mode: str = "train
     key = placement.idempotency_key
     node = node_request(resolved)
     step = step_plan(resolved, login_python or sys.executable, node.exclusive)
-    spec = RunSpec(recipe=resolved.recipe, derived=resolved.derived, step=step)
+    spec = RunSpec(recipe=resolved.recipe, derived=resolved.derived, site=site_plan(resolved), step=step)
     context = {
         "version": __version__,
         "recipe": resolved.recipe,

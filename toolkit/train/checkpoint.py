@@ -210,12 +210,12 @@ class Checkpointer:
 
 def checkpointer_for(layout, spec, engine, dist, progress, log: Callable[[str], None],
                      before_file: Callable[[], None] = lambda: None) -> Checkpointer:
-    """A rank's checkpointer, from the run spec and the job's environment (FT_S3_PREFIX: the
-    cluster's s3_prefix; AWS_ENDPOINT_URL and credentials: the object store's)."""
+    """A rank's checkpointer, from the run spec (the recipe's mirror, or the cluster's s3_prefix) and
+    the job's environment (AWS_ENDPOINT_URL and credentials: the object store's)."""
     recipe = spec.recipe
     rank, world = dist.get_rank(), dist.get_world_size()
     shared = SharedTier(Path(recipe.checkpoint.staging or layout.checkpoints), recipe.checkpoint.keep_last)
-    url = mirror_url(recipe.checkpoint.s3_mirror, os.environ.get("FT_S3_PREFIX", ""),
+    url = mirror_url(recipe.checkpoint.s3_mirror, spec.site.s3_prefix,
                      os.environ.get("FT_RUN_ID") or layout.root.name)
     remote = RemoteTier(url, recipe.checkpoint.keep_last) if url else None
     board = StatusBoard(layout.checkpoint_status if rank == 0 else None, url)

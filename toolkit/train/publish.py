@@ -37,7 +37,8 @@ def register(layout: RunLayout, recipe: Recipe, evaluation: dict | None, log: Ca
     from toolkit.registry import promote, register_run_adapter
     from toolkit.registry.records import AdapterRecord
 
-    shared_root, s3_prefix = os.environ.get("FT_SHARED_ROOT", ""), os.environ.get("FT_S3_PREFIX", "")
+    site = layout.read_spec().site
+    shared_root, s3_prefix = site.shared_root_of(layout.root), site.s3_prefix
     warn = lambda message: log(f"registry: {message}")  # noqa: E731
     try:
         record = AdapterRecord(name=recipe.name, base_model=recipe.model.base, base_revision=recipe.model.revision,

@@ -470,9 +470,15 @@ def prctl(option: int, value: int) -> None:
 
 
 def main() -> int:
+    from toolkit.runs.layout import RunLayout, RunSpecError
     from toolkit.train.workers import runtime_env
 
-    wanted = runtime_env(dict(os.environ, PYTORCH_NVML_BASED_CUDA_CHECK="1"))  # asking for GPUs must not
+    try:
+        backend = RunLayout(Path(os.environ["FT_RUN_DIR"])).read_spec().site.distributed_backend
+    except (RunSpecError, KeyError) as exc:
+        log(f"no run spec to read ({exc}): no warm template (ranks start cold)")
+        return 0
+    wanted = runtime_env(dict(os.environ, PYTORCH_NVML_BASED_CUDA_CHECK="1"), backend)  # asking for GPUs must not
     if wanted != dict(os.environ):  # initialise CUDA; the rest is read as the process starts: again, with it
         os.execve(sys.executable, [sys.executable, "-m", "toolkit.train.warm"], wanted)
     path = socket_path()

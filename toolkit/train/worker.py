@@ -113,11 +113,11 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     from toolkit.train.tracking import Tracker, write_summary
 
     recipe = spec.recipe
-    backend = os.environ.get("FT_DIST_BACKEND", "nccl")
+    backend, site = spec.site.distributed_backend, spec.site
     # Every s3:// access of this rank (data, models, checkpoints): the job's AWS_ENDPOINT_URL (the
     # profile's), bounded timeouts.
     object_store.configure()
-    shared_root = os.environ.get("FT_SHARED_ROOT", str(layout.root.parent.parent))
+    shared_root = site.shared_root_of(layout.root)
     warn = lambda message: print(f"warning: {message}", flush=True)  # noqa: E731
     user_cache = cache_root(shared_root, layout.root, warn)
     compiled_ops.prepare(user_cache, warn)
@@ -136,7 +136,7 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     plan = batch_plan(recipe.training, world, faults.out_of_memory_retry)
     torch.manual_seed(recipe.training.seed)
     model_path = resolve_model(recipe.model.base, recipe.model.revision, shared_root, user_cache,
-                               os.environ.get("FT_S3_MODELS", ""), log)
+                               site.s3_models, log)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = trainable_model(model_path, recipe.method, recipe.training)
     objective = objective_for(recipe.objective)

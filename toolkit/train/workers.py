@@ -44,7 +44,7 @@ CPU_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_":
 HANG_KILL_DELAY_S = 2.0  # see supervise(): the other nodes read their ranks' stacks meanwhile
 
 
-def worker_env(node_rank: int, local_rank: int, per_node: int, nodes: int) -> dict[str, str]:
+def worker_env(node_rank: int, local_rank: int, per_node: int, nodes: int, backend: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update({
         "RANK": str(node_rank * per_node + local_rank),
@@ -53,20 +53,20 @@ def worker_env(node_rank: int, local_rank: int, per_node: int, nodes: int) -> di
         "LOCAL_WORLD_SIZE": str(per_node),
         "NODE_RANK": str(node_rank),
     })
-    return runtime_env(env)
+    return runtime_env(env, backend)
 
 
-def runtime_env(env: dict[str, str]) -> dict[str, str]:
+def runtime_env(env: dict[str, str], backend: str) -> dict[str, str]:
     """What a rank's process must have from its first instruction: glibc reads its malloc
     settings, and DeepSpeed picks its accelerator, as they load."""
-    if env.get("FT_DIST_BACKEND") == "gloo":
+    if backend == "gloo":
         env.setdefault("DS_ACCELERATOR", "cpu")
         for name, value in CPU_MALLOC.items():  # the site's own settings win
             env.setdefault(name, value)
     return env
 
 
-def start_workers(layout: RunLayout, node_rank: int, per_node: int, nodes: int
+def start_workers(layout: RunLayout, node_rank: int, per_node: int, nodes: int, backend: str
                   ) -> tuple[dict[int, subprocess.Popen | WarmWorker], dict[int, int]]:
     """The workers (forked from the node's warm template where the supervisor started one, else new
     processes), and the read end of each one's progress pipe."""
@@ -80,7 +80,7 @@ def start_workers(layout: RunLayout, node_rank: int, per_node: int, nodes: int
         + ", ".join(f"rank {node_rank * per_node + local}: {cores.format_cpu_list(mine)}"
                     for local, mine in enumerate(planned)))
     for local_rank in range(per_node):
-        env = worker_env(node_rank, local_rank, per_node, nodes)
+        env = worker_env(node_rank, local_rank, per_node, nodes, backend)
         env[cores.RANK_CORES_ENV] = cores.format_cpu_list(planned[local_rank])
         # Thread pools as wide as the rank's share, unless the site says otherwise (DeepSpeed's
         # --bind_cores_to_rank does the same; the default, every core of the node, oversubscribes).
@@ -139,7 +139,8 @@ def run_workers(run_dir: Path, node_rank: int, nodes: int, beat: Sender | None =
     host = socket.gethostname()
     layout.logs.mkdir(parents=True, exist_ok=True)
     watchdog = spec.recipe.watchdog
-    workers, pipes = start_workers(layout, node_rank, spec.derived.workers_per_node, nodes)
+    workers, pipes = start_workers(layout, node_rank, spec.derived.workers_per_node, nodes,
+                                   spec.site.distributed_backend)
     progress, lock = NodeProgress(list(workers), HangRule.of(watchdog)), threading.Lock()
     threading.Thread(target=read_progress, args=(pipes, progress, lock), name="ft-progress", daemon=True).start()
     if beat:

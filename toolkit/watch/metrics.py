@@ -267,7 +267,7 @@ def run_labels(run_dir: Path) -> dict[str, str]:
     from Slurm (toolkit/watch/run_targets.py): a label served here under those names would be renamed."""
     spec = RunLayout(run_dir).read_spec()
     return {"recipe": spec.recipe.name, "method": spec.recipe.method.kind, "tier": spec.recipe.resources.tier,
-            "cluster": os.environ.get("FT_CLUSTER", "")}
+            "cluster": spec.site.cluster}
 
 
 class ScrapeCounter:
@@ -335,8 +335,8 @@ def serve(app, listen: str):
 
 class RunExporter:
     """Serves a run's metrics on an ephemeral port of the batch host and announces it to Prometheus
-    through a targets file on the shared filesystem (FT_MONITORING_TARGETS, when the admins made
-    that folder), removed when the exporter stops."""
+    through a targets file on the shared filesystem (the run spec's site.monitoring_targets, when the
+    admins made that folder), removed when the exporter stops."""
 
     def __init__(self, run_dir: Path, heartbeats: Callable[[], dict[str, float]], host: str | None = None,
                  targets: str | None = None, listen: str = "0.0.0.0",
@@ -348,7 +348,7 @@ class RunExporter:
         self.collector = RunCollector(run_dir, self.labels, heartbeats, messages)
         self.registry.register(self.collector)
         self.scrapes = ScrapeCounter(make_wsgi_app(self.registry))
-        folder = targets if targets is not None else os.environ.get("FT_MONITORING_TARGETS", "")
+        folder = targets if targets is not None else RunLayout(run_dir).read_spec().site.monitoring_targets
         # Named for its run and job: the cluster exporter publishes it if Slurm runs that job for the
         # file's owner (toolkit/watch/run_targets.py). Outside a Slurm job nothing could vouch for it.
         job = os.environ.get("SLURM_JOB_ID", "")

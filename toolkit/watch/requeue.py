@@ -9,16 +9,21 @@ finishes completing (every process of it gone), and only where the job's begin t
 then; a begin time still ahead is kept. A requeued job is pending while it completes, so its
 owner may set that begin time (`scontrol update StartTime`).
 
-So a helper started just before the requeue, which ignores the TERM Slurm sends every process of
-the job: once the job is pending again (requeued by Slurm for a node marked DOWN, by the job
-script, or by the helper itself with --requeue), it keeps the job's begin time a little ahead
-(--after, 1 s) until the process that started it is gone and the job has completed: where Slurm
-tracks the helper as one of the job's processes (proctrack/cgroup), it leaves as the last of them
-on its node (`scontrol listpids`); where it does not (proctrack/linuxproc), it watches the job
-complete. The job completes, its begin time still ahead, and starts again at that time: no hold,
-and the old start's processes gone. Where something of the job on another node outlives that
-margin, or Slurm's KILL ends the helper first, the job waits out the hold as before: nothing is
-lost but the seconds.
+So whoever stays longest keeps the job's begin time a little ahead (`lift_hold`: --after, 1 s)
+once it is pending again, until the job's completion no longer waits on anything but itself, and
+leaves: the job completes, its begin time still ahead, and starts again at that time.
+
+- The job's own requeues (the time limit, nodes lost with no spare left): the batch script itself
+  stays, as the job's last process on its node (toolkit/job/controller.py). Inside the job: Slurm
+  ends every process of the batch step as the script ends where it tracks processes by cgroup
+  (proctrack/cgroup), so no helper could outlive it there.
+- A surviving node that requeues the job for its lost batch host (toolkit/launch/node.py): this
+  module as a helper process, which ignores the TERM Slurm sends every process of the job and
+  watches the job complete. It outlives its launcher where Slurm tracks processes by their parents
+  (proctrack/linuxproc) only.
+
+Where something of the job outlives the begin time, or Slurm's KILL ends the one that stays first,
+the job waits out the hold as before: nothing is lost but the seconds.
 
     python -m toolkit.watch.requeue JOB [--requeue] [--down NODE --reason TEXT] [--after S] [--starter PID]
 """

@@ -45,7 +45,6 @@ from toolkit.slurm import steps
 from toolkit.slurm.client import CliSlurmClient, SlurmClient
 from toolkit.watch import exits
 from toolkit.watch.heartbeat import Receiver
-from toolkit.watch.requeue import lift_hold_soon
 
 SILENT_AT_END_S = 3.0  # a node quiet this long before srun ended was lost, whatever srun says
 STOP_GRACE_S = 5.0
@@ -120,7 +119,7 @@ def reachable_address(node: str, peers: dict[str, str]) -> str:
 
 class Supervisor:
     def __init__(self, command: list[str], run_dir: Path, slurm: SlurmClient | None = None,
-                 lift_hold: Callable[[str], object] = lift_hold_soon):
+                 lift_hold: Callable[[str], object] = lambda job_id: None):
         self.command, self.run_dir, self.lift_hold = command, run_dir, lift_hold
         recipe = RunLayout(run_dir).read_spec().recipe
         self.watchdog = recipe.watchdog
@@ -519,8 +518,8 @@ class Supervisor:
 
     def requeue_soon(self) -> None:
         """No spare left: the job is about to be requeued (by Slurm, for a node marked DOWN, or by
-        the job itself), and everything of it killed. A helper outlives that to lift Slurm's
-        requeue hold (toolkit/watch/requeue.py): the job may start again at once, elsewhere."""
+        the job itself), and everything of it killed: the job lifts Slurm's requeue hold as it ends
+        (`lift_hold`: toolkit/job/controller.py's expect_requeue), so that it starts again at once."""
         if not self.lifting and not self.auto_resume:
             self.lift_hold(self.job_id)
             self.lifting = True
