@@ -53,6 +53,42 @@ def say(message: str) -> None:
     print(f"ft: {message}", flush=True)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process started by `pid`, and by those, read from /proc (parents first)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = Path(entry.path, "stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+    found, parents = [], [pid]
+    while parents:
+        for child in children.get(parents.pop(0), []):
+            found.append(child)
+            parents.append(child)
+    return found
+
+
+def end_descendants(wait_s: float = 2.0) -> None:
+    """KILL to every process this one started (srun's clients of the job's steps, the warm
+    templates'), and the children reaped: a requeued job completes only once all of them are gone,
+    and a client of a step that spanned a lost node never ends by itself (seen on the lab)."""
+    mine = descendants(os.getpid())
+    for pid in mine:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:  # none left to reap
+            return
+        if pid == 0:
+            time.sleep(0.02)
+
+
 def requeue_backoff(losses_in_a_row: int) -> int:
     """Seconds from the requeued job's end to its new start: at once for a first loss, then 30 s
     more for each loss in a row (a cluster losing node after node is given time)."""
@@ -222,6 +258,7 @@ class JobController:
         if self.requeue_after is None:
             return
         after, self.requeue_after = self.requeue_after, None
+        end_descendants()
         me = os.getpid()
 
         def last_here(_state: str) -> bool:
