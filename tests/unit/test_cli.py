@@ -201,3 +201,17 @@ def test_a_script_that_cannot_be_written_is_an_error_and_leaves_no_run_folder(tm
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert f"cannot write {target}" in result.stderr and "-o ./job.sbatch" in result.stderr
     assert not (tmp_path / "unwritten").exists()
+
+
+def test_status_and_logs_without_a_run_read_the_newest_one(tmp_path):
+    """What a newcomer types right after `ft submit`: the newest run, said so on stderr (stdout stays
+    the run's: --json parses)."""
+    run_of_job_7(tmp_path)
+    (tmp_path / "r1" / "logs" / "slurm-7.out").write_text("ft: job 7\n")
+    logs = ft("logs", "--json", env={"FT_RUNS_DIR": str(tmp_path)})
+    assert logs.returncode == 0, logs.stderr
+    assert json.loads(logs.stdout)["text"] == "ft: job 7\n" and "the newest run" in logs.stderr
+    empty = tmp_path / "none"
+    empty.mkdir()
+    nothing = ft("status", env={"FT_RUNS_DIR": str(empty)})
+    assert nothing.returncode != 0 and "no runs in" in nothing.stderr and "ft submit" in nothing.stderr

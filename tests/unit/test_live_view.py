@@ -56,9 +56,13 @@ def test_the_view_follows_through_a_requeue_and_ends_with_the_job(tmp_path, monk
     states = iter(["RUNNING", "PENDING", "RUNNING", "COMPLETED"])
     monkeypatch.setattr(live.time, "sleep", lambda seconds: None)
     asked = []
-    final = live.watch(lambda: status(tmp_path, next(states)), 1.0, Console(file=io.StringIO()),
+    piped = io.StringIO()
+    console = Console(file=piped)  # not a terminal: `ft status --watch | tee`
+    final = live.watch(lambda: status(tmp_path, next(states)), 1.0, console,
                        read_nodes=lambda nodelist: asked.append(nodelist) or {})
+    console.print("run r1: COMPLETED")
     assert final.state == "COMPLETED"
+    assert "\nrun r1: COMPLETED\n" in piped.getvalue()  # what follows the view starts a line of its own
     assert asked == ["node[1-2]", "node[1-2]"]  # Slurm is asked about the nodes only while they run the job
 
 

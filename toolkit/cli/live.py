@@ -127,4 +127,6 @@ def watch(read_status: Callable[[], RunStatus], interval: float, console,
             current = read_status()
             now = time.time()
             live.update(frame(current, job_nodes(current, read_nodes), now, now), refresh=True)
+    if not console.is_terminal:  # rich ends the last frame with a newline on a terminal only
+        console.line()
     return current

@@ -170,7 +170,19 @@ def _evaluation_lines(results: dict | None) -> list[str]:
     return lines
 
 
-def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, "--cluster", "-c"),
+def newest_run(store, run_id: str | None) -> str:
+    """The run named, or the newest one (a newcomer's `ft status` right after `ft submit`), said so."""
+    if run_id:
+        return run_id
+    records = store.list()
+    if not records:
+        raise FtError(f"no runs in {store.root} yet", hint="submit one: ft submit RECIPE.yaml")
+    typer.echo("(the newest run; `ft ls` lists them all)", err=True)  # stdout stays the run's (--json)
+    return records[0].run_id
+
+
+def status(run_id: str = typer.Argument(None, help="The run (default: the newest one)."),
+           cluster: str = typer.Option(None, "--cluster", "-c"),
            as_json: bool = typer.Option(False, "--json"),
            watch: bool = typer.Option(False, "--watch", "-w",
                                       help="Follow the run live (step, loss, ETA, nodes) until its job ends."),
@@ -184,6 +196,7 @@ def status(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
         raise FtError("--watch draws a live view for a terminal; --json prints once",
                       hint="use one of them (a script polls `ft status RUN --json`)")
     store, client = _store(cluster), default_client()
+    run_id = newest_run(store, run_id)
     if watch:
         from toolkit.cli.live import watch as live_view
 
@@ -323,7 +336,8 @@ def read_from(path: Path, position: int) -> Iterator[tuple[int, bytes]]:
             position += len(chunk)
 
 
-def logs(run_id: str = typer.Argument(...), follow: bool = typer.Option(False, "--follow", "-f"),
+def logs(run_id: str = typer.Argument(None, help="The run (default: the newest one)."),
+         follow: bool = typer.Option(False, "--follow", "-f"),
          node: str = typer.Option(None, "--node", help="A node's launcher log."),
          rank: int = typer.Option(None, "--rank", help="A rank's log."),
          cluster: str = typer.Option(None, "--cluster", "-c"),
@@ -333,6 +347,7 @@ def logs(run_id: str = typer.Argument(...), follow: bool = typer.Option(False, "
     from toolkit.slurm.client import default_client
 
     store, client = _store(cluster), default_client()
+    run_id = newest_run(store, run_id)
     record = store.load(run_id)
     job_id = job_of(record, client)
     path = log_path(store.run_dir(run_id), job_id, node, rank)
@@ -349,7 +364,10 @@ def logs(run_id: str = typer.Argument(...), follow: bool = typer.Option(False, "
                     typer.echo(text, nl=False)
         elif not follow:
             available = sorted(p.name for p in RunLayout(store.run_dir(run_id)).logs.glob("*"))
-            raise FtError(f"no log at {path} yet", hint="logs so far: " + (", ".join(available) or "none"))
+            job = client.job(job_id) if job_id else None
+            raise FtError(f"no log at {path}" + ("" if job and job.finished else " yet"),
+                          hint="logs there: " + (", ".join(available) or "none")
+                          + ("; --node takes a node's name (node-<name>.log)" if node else ""))
         if not follow:
             if node is None and rank is None and not as_json:  # the job's log says little of training
                 typer.echo(f"(training: ft logs {run_id} --rank 0; a node's launcher: --node NODE)", err=True)
