@@ -225,7 +225,7 @@ class FakeSlurm:
         return True
 
     def lift_hold(self, job_id: str) -> None:
-        """The requeue helper's stand-in (toolkit/watch/requeue.py, which test_requeue.py tests)."""
+        """The job's expect_requeue's stand-in (toolkit/job/controller.py, tested in test_job_controller.py)."""
         self.lifted.append(job_id)
 
     def unresponsive(self, nodes: list[str]) -> list[str]:
@@ -255,7 +255,7 @@ def supervised(tmp_path, monkeypatch, allocation: list[str], nodes: int, plan: d
         monkeypatch.setenv(name, value)
     slurm = FakeSlurm(allocation, drains)
     supervisor = Supervisor([str(srun), *srun_options, "python", "-m", "toolkit.launch"], tmp_path, slurm,
-                            lift_hold=slurm.lift_hold)
+                            on_requeue=slurm.lift_hold)
     began = time.monotonic()
     if during:  # something done to the supervisor from outside while it runs (a signal, say)
         threading.Thread(target=during, args=(supervisor,), daemon=True).start()

@@ -44,49 +44,10 @@ from toolkit.watch.supervise import SRUN_ERRORS, Supervisor
 T = TypeVar("T")
 TERMINATED = 143  # 128 + SIGTERM: the job ended by Slurm (a preemption, a cancel, a requeue)
 POLL_S = 0.2
-# After this process leaves, the job completes (its steps' ends, the epilog) before its begin time
-# must have come: seconds that cost a second each, against Slurm's whole hold.
-LEAVING_MARGIN_S = 1
 
 
 def say(message: str) -> None:
     print(f"ft: {message}", flush=True)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process started by `pid`, and by those, read from /proc (parents first)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                stat = Path(entry.path, "stat").read_text()
-            except OSError:  # gone meanwhile
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
-    found, parents = [], [pid]
-    while parents:
-        for child in children.get(parents.pop(0), []):
-            found.append(child)
-            parents.append(child)
-    return found
-
-
-def end_descendants(wait_s: float = 2.0) -> None:
-    """KILL to every process this one started (srun's clients of the job's steps, the warm
-    templates'), and the children reaped: a requeued job completes only once all of them are gone,
-    and a client of a step that spanned a lost node never ends by itself (seen on the lab)."""
-    mine = descendants(os.getpid())
-    for pid in mine:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:  # none left to reap
-            return
-        if pid == 0:
-            time.sleep(0.02)
 
 
 def requeue_backoff(losses_in_a_row: int) -> int:
@@ -184,7 +145,7 @@ class JobController:
 
     def supervised(self, argv: list[str]) -> int:
         try:
-            self.supervisor = Supervisor(argv, self.layout.root, self.slurm, lift_hold=self.expect_requeue)
+            self.supervisor = Supervisor(argv, self.layout.root, self.slurm, on_requeue=self.expect_requeue)
         except RunSpecError as exc:
             print(f"ft-watch: {exc}", file=sys.stderr, flush=True)
             return exits.USER_ERROR
@@ -248,29 +209,13 @@ class JobController:
 
     def lift_requeue_hold(self) -> None:
         """Slurm holds a requeued job for its credential lifetime (cred_expire: 120 s by default)
-        unless its begin time is still ahead as it finishes completing (toolkit/watch/requeue.py). It
-        completes once its last process has ended, and this one, the batch script, ends last: it
-        stays (Slurm's TERM is handled, not fatal) and keeps the begin time ahead until it is the
-        job's last process on its node (`scontrol listpids`), then leaves. Inside the job, as no
-        helper can outlive it where Slurm tracks processes by cgroup (proctrack/cgroup ends every
-        process of the batch step as the script ends). Where the job's processes outlive Slurm's
-        KillWait, the KILL ends this one too, and the job waits out the hold: only seconds lost."""
+        unless its begin time is still ahead as it finishes completing: this process, the batch
+        script, stays as the job's last on its node and keeps it ahead (toolkit/watch/requeue.py)."""
         if self.requeue_after is None:
             return
         after, self.requeue_after = self.requeue_after, None
-        end_descendants()
-        me = os.getpid()
-
-        def last_here(_state: str) -> bool:
-            pids = self.ask(lambda: self.slurm.job_pids_here(self.job_id), None)
-            return pids is None or me not in pids or not set(pids) - {me}
-
         restart = os.environ.get("SLURM_RESTART_COUNT", "0")
-        lifted = requeue.lift_hold(self.slurm, self.job_id, after, starter_alive=lambda: False, may_leave=last_here,
-                                   restarts=int(restart) if restart.isdigit() else 0)
-        if lifted:
-            # The job completes once this process is gone; its begin time a margin further ahead.
-            self.ask(lambda: self.slurm.start_after(self.job_id, after + LEAVING_MARGIN_S), False)
+        if requeue.stay_as_last(self.slurm, self.job_id, after, int(restart) if restart.isdigit() else 0):
             record(self.layout.root, "requeue_hold_lifted", after=after)
 
     # -- lost nodes ----------------------------------------------------------------------------

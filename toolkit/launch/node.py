@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -112,16 +113,21 @@ def first_to_report(marks: str | None, what: str) -> bool:
     return True
 
 
+# This launcher asked Slurm to requeue the job (its batch host lost), or may see Slurm do it (the
+# batch host quiet, its slurmd answering): it lifts Slurm's hold on the requeued job as it ends.
+REQUEUE_EXPECTED = threading.Event()
+
+
 def batch_host_lost(node: str, quiet: float) -> None:
-    """The supervisor stopped answering: its node (the batch host) is lost, and the job script with
-    it. Slurm would notice only after SlurmdTimeout; one surviving node tells it now: the node is
-    marked DOWN (with the reason) and the job requeued. Only when the node's slurmd does not answer
-    either: a supervisor gone quiet on a live node (a launcher of an earlier start it no longer
-    answers, a node that rebooted already) is Slurm's to judge, and where Slurm requeues the job for
-    it, the job starts again at once all the same."""
+    """The supervisor stopped answering: its node (the batch host) is lost, and the job with it.
+    Slurm would notice only after SlurmdTimeout; one surviving node tells it now: the job requeued
+    and the node marked DOWN (with the reason). Only when the node's slurmd does not answer either:
+    a supervisor gone quiet on a live node (a launcher of an earlier start it no longer answers, a
+    node that rebooted already) is Slurm's to judge, and where Slurm requeues the job for it, the
+    job starts again at once all the same."""
     from toolkit.runs.timeline import record
     from toolkit.slurm.client import CliSlurmClient
-    from toolkit.watch.requeue import lift_hold_soon
+    from toolkit.watch.requeue import retried
 
     batch_host, job = os.environ.get("FT_WATCH_NODE", ""), os.environ.get("SLURM_JOB_ID", "")
     if not batch_host or batch_host == node or not job:
@@ -131,7 +137,7 @@ def batch_host_lost(node: str, quiet: float) -> None:
         log(f"the supervisor on {batch_host} did not answer for {quiet:.0f} s, but the node's slurmd does: "
             "left to Slurm (a requeue it makes starts at once)")
         if first_to_report(marks, "batch-host-silent"):
-            lift_hold_soon(job)  # waits for a requeue that may never come, and exits
+            REQUEUE_EXPECTED.set()
         return
     if not first_to_report(marks, "batch-host-lost"):
         log(f"the batch host {batch_host} did not answer for {quiet:.0f} s: another node reports it")
@@ -140,18 +146,33 @@ def batch_host_lost(node: str, quiet: float) -> None:
            f"answer for {quiet:.0f} s, nor its slurmd")
     # Slurm requeues a job for its DOWN node by itself, except a job that holds spare nodes
     # (--no-kill): that one it keeps running without its batch script, for good (seen on the lab).
-    # So both, by a helper that outlives this launcher's step (toolkit/watch/requeue.py), in this
-    # order: the requeue first (its TERM the helper ignores), then the mark, which would end the
-    # step at once (a KILL: with the mark first, or both at once, the requeue was sometimes never
-    # sent, and the job ran on without its script). The helper then lifts Slurm's hold on the job.
+    # So both, in this order: the requeue first (its TERM this launcher handles), then the mark
+    # (with the mark first, or both at once, the requeue was sometimes never sent, and the job ran
+    # on without its script). This launcher then lifts Slurm's hold on the job as it ends.
     log(f"{why}: requeueing job {job} and marking {batch_host} DOWN")
     if os.environ.get("FT_RUN_DIR"):
         with contextlib.suppress(OSError):
             record(Path(os.environ["FT_RUN_DIR"]), "node_lost", node=batch_host, reason=why, reported_by=node)
-    if lift_hold_soon(job, requeue=True, down=(batch_host, why)) is None:  # no helper: both from here
-        slurm = CliSlurmClient()
-        if not slurm.requeue(job) and not slurm.mark_node_down(batch_host, why):
-            log(f"Slurm took neither (operator rights?): it requeues job {job} once it notices (SlurmdTimeout)")
+    REQUEUE_EXPECTED.set()
+    slurm = CliSlurmClient()
+    requeued = retried(lambda: slurm.requeue(job), f"requeueing job {job}")
+    marked = retried(lambda: slurm.mark_node_down(batch_host, why), f"marking {batch_host} DOWN")
+    if not requeued and not marked:
+        log(f"Slurm took neither (operator rights?): it requeues job {job} once it notices (SlurmdTimeout)")
+
+
+def lift_requeue_hold() -> None:
+    """This launcher saw the job requeued for its lost batch host: it stays as the job's last process
+    on its node and lifts Slurm's hold (toolkit/watch/requeue.py), then ends."""
+    from toolkit.runs.timeline import record
+    from toolkit.slurm.client import CliSlurmClient
+    from toolkit.watch.requeue import stay_as_last
+
+    job, restart = os.environ.get("SLURM_JOB_ID", ""), os.environ.get("SLURM_RESTART_COUNT", "0")
+    if job and stay_as_last(CliSlurmClient(), job, restarts=int(restart) if restart.isdigit() else 0) and \
+            os.environ.get("FT_RUN_DIR"):
+        with contextlib.suppress(OSError):
+            record(Path(os.environ["FT_RUN_DIR"]), "requeue_hold_lifted", after=1)
 
 
 def train(run_dir: Path, node_rank: int, nodes: int, beat: Sender | None) -> int:
@@ -182,7 +203,9 @@ def main() -> None:
     beat = start_heartbeat(os.environ.get("SLURMD_NODENAME") or host)
     code = run_node(run_dir, mode, node_rank, nodes, host, beat)
     if beat:
-        beat.stop(code, linger=beat.silence_s + 2 if code else 0)
+        beat.stop(code, linger=0 if REQUEUE_EXPECTED.is_set() else beat.silence_s + 2 if code else 0)
+    if REQUEUE_EXPECTED.is_set() and code != 0:  # ended by Slurm's TERM: the requeue (or a cancel)
+        lift_requeue_hold()
     sys.exit(code)
 
 

@@ -1,4 +1,4 @@
-"""A requeue at once: the hold Slurm puts on a requeued job, lifted.
+"""A requeue at once: the hold Slurm puts on a requeued job, lifted from inside the job.
 
 Slurm holds a requeued job for its credential lifetime before it may start again (AuthInfo
 cred_expire: 120 s by default, 10 s on the lab), on top of the wait for a new allocation. Measured
@@ -9,85 +9,90 @@ finishes completing (every process of it gone), and only where the job's begin t
 then; a begin time still ahead is kept. A requeued job is pending while it completes, so its
 owner may set that begin time (`scontrol update StartTime`).
 
-So whoever stays longest keeps the job's begin time a little ahead (`lift_hold`: --after, 1 s)
-once it is pending again, until the job's completion no longer waits on anything but itself, and
-leaves: the job completes, its begin time still ahead, and starts again at that time.
-
-- The job's own requeues (the time limit, nodes lost with no spare left): the batch script itself
-  stays, as the job's last process on its node (toolkit/job/controller.py). Inside the job: Slurm
-  ends every process of the batch step as the script ends where it tracks processes by cgroup
-  (proctrack/cgroup), so no helper could outlive it there.
-- A surviving node that requeues the job for its lost batch host (toolkit/launch/node.py): this
-  module as a helper process, which ignores the TERM Slurm sends every process of the job and
-  watches the job complete. It outlives its launcher where Slurm tracks processes by their parents
-  (proctrack/linuxproc) only.
-
-Where something of the job outlives the begin time, or Slurm's KILL ends the one that stays first,
-the job waits out the hold as before: nothing is lost but the seconds.
-
-    python -m toolkit.watch.requeue JOB [--requeue] [--down NODE --reason TEXT] [--after S] [--starter PID]
+So the process of the job that asked for the requeue (the job itself on its batch host,
+toolkit/job/controller.py; a surviving node's launcher that reported the batch host lost,
+toolkit/launch/node.py) stays: Slurm's TERM is handled, not fatal. It ends what it started, keeps the
+job's begin time `after` seconds ahead while anything else of the job runs on its node (`scontrol
+listpids`), and leaves as the last one, the begin time a margin further ahead: the job completes,
+and starts again at that time. Inside the job, because nothing can outlive it where Slurm tracks
+processes by cgroup (proctrack/cgroup: a step's processes all end as its task does). Where the
+job's processes outlive Slurm's KillWait, its KILL ends this one too, and the job waits out the
+hold: nothing is lost but the seconds.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
-import subprocess
+import signal
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.errors import FtError
-from toolkit.runs.timeline import record
-from toolkit.slurm.client import CliSlurmClient, SlurmClient
+from toolkit.slurm.client import SlurmClient
 
-WAIT_S = 180.0  # for the requeue: a drained node's ranks checkpoint first (supervise.CHECKPOINT_GRACE_S)
-POLL_S = 0.5  # one `scontrol show job` each: light on the controller, which a failure keeps busy
-# The begin time kept ahead of each update: a second, the credential clock's resolution. The job's
-# new credential then dates after its old one's revocation (made at the requeue, before any update);
-# its old processes Slurm waits for itself (a requeued job starts again only once it completed).
+# The begin time kept ahead at each look: a second, the credential clock's resolution. The job's new
+# credential then dates after its old one's revocation (made at the requeue, before any update).
 AFTER_S = 1
+# After the last process here leaves, the job completes (its steps' ends, the epilog) before its
+# begin time must have come: a second more, against Slurm's whole hold.
+LEAVING_MARGIN_S = 1
+POLL_S = 0.5  # one `scontrol show job` each: light on the controller, which a failure keeps busy
+# How long the requeue may take to show: it was asked for (or Slurm's TERM came from it) already.
+WAIT_S = 30.0
 
 
 def log(message: str) -> None:
-    """To the log of whoever started this (the job's batch log, a node's log), as long as it lasts:
-    it may be closed under the helper as the job ends. The outcome goes to the run's events too."""
+    """To the log of the process that stays (the job's batch log, a node's log), as long as it lasts."""
     with contextlib.suppress(OSError, ValueError):
         print(f"ft-requeue: {time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
 
 
-def lift_hold_soon(job_id: str, after: int = AFTER_S, requeue: bool = False,
-                   down: tuple[str, str] | None = None) -> subprocess.Popen | None:
-    """Start the helper, detached from the caller's signals: its own session (srun's interrupts go
-    to the caller's process group) and TERM ignored from the first instruction (a disposition that
-    exec keeps, unlike a handler; set by sh, as Python could only set it after starting).
-    requeue: the helper requeues the job itself; down: (node, reason) it marks DOWN after that."""
-    argv = [sys.executable, "-m", "toolkit.watch.requeue", job_id, "--after", str(after), "--starter", str(os.getpid())]
-    if requeue:
-        argv.append("--requeue")
-    if down:
-        argv += ["--down", down[0], "--reason", down[1]]
-    try:
-        return subprocess.Popen(["/bin/sh", "-c", 'trap "" TERM INT HUP; exec "$@"', "sh", *argv],
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    except OSError as exc:
-        log(f"could not start the helper that lifts Slurm's requeue hold ({exc}): the job waits it out")
-        return None
+def descendants(pid: int) -> list[int]:
+    """Every process started by `pid`, and by those, read from /proc (parents first)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = Path(entry.path, "stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+    found, parents = [], [pid]
+    while parents:
+        for child in children.get(parents.pop(0), []):
+            found.append(child)
+            parents.append(child)
+    return found
 
 
-def lift_hold(slurm: SlurmClient, job_id: str, after: int, starter_alive: Callable[[], bool],
-              wait_s: float = WAIT_S, on_lifted: Callable[[], object] = lambda: None, restarts: int = 0,
-              may_leave: Callable[[str], bool] = lambda state: True) -> bool:
-    """Once the job is requeued, keep its begin time `after` seconds ahead until its starter is gone
-    and `may_leave` (given the job's state) says the job's completion no longer waits on this
-    helper, or has happened with the begin time ahead. Requeued: pending,
-    or completing with its restart count up (a requeued job is pending underneath while it completes,
-    and Slurm names it COMPLETING: where this helper is tracked as one of the job's processes,
-    proctrack/cgroup, it never sees more than that). False when the job ended instead (not
-    requeued), or was not requeued within wait_s. Slurm being slow is tried again, not fatal.
-    restarts: the job's restart count before the requeue (SLURM_RESTART_COUNT where it started)."""
+def end_descendants(wait_s: float = 2.0) -> None:
+    """KILL to every process this one started (srun's clients of the job's steps, ranks), and the
+    children reaped: a requeued job completes only once all of them are gone, and a client of a
+    step that spanned a lost node never ends by itself (seen on the lab under proctrack/cgroup)."""
+    for pid in descendants(os.getpid()):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:  # none left to reap
+            return
+        if pid == 0:
+            time.sleep(0.02)
+
+
+def lift_hold(slurm: SlurmClient, job_id: str, after: int, may_leave: Callable[[str], bool],
+              restarts: int = 0, wait_s: float = WAIT_S) -> bool:
+    """Once the job is requeued, keep its begin time `after` seconds ahead until `may_leave` (given
+    the job's state) says its completion waits on nothing but this process. Requeued: pending, or
+    completing with its restart count up (a requeued job is pending underneath while it completes,
+    and Slurm names it COMPLETING). False when the job ended instead (not requeued), or was not
+    requeued within wait_s. Slurm being slow is asked again, not fatal. restarts: the job's restart
+    count before the requeue (SLURM_RESTART_COUNT where it started)."""
     deadline, lifted = time.monotonic() + wait_s, False
     while time.monotonic() < deadline:
         try:
@@ -109,74 +114,43 @@ def lift_hold(slurm: SlurmClient, job_id: str, after: int, starter_alive: Callab
             if updated and not lifted:
                 log(f"job {job_id} requeued: it may start again {after} s after its last process here ends "
                     "(not after Slurm's credential hold)")
-                on_lifted()
                 lifted = True
-            if lifted and not starter_alive() and may_leave(info.state):
+            if lifted and may_leave(info.state):
                 return True
-        elif lifted:  # started again already (this helper was not one of the job's processes)
+        elif lifted:  # started again already
             return True
         time.sleep(POLL_S)
     log(f"job {job_id} was not requeued within {wait_s:.0f} s: left as it is")
     return lifted
 
 
+def stay_as_last(slurm: SlurmClient, job_id: str, after: int = AFTER_S, restarts: int = 0,
+                 wait_s: float = WAIT_S) -> bool:
+    """This process, of a job being requeued, ends what it started, lifts the hold while anything
+    else of the job runs on its node, and returns as the last one (or once the job turns out not
+    to be requeued): the caller then ends. True where the hold was lifted."""
+    end_descendants()
+    me = os.getpid()
+
+    def last_here(_state: str) -> bool:
+        try:
+            pids = slurm.job_pids_here(job_id)
+        except FtError:
+            pids = None
+        return pids is None or me not in pids or not set(pids) - {me}
+
+    lifted = lift_hold(slurm, job_id, max(AFTER_S, after), last_here, restarts, wait_s)
+    if lifted:
+        with contextlib.suppress(FtError):
+            slurm.start_after(job_id, max(AFTER_S, after) + LEAVING_MARGIN_S)
+    return lifted
+
+
 def retried(call: Callable[[], bool], what: str, tries: int = 3) -> bool:
-    """A Slurm command that timed out is sent again: the helper is the only one left to send it."""
+    """A Slurm command that timed out is sent again: a failure keeps the controller busy."""
     for attempt in range(1, tries + 1):
         try:
             return call()
         except FtError as exc:
             log(f"{what}: {exc.message}" + ("; trying again" if attempt < tries else "; giving up"))
     return False
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m toolkit.watch.requeue", description=__doc__.splitlines()[0])
-    parser.add_argument("job_id")
-    parser.add_argument("--after", type=int, default=AFTER_S,
-                        help="seconds from the job's end here to its earliest new start")
-    parser.add_argument("--starter", type=int, help="the process that started this one (default: its parent; "
-                                                    "named, as it may be gone before this one looks)")
-    parser.add_argument("--requeue", action="store_true", help="requeue the job first (refused harmlessly when "
-                                                               "Slurm is requeueing it already)")
-    parser.add_argument("--down", metavar="NODE", help="mark this node DOWN once the job is requeued (a lost node "
-                                                        "the job still holds)")
-    parser.add_argument("--reason", default="ft: lost", help="the reason given with --down")
-    args = parser.parse_args(argv)
-    slurm, starter = CliSlurmClient(), args.starter or os.getppid()
-    if args.requeue:
-        retried(lambda: slurm.requeue(args.job_id), f"requeueing job {args.job_id}")
-    if args.down:  # after the requeue: marking it DOWN first would end the step this came from, at once
-        marked = retried(lambda: slurm.mark_node_down(args.down, args.reason), f"marking {args.down} DOWN")
-        log(f"node {args.down} {'marked DOWN' if marked else 'not marked DOWN (operator rights?)'}: {args.reason}")
-    after = max(AFTER_S, args.after)
-    run_dir = os.environ.get("FT_RUN_DIR")
-
-    def on_lifted() -> None:
-        if run_dir:
-            with contextlib.suppress(OSError):
-                record(Path(run_dir), "requeue_hold_lifted", after=after)
-
-    count = os.environ.get("SLURM_RESTART_COUNT", "0")  # this start's: the job's, inherited
-    def may_leave(state: str) -> bool:
-        """Where Slurm tracks this helper as one of the job's processes (proctrack/cgroup), the job
-        completes only once it ends: it leaves as the last of them on its node. Where it does not
-        (proctrack/linuxproc: a process of its own session, its parent gone), it stays until the
-        job has completed, its begin time still ahead: seen on the lab, ranks and templates took
-        2.3 s to end after a requeue, past the begin time set as the starter ended, and Slurm held
-        the job for cred_expire."""
-        try:
-            pids = slurm.job_pids_here(args.job_id)
-        except FtError:
-            pids = None
-        if pids is not None and os.getpid() in pids:
-            return not set(pids) - {os.getpid()}
-        return state == "PENDING"
-
-    lifted = lift_hold(slurm, args.job_id, after, lambda: os.getppid() == starter, on_lifted=on_lifted,
-                       restarts=int(count) if count.isdigit() else 0, may_leave=may_leave)
-    return 0 if lifted else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

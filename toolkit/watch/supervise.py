@@ -119,8 +119,8 @@ def reachable_address(node: str, peers: dict[str, str]) -> str:
 
 class Supervisor:
     def __init__(self, command: list[str], run_dir: Path, slurm: SlurmClient | None = None,
-                 lift_hold: Callable[[str], object] = lambda job_id: None):
-        self.command, self.run_dir, self.lift_hold = command, run_dir, lift_hold
+                 on_requeue: Callable[[str], object] = lambda job_id: None):
+        self.command, self.run_dir, self.on_requeue = command, run_dir, on_requeue
         recipe = RunLayout(run_dir).read_spec().recipe
         self.watchdog = recipe.watchdog
         self.needed = recipe.resources.nodes
@@ -519,9 +519,9 @@ class Supervisor:
     def requeue_soon(self) -> None:
         """No spare left: the job is about to be requeued (by Slurm, for a node marked DOWN, or by
         the job itself), and everything of it killed: the job lifts Slurm's requeue hold as it ends
-        (`lift_hold`: toolkit/job/controller.py's expect_requeue), so that it starts again at once."""
+        (`on_requeue`: toolkit/job/controller.py's expect_requeue), so that it starts again at once."""
         if not self.lifting and not self.auto_resume:
-            self.lift_hold(self.job_id)
+            self.on_requeue(self.job_id)
             self.lifting = True
 
     def hand_back_lost(self) -> int:
