@@ -82,20 +82,20 @@ def test_a_job_that_ends_instead_is_left_alone(monkeypatch):
 
 def test_the_begin_time_is_kept_ahead_until_nothing_else_of_the_job_runs_here(monkeypatch):
     """Ranks, a template, srun's clients still ending: the job's begin time must still be ahead when
-    it completes; the process that stays leaves as the job's last one on its node, the begin time a
-    margin further ahead."""
+    it completes; the process that stays leaves as the job's last one on its node. Each look sets it a
+    margin more than the second asked for: Slurm's KILL may end this process between two looks."""
     monkeypatch.setattr(requeue, "POLL_S", 0.01)
     me = os.getpid()
     slurm = ScriptedSlurm(["COMPLETING 1"], pids=[[me, 4242], [me, 4242], [me]])
     assert requeue.stay_as_last(slurm, "41", after=1, restarts=0)
-    assert slurm.started_after == [("41", 1)] * 3 + [("41", 2)]
+    assert slurm.started_after == [("41", 3)] * 4  # at each look, and once more as it leaves
 
 
 def test_where_slurm_cannot_list_the_jobs_processes_it_leaves_at_once(monkeypatch):
     monkeypatch.setattr(requeue, "POLL_S", 0.01)
     slurm = ScriptedSlurm(["PENDING 1"], pids=None)
     assert requeue.stay_as_last(slurm, "41", restarts=0)
-    assert slurm.started_after == [("41", 1), ("41", 2)]
+    assert slurm.started_after == [("41", 3), ("41", 3)]
 
 
 def test_a_refused_update_is_tried_again_until_the_wait_ends(monkeypatch):

@@ -12,12 +12,12 @@ owner may set that begin time (`scontrol update StartTime`).
 So the process of the job that asked for the requeue (the job itself on its batch host,
 toolkit/job/controller.py; a surviving node's launcher that reported the batch host lost,
 toolkit/launch/node.py) stays: Slurm's TERM is handled, not fatal. It ends what it started, keeps the
-job's begin time `after` seconds ahead while anything else of the job runs on its node (`scontrol
-listpids`), and leaves as the last one, the begin time a margin further ahead: the job completes,
-and starts again at that time. Inside the job, because nothing can outlive it where Slurm tracks
+job's begin time a margin more than `after` seconds ahead while anything else of the job runs on
+its node (`scontrol listpids`), and leaves as the last one: the job completes, and starts again at
+that time. Inside the job, because nothing can outlive it where Slurm tracks
 processes by cgroup (proctrack/cgroup: a step's processes all end as its task does). Where the
-job's processes outlive Slurm's KillWait, its KILL ends this one too, and the job waits out the
-hold: nothing is lost but the seconds.
+job's processes outlive Slurm's KillWait, its KILL ends this one with them, the begin time still
+ahead by the margin.
 """
 
 from __future__ import annotations
@@ -36,9 +36,12 @@ from toolkit.slurm.client import SlurmClient
 # The begin time kept ahead at each look: a second, the credential clock's resolution. The job's new
 # credential then dates after its old one's revocation (made at the requeue, before any update).
 AFTER_S = 1
-# After the last process here leaves, the job completes (its steps' ends, the epilog) before its
-# begin time must have come: a second more, against Slurm's whole hold.
-LEAVING_MARGIN_S = 1
+# Between two looks, and after the last process here left or Slurm's KILL ended it (ranks that hang
+# on a lost peer's collective outlive the TERM, and KillWait later the KILL ends every process of the
+# job at once, this one with them: seen on the lab under proctrack/cgroup), the job completes (its
+# steps' ends, the epilog: ~0.1 s on the lab) before its begin time must have come. Begin times are
+# whole seconds: 2 s more, against Slurm's whole hold.
+LEAVING_MARGIN_S = 2
 POLL_S = 0.5  # one `scontrol show job` each: light on the controller, which a failure keeps busy
 # How long the requeue may take to show: it was asked for (or Slurm's TERM came from it) already.
 WAIT_S = 30.0
@@ -139,10 +142,11 @@ def stay_as_last(slurm: SlurmClient, job_id: str, after: int = AFTER_S, restarts
             pids = None
         return pids is None or me not in pids or not set(pids) - {me}
 
-    lifted = lift_hold(slurm, job_id, max(AFTER_S, after), last_here, restarts, wait_s)
-    if lifted:
+    ahead = max(AFTER_S, after) + LEAVING_MARGIN_S
+    lifted = lift_hold(slurm, job_id, ahead, last_here, restarts, wait_s)
+    if lifted:  # the begin time from the moment it leaves
         with contextlib.suppress(FtError):
-            slurm.start_after(job_id, max(AFTER_S, after) + LEAVING_MARGIN_S)
+            slurm.start_after(job_id, ahead)
     return lifted
 
 
