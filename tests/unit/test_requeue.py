@@ -23,8 +23,8 @@ class ScriptedSlurm:
         state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
         if state is None:
             return None
-        name, _, restarts = state.partition(" ")
-        return JobInfo(job_id, name, "scontrol", restarts=int(restarts or 0))
+        name, restarts, nodes = (state.split(" ") + ["", ""])[:3]  # "STATE RESTARTS NODES-STILL-COMPLETING"
+        return JobInfo(job_id, name, "scontrol", nodes=nodes, restarts=int(restarts or 0))
 
     def start_after(self, job_id: str, seconds: int) -> bool:
         self.started_after.append((job_id, seconds))
@@ -41,10 +41,10 @@ def test_a_requeued_job_still_completing_counts_as_requeued_once_its_restarts_we
     until it leaves: it must act then, but not on a job that is only ending."""
     monkeypatch.setattr(requeue, "POLL_S", 0.01)
     slurm = ScriptedSlurm(["RUNNING 0", "COMPLETING 1"])
-    assert requeue.lift_hold(slurm, "41", after=1, may_leave=lambda state: True, restarts=0)
+    assert requeue.lift_hold(slurm, "41", after=1, may_leave=lambda info: True, restarts=0)
     assert slurm.started_after == [("41", 1)]
     ending = ScriptedSlurm(["COMPLETING 0", "COMPLETED 0"])
-    assert not requeue.lift_hold(ending, "41", after=1, may_leave=lambda state: True, restarts=0)
+    assert not requeue.lift_hold(ending, "41", after=1, may_leave=lambda info: True, restarts=0)
     assert ending.started_after == []
 
 
@@ -61,14 +61,14 @@ def test_slurm_too_slow_to_answer_is_asked_again(monkeypatch):
         return ScriptedSlurm.job_brief(slurm, job_id)
 
     slurm.job_brief = slow_then_fine
-    assert requeue.lift_hold(slurm, "41", after=1, may_leave=lambda state: True)
+    assert requeue.lift_hold(slurm, "41", after=1, may_leave=lambda info: True)
     assert requeue.retried(lambda: (_ for _ in ()).throw(SlurmUnavailable("slow")), "requeueing", tries=2) is False
 
 
 def test_a_job_started_again_ends_the_wait(monkeypatch):
     monkeypatch.setattr(requeue, "POLL_S", 0.01)
     slurm = ScriptedSlurm(["PENDING", "PENDING", "RUNNING"])
-    assert requeue.lift_hold(slurm, "41", after=2, may_leave=lambda state: False)
+    assert requeue.lift_hold(slurm, "41", after=2, may_leave=lambda info: False)
     assert len(slurm.started_after) == 2
 
 
@@ -76,7 +76,7 @@ def test_a_job_that_ends_instead_is_left_alone(monkeypatch):
     monkeypatch.setattr(requeue, "POLL_S", 0.01)
     for states in (["RUNNING", "FAILED"], ["RUNNING", None]):
         slurm = ScriptedSlurm(states)
-        assert not requeue.lift_hold(slurm, "41", after=2, may_leave=lambda state: True)
+        assert not requeue.lift_hold(slurm, "41", after=2, may_leave=lambda info: True)
         assert slurm.started_after == []
 
 
@@ -91,6 +91,16 @@ def test_the_begin_time_is_kept_ahead_until_nothing_else_of_the_job_runs_here(mo
     assert slurm.started_after == [("41", 3)] * 4  # at each look, and once more as it leaves
 
 
+def test_it_stays_while_another_node_still_completes_the_job(monkeypatch):
+    """Alone on its node, but a step on another node still ending (its slurmstepd retrying a dead
+    srun, say): the job completes only after that one, so the begin time is kept ahead until then."""
+    monkeypatch.setattr(requeue, "POLL_S", 0.01)
+    monkeypatch.setenv("SLURMD_NODENAME", "n2")
+    slurm = ScriptedSlurm(["COMPLETING 1 n[2-3]", "COMPLETING 1 n[2-3]", "COMPLETING 1 n2"], pids=[[os.getpid()]])
+    assert requeue.stay_as_last(slurm, "41", restarts=0)
+    assert len(slurm.started_after) == 4  # three looks, then as it leaves
+
+
 def test_where_slurm_cannot_list_the_jobs_processes_it_leaves_at_once(monkeypatch):
     monkeypatch.setattr(requeue, "POLL_S", 0.01)
     slurm = ScriptedSlurm(["PENDING 1"], pids=None)
@@ -101,7 +111,7 @@ def test_where_slurm_cannot_list_the_jobs_processes_it_leaves_at_once(monkeypatc
 def test_a_refused_update_is_tried_again_until_the_wait_ends(monkeypatch):
     monkeypatch.setattr(requeue, "POLL_S", 0.01)
     slurm = ScriptedSlurm(["PENDING"], accept=False)
-    assert not requeue.lift_hold(slurm, "41", after=2, may_leave=lambda state: True, wait_s=0.2)
+    assert not requeue.lift_hold(slurm, "41", after=2, may_leave=lambda info: True, wait_s=0.2)
     assert len(slurm.started_after) > 1
 
 
@@ -116,9 +126,19 @@ def test_every_process_it_started_ends_before_it_stays(monkeypatch):
     tree = [client.pid, *requeue.descendants(client.pid)]
     assert len(tree) == 3
     requeue.end_descendants()
-    for pid in tree:  # gone, or a zombie of a grandchild that init reaps
-        assert not Path(f"/proc/{pid}").exists() or ") Z " in Path(f"/proc/{pid}/stat").read_text()
     assert client.poll() is not None  # reaped
+
+    def alive(pid: int) -> bool:  # a KILL lands within moments; a zombie is init's to reap
+        try:
+            return ") Z " not in Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+
+    for _ in range(100):
+        if not any(alive(pid) for pid in tree):
+            break
+        time.sleep(0.02)
+    assert not any(alive(pid) for pid in tree)
 
 
 def test_one_surviving_node_reports_a_lost_batch_host(tmp_path, monkeypatch):
@@ -189,3 +209,12 @@ def test_a_batch_host_whose_slurmd_answers_is_left_to_slurm_but_its_requeue_not_
     assert calls == [("requeue", "41"), ("down", "n1")]
     (event,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert event["event"] == "node_lost" and event["reported_by"] == "n3"
+
+
+def test_the_lift_is_recorded_as_it_happens(monkeypatch):
+    """Slurm's KILL may end the process that stays before it leaves: the record comes first."""
+    monkeypatch.setattr(requeue, "POLL_S", 0.01)
+    seen: list[str] = []
+    slurm = ScriptedSlurm(["COMPLETING 1"], pids=[[os.getpid(), 4242]] * 3 + [[os.getpid()]])
+    assert requeue.stay_as_last(slurm, "41", on_lifted=lambda: seen.append(f"lifted after {len(slurm.started_after)}"))
+    assert seen == ["lifted after 1"]

@@ -118,7 +118,7 @@ def test_one_jobs_brief_and_the_own_queue_read_alike_on_every_release(release, m
     monkeypatch.setattr(commands, "run", answering(release, {"scontrol show job": "scontrol-show-job.txt",
                                                              "squeue": "squeue-own.txt"}))
     brief = CliSlurmClient().job_brief(job_id)
-    assert brief is not None and brief.state == "RUNNING" and brief.restarts == 0
+    assert brief is not None and brief.state == "RUNNING" and brief.restarts == 0 and brief.nodes == "node[1-2]"
     assert set(CliSlurmClient().queued_runs()) == {"recorded", "waiting"}
     assert jobs.batch_host(job_id, answering(release, {"squeue": "squeue-batch-host.txt"})) == "node1"
 

@@ -215,8 +215,8 @@ class JobController:
             return
         after, self.requeue_after = self.requeue_after, None
         restart = os.environ.get("SLURM_RESTART_COUNT", "0")
-        if requeue.stay_as_last(self.slurm, self.job_id, after, int(restart) if restart.isdigit() else 0):
-            record(self.layout.root, "requeue_hold_lifted", after=after)
+        requeue.stay_as_last(self.slurm, self.job_id, after, int(restart) if restart.isdigit() else 0,
+                             on_lifted=lambda: record(self.layout.root, "requeue_hold_lifted", after=after))
 
     # -- lost nodes ----------------------------------------------------------------------------
     def lost_nodes(self, status: int) -> tuple[list[str], str]:

@@ -169,10 +169,14 @@ def lift_requeue_hold() -> None:
     from toolkit.watch.requeue import stay_as_last
 
     job, restart = os.environ.get("SLURM_JOB_ID", ""), os.environ.get("SLURM_RESTART_COUNT", "0")
-    if job and stay_as_last(CliSlurmClient(), job, restarts=int(restart) if restart.isdigit() else 0) and \
-            os.environ.get("FT_RUN_DIR"):
-        with contextlib.suppress(OSError):
-            record(Path(os.environ["FT_RUN_DIR"]), "requeue_hold_lifted", after=1)
+    run_dir = os.environ.get("FT_RUN_DIR")
+
+    def lifted() -> None:
+        if run_dir:
+            record(Path(run_dir), "requeue_hold_lifted", after=1)
+
+    if job:
+        stay_as_last(CliSlurmClient(), job, restarts=int(restart) if restart.isdigit() else 0, on_lifted=lifted)
 
 
 def train(run_dir: Path, node_rank: int, nodes: int, beat: Sender | None) -> int:

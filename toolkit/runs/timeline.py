@@ -29,7 +29,7 @@ MAX_LINES = 1_000_000
 
 
 def record(run_dir: Path, event: str, **fields) -> None:
-    """One event of the run's timeline (the watchdog's, the requeue helper's): a JSON line."""
+    """One event of the run's timeline (the watchdog's, the job's): a JSON line."""
     line = json.dumps({"time": round(time.time(), 3), "job": os.environ.get("SLURM_JOB_ID", ""), "event": event,
                        **fields})
     descriptor = os.open(RunLayout(run_dir).events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)

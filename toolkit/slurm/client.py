@@ -170,14 +170,16 @@ class CliSlurmClient:
                 if fields and fields[0].isdigit()]
 
     def job_brief(self, job_id: str) -> JobInfo | None:
-        """One job's state and restart count from the controller (`scontrol show job`: one job, where
-        22.05's `squeue --json` dumps the whole queue whatever it is asked); None once it is forgotten."""
+        """One job's state, restart count and nodes from the controller (`scontrol show job`: one job,
+        where 22.05's `squeue --json` dumps the whole queue whatever it is asked); None once it is
+        forgotten. A completing job's nodes are those still completing (Slurm names only those)."""
         result = commands.run(["scontrol", "show", "job", "-o", job_id], timeout=self.timeout, check=False)
-        fields = dict(re.findall(r"(?:^|\s)(JobId|JobState|Restarts)=(\S+)", result.stdout))
+        fields = dict(re.findall(r"(?:^|\s)(JobId|JobState|Restarts|NodeList)=(\S+)", result.stdout))
         if result.returncode != 0 or fields.get("JobId") != job_id or "JobState" not in fields:
             return None
         restarts = fields.get("Restarts", "0")
-        return JobInfo(job_id, _state(fields["JobState"]), "scontrol",
+        nodes = fields.get("NodeList", "")
+        return JobInfo(job_id, _state(fields["JobState"]), "scontrol", nodes="" if nodes == "(null)" else nodes,
                        restarts=int(restarts) if restarts.isdigit() else 0)
 
     def drained(self, nodes: list[str]) -> dict[str, str]:

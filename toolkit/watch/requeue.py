@@ -31,7 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.errors import FtError
-from toolkit.slurm.client import SlurmClient
+from toolkit.slurm.client import JobInfo, SlurmClient
+from toolkit.slurm.commands import expand_hostlist
 
 # The begin time kept ahead at each look: a second, the credential clock's resolution. The job's new
 # credential then dates after its old one's revocation (made at the requeue, before any update).
@@ -88,14 +89,15 @@ def end_descendants(wait_s: float = 2.0) -> None:
             time.sleep(0.02)
 
 
-def lift_hold(slurm: SlurmClient, job_id: str, after: int, may_leave: Callable[[str], bool],
-              restarts: int = 0, wait_s: float = WAIT_S) -> bool:
+def lift_hold(slurm: SlurmClient, job_id: str, after: int, may_leave: Callable[[JobInfo], bool],
+              restarts: int = 0, wait_s: float = WAIT_S, on_lifted: Callable[[], object] = lambda: None) -> bool:
     """Once the job is requeued, keep its begin time `after` seconds ahead until `may_leave` (given
-    the job's state) says its completion waits on nothing but this process. Requeued: pending, or
+    what Slurm says of the job) says its completion waits on nothing but this process. Requeued: pending, or
     completing with its restart count up (a requeued job is pending underneath while it completes,
     and Slurm names it COMPLETING). False when the job ended instead (not requeued), or was not
     requeued within wait_s. Slurm being slow is asked again, not fatal. restarts: the job's restart
-    count before the requeue (SLURM_RESTART_COUNT where it started)."""
+    count before the requeue (SLURM_RESTART_COUNT where it started). on_lifted: called once, as the
+    begin time is first set (Slurm's KILL may end this process before it leaves)."""
     deadline, lifted = time.monotonic() + wait_s, False
     while time.monotonic() < deadline:
         try:
@@ -118,7 +120,9 @@ def lift_hold(slurm: SlurmClient, job_id: str, after: int, may_leave: Callable[[
                 log(f"job {job_id} requeued: it may start again {after} s after its last process here ends "
                     "(not after Slurm's credential hold)")
                 lifted = True
-            if lifted and may_leave(info.state):
+                with contextlib.suppress(OSError):  # a record of it (the run's events): never fatal
+                    on_lifted()
+            if lifted and may_leave(info):
                 return True
         elif lifted:  # started again already
             return True
@@ -128,14 +132,18 @@ def lift_hold(slurm: SlurmClient, job_id: str, after: int, may_leave: Callable[[
 
 
 def stay_as_last(slurm: SlurmClient, job_id: str, after: int = AFTER_S, restarts: int = 0,
-                 wait_s: float = WAIT_S) -> bool:
+                 wait_s: float = WAIT_S, on_lifted: Callable[[], object] = lambda: None) -> bool:
     """This process, of a job being requeued, ends what it started, lifts the hold while anything
     else of the job runs on its node, and returns as the last one (or once the job turns out not
     to be requeued): the caller then ends. True where the hold was lifted."""
     end_descendants()
-    me = os.getpid()
+    me, node = os.getpid(), os.environ.get("SLURMD_NODENAME", "")
 
-    def last_here(_state: str) -> bool:
+    def last_one(info: JobInfo) -> bool:
+        """Nothing else of the job here (`scontrol listpids`), and no other node still completing it
+        (a completing job's nodes, as Slurm names them: a step on another node may outlive this one's)."""
+        if set(expand_hostlist(info.nodes)) - {node}:
+            return False
         try:
             pids = slurm.job_pids_here(job_id)
         except FtError:
@@ -143,10 +151,11 @@ def stay_as_last(slurm: SlurmClient, job_id: str, after: int = AFTER_S, restarts
         return pids is None or me not in pids or not set(pids) - {me}
 
     ahead = max(AFTER_S, after) + LEAVING_MARGIN_S
-    lifted = lift_hold(slurm, job_id, ahead, last_here, restarts, wait_s)
+    lifted = lift_hold(slurm, job_id, ahead, last_one, restarts, wait_s, on_lifted)
     if lifted:  # the begin time from the moment it leaves
         with contextlib.suppress(FtError):
             slurm.start_after(job_id, ahead)
+        log(f"job {job_id}: nothing else of it runs: leaving, its begin time {ahead} s ahead")
     return lifted
 
 
