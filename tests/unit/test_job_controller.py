@@ -84,8 +84,8 @@ class FakeSlurm:
         if self.ends_job:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    def slurmd_timeout(self) -> int:
-        return 10
+    def config_seconds(self, name: str) -> int:
+        return {"SlurmdTimeout": 10, "KillWait": 5}[name]
 
     def requeues_preempted(self, job_id: str, partition: str) -> bool:
         return self.preempted_requeue

@@ -18,6 +18,7 @@ class ScriptedSlurm:
     def __init__(self, states: list[str | None], accept: bool = True, pids: list[list[int]] | None = None):
         self.states, self.accept, self.started_after = states, accept, []
         self.pids = pids  # what `scontrol listpids` says at each look (None: it cannot tell)
+        self.kill_wait = 30
 
     def job_brief(self, job_id: str) -> JobInfo | None:
         state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
@@ -29,6 +30,9 @@ class ScriptedSlurm:
     def start_after(self, job_id: str, seconds: int) -> bool:
         self.started_after.append((job_id, seconds))
         return self.accept
+
+    def config_seconds(self, name: str) -> int:
+        return {"KillWait": self.kill_wait}[name]
 
     def job_pids_here(self, job_id: str) -> list[int] | None:
         if self.pids is None:
@@ -86,9 +90,20 @@ def test_the_begin_time_is_kept_ahead_until_nothing_else_of_the_job_runs_here(mo
     margin more than the second asked for: Slurm's KILL may end this process between two looks."""
     monkeypatch.setattr(requeue, "POLL_S", 0.01)
     me = os.getpid()
-    slurm = ScriptedSlurm(["COMPLETING 1"], pids=[[me, 4242], [me, 4242], [me]])
+    # pid 1: a process still running; 999999999: the scontrol that listed it, gone since
+    slurm = ScriptedSlurm(["COMPLETING 1"], pids=[[me, 1], [me, 1], [me, 999999999]])
     assert requeue.stay_as_last(slurm, "41", after=1, restarts=0)
     assert slurm.started_after == [("41", 3)] * 4  # at each look, and once more as it leaves
+
+
+def test_as_slurms_kill_nears_the_begin_time_is_kept_further_ahead(monkeypatch):
+    """Ranks hung on a lost peer's collective outlive the TERM: Slurm's KILL (KillWait later) ends
+    them and the process that stays at once, and a step on another node may end seconds after."""
+    monkeypatch.setattr(requeue, "POLL_S", 0.01)
+    slurm = ScriptedSlurm(["COMPLETING 1"], pids=[[os.getpid(), 1]] * 3 + [[os.getpid()]])
+    slurm.kill_wait = 0  # the KILL is due now
+    assert requeue.stay_as_last(slurm, "41", after=1, restarts=0)
+    assert set(slurm.started_after) == {("41", 1 + requeue.KILL_MARGIN_S)}
 
 
 def test_it_stays_while_another_node_still_completes_the_job(monkeypatch):
@@ -215,6 +230,6 @@ def test_the_lift_is_recorded_as_it_happens(monkeypatch):
     """Slurm's KILL may end the process that stays before it leaves: the record comes first."""
     monkeypatch.setattr(requeue, "POLL_S", 0.01)
     seen: list[str] = []
-    slurm = ScriptedSlurm(["COMPLETING 1"], pids=[[os.getpid(), 4242]] * 3 + [[os.getpid()]])
+    slurm = ScriptedSlurm(["COMPLETING 1"], pids=[[os.getpid(), 1]] * 3 + [[os.getpid()]])
     assert requeue.stay_as_last(slurm, "41", on_lifted=lambda: seen.append(f"lifted after {len(slurm.started_after)}"))
     assert seen == ["lifted after 1"]

@@ -69,6 +69,7 @@ class JobController:
         self.process: subprocess.Popen | None = None
         self.passed_on = False  # the signal reached the running step
         self.requeue_after: int | None = None  # a requeue is coming: its new start this long after the end here
+        self.terminated_at: float | None = None  # when Slurm's TERM came (time.monotonic())
 
     # -- the job -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -171,6 +172,8 @@ class JobController:
             os.write(1, f"ft: Slurm is ending job {self.job_id} (a preemption, a requeue for a failed node, or a "
                         "cancel): the ranks checkpoint where they can; a requeued job goes on from the latest "
                         "checkpoint by itself\n".encode())
+        if signum == signal.SIGTERM and self.terminated_at is None:
+            self.terminated_at = time.monotonic()
         if self.signal != signal.SIGTERM:  # TERM is final: a USR2 after it changes nothing
             self.signal = signum
         self.passed_on = False
@@ -204,6 +207,7 @@ class JobController:
 
     def requeue_itself(self, after: int = requeue.AFTER_S) -> None:
         self.expect_requeue(after=after)
+        self.terminated_at = time.monotonic()  # Slurm's TERM follows the requeue at once
         self.ask(lambda: self.slurm.requeue(self.job_id), False)
         self.lift_requeue_hold()
 
@@ -216,7 +220,8 @@ class JobController:
         after, self.requeue_after = self.requeue_after, None
         restart = os.environ.get("SLURM_RESTART_COUNT", "0")
         requeue.stay_as_last(self.slurm, self.job_id, after, int(restart) if restart.isdigit() else 0,
-                             on_lifted=lambda: record(self.layout.root, "requeue_hold_lifted", after=after))
+                             on_lifted=lambda: record(self.layout.root, "requeue_hold_lifted", after=after),
+                             terminated_at=self.terminated_at)
 
     # -- lost nodes ----------------------------------------------------------------------------
     def lost_nodes(self, status: int) -> tuple[list[str], str]:
@@ -247,7 +252,7 @@ class JobController:
             say(f"nodes were lost under this run {failures} times in a row without a new checkpoint (now {nodes}): "
                 "not requeueing again. Check those nodes (sinfo -R), then resubmit.")
             return
-        wait_s = (self.ask(self.slurm.slurmd_timeout, None) or 300) * 3 + 60
+        wait_s = (self.ask(lambda: self.slurm.config_seconds("SlurmdTimeout"), None) or 300) * 3 + 60
         self.expect_requeue(after=requeue_backoff(failures))
         if when == "launch":
             for node in lost:

@@ -116,6 +116,7 @@ def first_to_report(marks: str | None, what: str) -> bool:
 # This launcher asked Slurm to requeue the job (its batch host lost), or may see Slurm do it (the
 # batch host quiet, its slurmd answering): it lifts Slurm's hold on the requeued job as it ends.
 REQUEUE_EXPECTED = threading.Event()
+REQUEUED_AT: list[float] = []  # when this launcher asked for it (time.monotonic()): Slurm's TERM follows
 
 
 def batch_host_lost(node: str, quiet: float) -> None:
@@ -155,6 +156,7 @@ def batch_host_lost(node: str, quiet: float) -> None:
             record(Path(os.environ["FT_RUN_DIR"]), "node_lost", node=batch_host, reason=why, reported_by=node)
     REQUEUE_EXPECTED.set()
     slurm = CliSlurmClient()
+    REQUEUED_AT.append(time.monotonic())
     requeued = retried(lambda: slurm.requeue(job), f"requeueing job {job}")
     marked = retried(lambda: slurm.mark_node_down(batch_host, why), f"marking {batch_host} DOWN")
     if not requeued and not marked:
@@ -176,7 +178,8 @@ def lift_requeue_hold() -> None:
             record(Path(run_dir), "requeue_hold_lifted", after=1)
 
     if job:
-        stay_as_last(CliSlurmClient(), job, restarts=int(restart) if restart.isdigit() else 0, on_lifted=lifted)
+        stay_as_last(CliSlurmClient(), job, restarts=int(restart) if restart.isdigit() else 0, on_lifted=lifted,
+                     terminated_at=REQUEUED_AT[0] if REQUEUED_AT else None)
 
 
 def train(run_dir: Path, node_rank: int, nodes: int, beat: Sender | None) -> int:

@@ -90,7 +90,7 @@ class SlurmClient(Protocol):
 
     def unresponsive(self, nodes: list[str]) -> list[str]: ...
 
-    def slurmd_timeout(self) -> int | None: ...
+    def config_seconds(self, name: str) -> int | None: ...
 
     def requeues_preempted(self, job_id: str, partition: str) -> bool: ...
 
@@ -191,11 +191,12 @@ class CliSlurmClient:
         """The nodes among these whose slurmd does not answer the controller (or that are down)."""
         return slurm_nodes.unresponsive(nodes, commands.run, timeout=self.timeout)
 
-    def slurmd_timeout(self) -> int | None:
-        """How long the controller waits for a silent slurmd before marking its node DOWN (seconds;
-        None where `scontrol show config` does not say)."""
+    def config_seconds(self, name: str) -> int | None:
+        """A duration of Slurm's configuration, in seconds (SlurmdTimeout: how long the controller
+        waits for a silent slurmd before marking its node DOWN; KillWait: from a job's TERM to its
+        KILL); None where `scontrol show config` does not say."""
         try:
-            value = slurm_nodes.config(commands.run, timeout=self.timeout).get("SlurmdTimeout", "")
+            value = slurm_nodes.config(commands.run, timeout=self.timeout).get(name, "")
         except SlurmCommandError:
             return None
         match = re.fullmatch(r"(\d+)\s*(?:sec)?", value)

@@ -43,6 +43,9 @@ AFTER_S = 1
 # steps' ends, the epilog: ~0.1 s on the lab) before its begin time must have come. Begin times are
 # whole seconds: 2 s more, against Slurm's whole hold.
 LEAVING_MARGIN_S = 2
+# As Slurm's KILL nears (KillWait after the requeue's TERM), more: a step on another node may end a
+# few seconds after its KILL (its slurmstepd retrying a srun that is gone: 2.3 s on the lab).
+KILL_MARGIN_S = 4
 POLL_S = 0.5  # one `scontrol show job` each: light on the controller, which a failure keeps busy
 # How long the requeue may take to show: it was asked for (or Slurm's TERM came from it) already.
 WAIT_S = 30.0
@@ -89,9 +92,10 @@ def end_descendants(wait_s: float = 2.0) -> None:
             time.sleep(0.02)
 
 
-def lift_hold(slurm: SlurmClient, job_id: str, after: int, may_leave: Callable[[JobInfo], bool],
+def lift_hold(slurm: SlurmClient, job_id: str, after: int | Callable[[], int], may_leave: Callable[[JobInfo], bool],
               restarts: int = 0, wait_s: float = WAIT_S, on_lifted: Callable[[], object] = lambda: None) -> bool:
-    """Once the job is requeued, keep its begin time `after` seconds ahead until `may_leave` (given
+    """Once the job is requeued, keep its begin time `after` seconds (or what `after()` says at
+    each look) ahead until `may_leave` (given
     what Slurm says of the job) says its completion waits on nothing but this process. Requeued: pending, or
     completing with its restart count up (a requeued job is pending underneath while it completes,
     and Slurm names it COMPLETING). False when the job ended instead (not requeued), or was not
@@ -112,12 +116,13 @@ def lift_hold(slurm: SlurmClient, job_id: str, after: int, may_leave: Callable[[
             return lifted
         requeued = info.state == "PENDING" or (info.state in ("COMPLETING", "REQUEUED") and info.restarts > restarts)
         if requeued:
+            ahead = after() if callable(after) else after
             try:
-                updated = slurm.start_after(job_id, after)
+                updated = slurm.start_after(job_id, ahead)
             except FtError:
                 updated = False
             if updated and not lifted:
-                log(f"job {job_id} requeued: it may start again {after} s after its last process here ends "
+                log(f"job {job_id} requeued: it may start again {ahead} s after its last process here ends "
                     "(not after Slurm's credential hold)")
                 lifted = True
                 with contextlib.suppress(OSError):  # a record of it (the run's events): never fatal
@@ -132,10 +137,12 @@ def lift_hold(slurm: SlurmClient, job_id: str, after: int, may_leave: Callable[[
 
 
 def stay_as_last(slurm: SlurmClient, job_id: str, after: int = AFTER_S, restarts: int = 0,
-                 wait_s: float = WAIT_S, on_lifted: Callable[[], object] = lambda: None) -> bool:
+                 wait_s: float = WAIT_S, on_lifted: Callable[[], object] = lambda: None,
+                 terminated_at: float | None = None) -> bool:
     """This process, of a job being requeued, ends what it started, lifts the hold while anything
     else of the job runs on its node, and returns as the last one (or once the job turns out not
-    to be requeued): the caller then ends. True where the hold was lifted."""
+    to be requeued): the caller then ends. True where the hold was lifted. terminated_at: when
+    Slurm's TERM came (time.monotonic(); None: now), from which its KILL follows after KillWait."""
     end_descendants()
     me, node = os.getpid(), os.environ.get("SLURMD_NODENAME", "")
 
@@ -148,14 +155,27 @@ def stay_as_last(slurm: SlurmClient, job_id: str, after: int = AFTER_S, restarts
             pids = slurm.job_pids_here(job_id)
         except FtError:
             pids = None
-        return pids is None or me not in pids or not set(pids) - {me}
+        if pids is None or me not in pids:
+            return True
+        # Still running: not this process, nor the scontrol it ran to ask (listed too, gone since).
+        return not [pid for pid in pids if pid != me and os.path.exists(f"/proc/{pid}")]
 
-    ahead = max(AFTER_S, after) + LEAVING_MARGIN_S
+    try:
+        kill_wait = slurm.config_seconds("KillWait")
+    except FtError:
+        kill_wait = None
+    # 30 s: Slurm's default.
+    kill_at = (terminated_at or time.monotonic()) + (30 if kill_wait is None else kill_wait)
+
+    def ahead() -> int:
+        near_kill = time.monotonic() > kill_at - 2 * POLL_S - 1
+        return max(AFTER_S, after) + (KILL_MARGIN_S if near_kill else LEAVING_MARGIN_S)
+
     lifted = lift_hold(slurm, job_id, ahead, last_one, restarts, wait_s, on_lifted)
     if lifted:  # the begin time from the moment it leaves
         with contextlib.suppress(FtError):
-            slurm.start_after(job_id, ahead)
-        log(f"job {job_id}: nothing else of it runs: leaving, its begin time {ahead} s ahead")
+            slurm.start_after(job_id, ahead())
+        log(f"job {job_id}: nothing else of it runs: leaving, its begin time {ahead()} s ahead")
     return lifted
 
 
