@@ -167,7 +167,7 @@ def test_an_unreachable_node_is_marked_down_with_the_run_named(job, capfd):
     assert (run_dir / "launch-failures").read_text() == "7 none node2\n"  # no checkpoint yet
     # The requeue may start at once (the first loss in a row): this process, the job's last here,
     # kept its begin time ahead (1 s and Slurm's margin: requeue.LEAVING_MARGIN_S) as it ended.
-    assert slurm.lifted == [("7", 3)]
+    assert slurm.lifted == [("7", 4)]
     assert "requeue_hold_lifted" in (run_dir / "events.jsonl").read_text()
     assert code == 143  # ended by Slurm's requeue (TERM), as it marked the node DOWN
     log = batch_log(capfd)
@@ -198,7 +198,7 @@ def test_without_operator_rights_the_job_waits_for_slurm_to_notice(job, capfd, m
     monkeypatch.setattr("toolkit.job.controller.POLL_S", 0.05)
     slurm = FakeSlurm(["node1", "node2", "node3"], operator=False)
     code, _, _ = job(slurm=slurm, STARTED="node1 node3", UNREACHED="node2")
-    assert code == 143 and slurm.lifted == [("7", 3)]
+    assert code == 143 and slurm.lifted == [("7", 4)]
     assert "needs Slurm operator rights: waiting up to 90 s" in batch_log(capfd)
 
 
@@ -209,7 +209,7 @@ def earlier_losses(run_dir: Path, count: int, step: int = 40, checkpoint: int = 
 
 def test_a_node_lost_again_is_requeued_after_a_backoff(job):
     code, slurm, _ = job(during=lambda c: earlier_losses(c.layout.root, 2), STARTED="node1 node3", UNREACHED="node2")
-    assert slurm.lifted == [("7", 62)] and slurm.downed[0][0] == "node2"
+    assert slurm.lifted == [("7", 63)] and slurm.downed[0][0] == "node2"
 
 
 def test_requeues_stop_after_the_runs_budget(job, capfd):
@@ -221,7 +221,7 @@ def test_requeues_stop_after_the_runs_budget(job, capfd):
 def test_the_budget_is_the_recipes(job):
     code, slurm, _ = job(watchdog={"max_requeues": 5}, during=lambda c: earlier_losses(c.layout.root, 3),
                          STARTED="node1 node3", UNREACHED="node2")
-    assert slurm.lifted == [("7", 92)] and code == 143
+    assert slurm.lifted == [("7", 93)] and code == 143
 
 
 def test_losses_with_a_new_checkpoint_between_count_afresh(job):
@@ -232,7 +232,7 @@ def test_losses_with_a_new_checkpoint_between_count_afresh(job):
         (controller.layout.root / "checkpoints.json").write_text('{"shared": {"step": 60, "at": 1}}')
 
     _, slurm, run_dir = job(during=five_losses_each_after_a_checkpoint, STARTED="node1 node3", UNREACHED="node2")
-    assert slurm.lifted == [("7", 3)]  # the first in a row: no backoff
+    assert slurm.lifted == [("7", 4)]  # the first in a row: no backoff
     assert (run_dir / "launch-failures").read_text().splitlines()[-1] == "7 60 node2"
 
 
@@ -249,7 +249,7 @@ def test_the_time_limit_near_checkpoints_then_requeues_at_once(job, capfd):
     code, _, _ = job(slurm=slurm, during=time_limit_near(1.0), UNTIL_SIGNAL="1")
     log = batch_log(capfd)
     assert "time limit near: checkpointing, then requeueing job 7" in log
-    assert code == 0 and slurm.requeued == ["7"] and slurm.lifted == [("7", 3)]
+    assert code == 0 and slurm.requeued == ["7"] and slurm.lifted == [("7", 4)]
 
 
 def test_the_time_limit_signal_after_the_run_finished_requeues_nothing(job, capfd):
@@ -315,7 +315,7 @@ def test_nodes_lost_in_training_requeue_the_job_without_marking_them(job, capfd)
         controller.supervised = lambda argv: Watchdog().run()
 
     code, _, _ = job(slurm=slurm, during=lost_in_training)
-    assert code == 143 and slurm.requeued == ["7"] and slurm.downed == [] and slurm.lifted == [("7", 3)]
+    assert code == 143 and slurm.requeued == ["7"] and slurm.downed == [] and slurm.lifted == [("7", 4)]
     assert "is requeued without node3 (lost nodes, requeue 1 of at most 3)" in batch_log(capfd)
 
 

@@ -93,7 +93,7 @@ def test_the_begin_time_is_kept_ahead_until_nothing_else_of_the_job_runs_here(mo
     # pid 1: a process still running; 999999999: the scontrol that listed it, gone since
     slurm = ScriptedSlurm(["COMPLETING 1"], pids=[[me, 1], [me, 1], [me, 999999999]])
     assert requeue.stay_as_last(slurm, "41", after=1, restarts=0)
-    assert slurm.started_after == [("41", 3)] * 4  # at each look, and once more as it leaves
+    assert slurm.started_after == [("41", 4)] * 4  # at each look, and once more as it leaves
 
 
 def test_as_slurms_kill_nears_the_begin_time_is_kept_further_ahead(monkeypatch):
@@ -120,7 +120,7 @@ def test_where_slurm_cannot_list_the_jobs_processes_it_leaves_at_once(monkeypatc
     monkeypatch.setattr(requeue, "POLL_S", 0.01)
     slurm = ScriptedSlurm(["PENDING 1"], pids=None)
     assert requeue.stay_as_last(slurm, "41", restarts=0)
-    assert slurm.started_after == [("41", 3), ("41", 3)]
+    assert slurm.started_after == [("41", 4), ("41", 4)]
 
 
 def test_a_refused_update_is_tried_again_until_the_wait_ends(monkeypatch):

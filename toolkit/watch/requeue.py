@@ -37,15 +37,14 @@ from toolkit.slurm.commands import expand_hostlist
 # The begin time kept ahead at each look: a second, the credential clock's resolution. The job's new
 # credential then dates after its old one's revocation (made at the requeue, before any update).
 AFTER_S = 1
-# Between two looks, and after the last process here left or Slurm's KILL ended it (ranks that hang
-# on a lost peer's collective outlive the TERM, and KillWait later the KILL ends every process of the
-# job at once, this one with them: seen on the lab under proctrack/cgroup), the job completes (its
-# steps' ends, the epilog: ~0.1 s on the lab) before its begin time must have come. Begin times are
-# whole seconds: 2 s more, against Slurm's whole hold.
-LEAVING_MARGIN_S = 2
+# Between two looks, and after the last process here left, the job completes before its begin time
+# must have come: its steps' ends (a step whose srun client this process ended retries telling it
+# for ~2 s: its slurmstepd, which no listing shows), the epilog. Begin times are whole seconds: 3 s
+# more, against Slurm's whole hold. (Measured on the lab under proctrack/cgroup: 0.1-2.8 s.)
+LEAVING_MARGIN_S = 3
 # As Slurm's KILL nears (KillWait after the requeue's TERM), more: a step on another node may end a
 # few seconds after its KILL (its slurmstepd retrying a srun that is gone: 2.3 s on the lab).
-KILL_MARGIN_S = 4
+KILL_MARGIN_S = 5
 POLL_S = 0.5  # one `scontrol show job` each: light on the controller, which a failure keeps busy
 # How long the requeue may take to show: it was asked for (or Slurm's TERM came from it) already.
 WAIT_S = 30.0
