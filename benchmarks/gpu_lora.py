@@ -408,9 +408,11 @@ def run_worker(args) -> None:
         model_dir, data = write_worker_inputs(work, args)
         run_dir = work / "shared" / "runs" / "bench"
         (run_dir / "logs").mkdir(parents=True)
-        (run_dir / "recipe.json").write_text(json.dumps(spec_for(str(model_dir), str(data), args, config, total)))
+        site = {"distributed_backend": "nccl" if args.device == "cuda" else "gloo"}  # as ft render writes it
+        (run_dir / "recipe.json").write_text(json.dumps(spec_for(str(model_dir), str(data), args, config, total)
+                                                        | {"site": site}))
         env = dict(os.environ, **distributed_env(args), FT_RUN_DIR=str(run_dir), FT_RUN_ID="bench",
-                   FT_SHARED_ROOT=str(work / "shared"), PYTHONUNBUFFERED="1")
+                   PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         metrics = run_dir / "metrics.jsonl"
         seen: list[tuple[float, dict]] = []

@@ -137,7 +137,7 @@ def spec_for(model: Path, steps: int, every: int | None, device: str) -> dict:
 
 def environment(work: Path, port: int, device: str) -> dict:
     common = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                  MASTER_PORT=str(port), FT_SHARED_ROOT=str(work / "shared"))
+                  MASTER_PORT=str(port))
     if device == "cuda":
         return common | {"FT_DIST_BACKEND": "nccl", "TORCH_EXTENSIONS_DIR": str(work / "torch_extensions")}
     # Both sides get what ft's launcher gives a CPU worker (toolkit.train.workers.worker_env).
@@ -234,7 +234,9 @@ def watch_metrics(path: Path, stamps: dict, stop: threading.Event) -> None:
 def run_ft(work: Path, name: str, spec: dict, port: int, device: str) -> dict:
     run_dir = work / name
     (run_dir / "logs").mkdir(parents=True)
-    (run_dir / "recipe.json").write_text(json.dumps(spec))
+    # What ft's render writes from the cluster profile (toolkit/job/plan.py SitePlan).
+    site = {"distributed_backend": "nccl" if device == "cuda" else "gloo", "shared_root": str(work / "shared")}
+    (run_dir / "recipe.json").write_text(json.dumps(spec | {"site": site}))
     env = environment(work, port, device) | {"FT_RUN_DIR": str(run_dir), "FT_RUN_ID": name}
     stamps: dict[int, tuple[float, int]] = {}
     stop = threading.Event()

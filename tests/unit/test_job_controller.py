@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -350,3 +351,114 @@ def test_losses_in_a_row_follow_the_checkpoint_step(tmp_path):
     (tmp_path / "c.json").write_text('{"shared": {"step": "40"}}')
     assert losses.checkpoint_step(tmp_path / "c.json") is None  # a step is an integer, or none
     assert [requeue_backoff(n) for n in (1, 2, 3)] == [1, 30, 60]
+
+
+# -- found by an adversarial review (session 19) ---------------------------------------------------
+SELF_KILLING_SRUN = """#!/bin/bash
+case "$*" in *toolkit.train.warm) exec /bin/sleep 30 ;; esac
+for node in $STARTED; do touch "$FT_LAUNCH_MARKS/$node"; done
+kill -KILL $$
+"""
+
+
+@pytest.mark.parametrize("watchdog", [False, True])
+def test_a_step_killed_by_a_signal_ends_the_job_as_a_shell_would_say_it(job, tmp_path, watchdog):
+    import subprocess
+
+    def replace_srun(_controller) -> None:
+        (tmp_path / "bin" / "srun").write_text(SELF_KILLING_SRUN)
+
+    code, _, _ = job(watchdog={"enabled": watchdog}, during=replace_srun)
+    assert subprocess.run([sys.executable, "-c", f"import sys; sys.exit({code})"]).returncode in (137, 247)
+    if not watchdog:
+        assert code == 137  # 128 + KILL, as the old bash script exited
+
+
+def test_a_requeue_slurm_does_not_take_fails_the_job(job, monkeypatch, capfd):
+    """The time limit near and `scontrol requeue` not answering (the controller busy): the job neither
+    finished nor goes on, so it must not end as COMPLETED."""
+    from toolkit.errors import FtError
+    from toolkit.watch import requeue
+
+    class Busy(FakeSlurm):
+        def requeue(self, job_id: str) -> bool:
+            self.asked = getattr(self, "asked", 0) + 1
+            raise FtError("`scontrol requeue 7` did not answer within 20 s")
+
+    slurm = Busy(["node1", "node2", "node3"], ends_job=False)
+    code, _, _ = job(slurm=slurm, during=time_limit_near(1.0), UNTIL_SIGNAL="1")
+    assert code == 1 and slurm.asked == 3 and slurm.lifted == []  # asked again, as Slurm may be slow
+    assert "Slurm took no requeue of job 7" in batch_log(capfd)
+    assert requeue.AFTER_S == 1
+
+
+class CancelledWhileAsking(FakeSlurm):
+    """The user's scancel (TERM) while the job asks Slurm something after its step ended."""
+
+    def cancel_now(self) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+
+    def config_seconds(self, name: str) -> int:
+        if name == "SlurmdTimeout":
+            self.cancel_now()
+        return super().config_seconds(name)
+
+    def requeues_preempted(self, job_id: str, partition: str) -> bool:
+        self.cancel_now()
+        return False
+
+
+def test_a_cancel_as_the_job_requeues_itself_is_not_undone(job):
+    from toolkit.watch import exits
+
+    slurm = CancelledWhileAsking(["node1", "node2", "node3"], ends_job=False)
+
+    def lost_in_training(controller) -> None:
+        class Watchdog:
+            excluded = ["node3"]
+
+            def __init__(self):
+                controller.supervisor = self
+
+            def run(self):
+                return exits.NODES_LOST
+
+            def close(self):
+                pass
+
+            def on_signal(self, signum, frame):
+                pass
+
+        controller.supervised = lambda argv: Watchdog().run()
+
+    code, _, _ = job(slurm=slurm, during=lost_in_training)
+    assert code == 143 and slurm.requeued == []
+    stopped, _, _ = job(slurm=CancelledWhileAsking(["node1", "node2", "node3"], ends_job=False), LEAVE="8", STATUS="8")
+    assert stopped == 143
+
+
+def test_a_spec_from_an_older_script_takes_the_site_from_what_that_script_exported(tmp_path, monkeypatch):
+    """A job requeued across an upgrade of ft reruns the script it was submitted with: its spec has no
+    `site`, its values are the variables that script exported."""
+    import subprocess
+
+    from toolkit.recipe.run_spec import RunSpec
+
+    spec = json.loads(run_spec_json())
+    del spec["site"]
+    monkeypatch.setenv("FT_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("FT_DIST_BACKEND", "gloo")
+    monkeypatch.setenv("FT_S3_PREFIX", "s3://ckpt")
+    old = RunSpec.model_validate_json(json.dumps(spec))
+    assert (old.site.distributed_backend, old.site.s3_prefix, old.site.receipt_signer) == ("gloo", "s3://ckpt", "")
+    # And the entry that script runs is still there (its usage, without a step to run).
+    legacy = subprocess.run([sys.executable, "-m", "toolkit.watch.supervise"], capture_output=True, text=True,
+                            cwd=REPO)
+    assert legacy.returncode == 2 and "usage" in legacy.stderr
+
+
+def run_spec_json() -> str:
+    resolved = resolve(REPO / "recipes" / "tiny-lora-sft.yaml", "lab")
+    script = render(resolved, RunPlacement("r1", "/shared/runs/r1"), login_python=sys.executable)
+    return script.split("<<'FT_RECIPE_JSON'\n", 1)[1].split("\nFT_RECIPE_JSON\n", 1)[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import os
 import stat
@@ -364,7 +365,9 @@ def logs(run_id: str = typer.Argument(None, help="The run (default: the newest o
                     typer.echo(text, nl=False)
         elif not follow:
             available = sorted(p.name for p in RunLayout(store.run_dir(run_id)).logs.glob("*"))
-            job = client.job(job_id) if job_id else None
+            job = None
+            with contextlib.suppress(FtError):  # Slurm away: the missing log is said all the same
+                job = client.job(job_id) if job_id else None
             raise FtError(f"no log at {path}" + ("" if job and job.finished else " yet"),
                           hint="logs there: " + (", ".join(available) or "none")
                           + ("; --node takes a node's name (node-<name>.log)" if node else ""))

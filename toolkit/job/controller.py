@@ -82,6 +82,9 @@ class JobController:
             print(f"ft: {exc.message} ({exc.hint})", file=sys.stderr, flush=True)
             return exits.USER_ERROR
         self.register()
+        if "FT_MAX_LAUNCH_REQUEUES" in os.environ:
+            say("FT_MAX_LAUNCH_REQUEUES is no longer read: the recipe's watchdog.max_requeues is "
+                f"({self.spec.recipe.watchdog.max_requeues})")
         self.allocation = self.slurm.hostnames(os.environ["SLURM_JOB_NODELIST"])
         self.prepare_environment()
         status = self.launch()
@@ -160,7 +163,8 @@ class JobController:
         with open(self.marks / SRUN_ERRORS, "ab") as errors:
             self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=errors)
         self.pass_on()
-        return self.process.wait()
+        code = self.process.wait()
+        return 128 - code if code < 0 else code  # srun ended by a signal: as a shell says it (137: KILL)
 
     # -- Slurm's signals -----------------------------------------------------------------------
     def on_signal(self, signum: int, _frame=None) -> None:
@@ -196,8 +200,7 @@ class JobController:
         if self.layout.done.exists():  # the signal came as the run ended: nothing to go on with
             say(f"time limit near, but run {self.run_id} has finished: not requeueing")
             return exits.DONE
-        self.requeue_itself()
-        return exits.DONE
+        return self.requeue_itself()
 
     # -- the requeue ---------------------------------------------------------------------------
     def expect_requeue(self, _job_id: str = "", after: int = requeue.AFTER_S) -> None:
@@ -205,11 +208,18 @@ class JobController:
         process lifts its hold before it ends (lift_requeue_hold)."""
         self.requeue_after = after
 
-    def requeue_itself(self, after: int = requeue.AFTER_S) -> None:
+    def requeue_itself(self, after: int = requeue.AFTER_S) -> int:
+        """The job requeued to go on from its checkpoint: 0, or 1 where Slurm took no requeue (the
+        job ends failed, not completed: it neither finished nor goes on)."""
         self.expect_requeue(after=after)
         self.terminated_at = time.monotonic()  # Slurm's TERM follows the requeue at once
-        self.ask(lambda: self.slurm.requeue(self.job_id), False)
+        if not requeue.retried(lambda: self.slurm.requeue(self.job_id), f"requeueing job {self.job_id}"):
+            self.requeue_after = None
+            say(f"Slurm took no requeue of job {self.job_id}: the run goes on from its checkpoint once submitted "
+                "again (ft submit, or sbatch this script)")
+            return 1
         self.lift_requeue_hold()
+        return exits.DONE
 
     def lift_requeue_hold(self) -> None:
         """Slurm holds a requeued job for its credential lifetime (cred_expire: 120 s by default)
@@ -253,6 +263,8 @@ class JobController:
                 "not requeueing again. Check those nodes (sinfo -R), then resubmit.")
             return
         wait_s = (self.ask(lambda: self.slurm.config_seconds("SlurmdTimeout"), None) or 300) * 3 + 60
+        if self.signal is not None:  # cancelled (or the time limit) meanwhile: not requeued against it
+            return
         self.expect_requeue(after=requeue_backoff(failures))
         if when == "launch":
             for node in lost:
@@ -284,8 +296,10 @@ class JobController:
                 say(f"preempted: the ranks stopped after a checkpoint, and Slurm requeues job {self.job_id} to go "
                     "on from it")
             else:
+                if self.signal == signal.SIGTERM:  # cancelled meanwhile: not requeued against it
+                    return TERMINATED
                 say(f"the ranks stopped on request after a checkpoint: requeueing job {self.job_id} to go on from it")
-                self.requeue_itself()
+                return self.requeue_itself()
             return exits.DONE
         elif status == exits.OUT_OF_MEMORY:
             say("out of memory again with a smaller micro batch: lower data.max_seq_len or training.micro_batch, "

@@ -113,8 +113,8 @@ def first_to_report(marks: str | None, what: str) -> bool:
     return True
 
 
-# This launcher asked Slurm to requeue the job (its batch host lost), or may see Slurm do it (the
-# batch host quiet, its slurmd answering): it lifts Slurm's hold on the requeued job as it ends.
+# This launcher asked Slurm to requeue the job (its batch host lost): it lifts Slurm's hold on the
+# requeued job as it ends.
 REQUEUE_EXPECTED = threading.Event()
 REQUEUED_AT: list[float] = []  # when this launcher asked for it (time.monotonic()): Slurm's TERM follows
 
@@ -136,9 +136,7 @@ def batch_host_lost(node: str, quiet: float) -> None:
     marks = os.environ.get("FT_LAUNCH_MARKS")
     if slurmd_answers(os.environ.get("FT_WATCH_ADDR", batch_host)):
         log(f"the supervisor on {batch_host} did not answer for {quiet:.0f} s, but the node's slurmd does: "
-            "left to Slurm (a requeue it makes starts at once)")
-        if first_to_report(marks, "batch-host-silent"):
-            REQUEUE_EXPECTED.set()
+            "left to Slurm")
         return
     if not first_to_report(marks, "batch-host-lost"):
         log(f"the batch host {batch_host} did not answer for {quiet:.0f} s: another node reports it")

@@ -10,7 +10,7 @@
 
 Inside the job a receipt that cannot be written is said in the log and never stops training (the
 receipt then fails `ft receipt verify`, naming the gap); at submit it stops the submission, before
-anything is queued. Sealing asks the site's signer (FT_RECEIPT_SIGNER, its socket) while the job runs.
+anything is queued. Sealing asks the site's signer (its socket: the run spec's site.receipt_signer) while the job runs.
 """
 
 from __future__ import annotations

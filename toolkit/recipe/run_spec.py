@@ -4,6 +4,7 @@ read back, typed, by the launchers, the watchdog and the ranks. Importable witho
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from pydantic import ConfigDict, Field, model_validator
@@ -51,6 +52,20 @@ class RunSpec(Strict):
     derived: Derived
     site: SitePlan = SitePlan()
     step: StepPlan = StepPlan()
+
+    @model_validator(mode="before")
+    @classmethod
+    def site_of_an_older_script(cls, data: object) -> object:
+        """A spec rendered by ft before it carried the site (a job requeued across an upgrade of ft
+        reruns the script it was submitted with): its values from the variables that script
+        exported, as they were read then."""
+        if isinstance(data, dict) and "site" not in data and "recipe" in data and "FT_RUN_DIR" in os.environ:
+            legacy = {"cluster": "FT_CLUSTER", "shared_root": "FT_SHARED_ROOT",
+                      "distributed_backend": "FT_DIST_BACKEND", "s3_prefix": "FT_S3_PREFIX",
+                      "s3_models": "FT_S3_MODELS", "monitoring_targets": "FT_MONITORING_TARGETS",
+                      "receipt_signer": "FT_RECEIPT_SIGNER"}
+            data = {**data, "site": {field: os.environ[name] for field, name in legacy.items() if name in os.environ}}
+        return data
 
     @model_validator(mode="after")
     def derived_from_the_recipe(self) -> RunSpec:

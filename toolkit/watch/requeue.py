@@ -56,8 +56,8 @@ def log(message: str) -> None:
         print(f"ft-requeue: {time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process started by `pid`, and by those, read from /proc (parents first)."""
+def process_children() -> dict[int, list[int]]:
+    """Each process's children, read from /proc."""
     children: dict[int, list[int]] = {}
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
@@ -66,6 +66,12 @@ def descendants(pid: int) -> list[int]:
             except OSError:  # gone meanwhile
                 continue
             children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+    return children
+
+
+def descendants(pid: int, children: dict[int, list[int]] | None = None) -> list[int]:
+    """Every process started by `pid`, and by those (parents first)."""
+    children = process_children() if children is None else children
     found, parents = [], [pid]
     while parents:
         for child in children.get(parents.pop(0), []):
@@ -75,20 +81,23 @@ def descendants(pid: int) -> list[int]:
 
 
 def end_descendants(wait_s: float = 2.0) -> None:
-    """KILL to every process this one started (srun's clients of the job's steps, ranks), and the
-    children reaped: a requeued job completes only once all of them are gone, and a client of a
+    """KILL to every process this one started (srun's clients of the job's steps, ranks), and its
+    own children reaped: a requeued job completes only once all of them are gone, and a client of a
     step that spanned a lost node never ends by itself (seen on the lab under proctrack/cgroup)."""
-    for pid in descendants(os.getpid()):
+    me, children = os.getpid(), process_children()
+    for pid in descendants(me, children):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:  # none left to reap
-            return
-        if pid == 0:
-            time.sleep(0.02)
+    # Its own children only: a waitpid(-1) would take another thread's child's status (a Popen's).
+    unreaped, deadline = set(children.get(me, [])), time.monotonic() + wait_s
+    while unreaped and time.monotonic() < deadline:
+        for pid in list(unreaped):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    unreaped.discard(pid)
+            except ChildProcessError:  # reaped by its owner meanwhile
+                unreaped.discard(pid)
+        time.sleep(0.02)
 
 
 def lift_hold(slurm: SlurmClient, job_id: str, after: int | Callable[[], int], may_leave: Callable[[JobInfo], bool],
@@ -131,7 +140,8 @@ def lift_hold(slurm: SlurmClient, job_id: str, after: int | Callable[[], int], m
         elif lifted:  # started again already
             return True
         time.sleep(POLL_S)
-    log(f"job {job_id} was not requeued within {wait_s:.0f} s: left as it is")
+    if not lifted:
+        log(f"job {job_id} was not requeued within {wait_s:.0f} s: left as it is")
     return lifted
 
 
@@ -174,7 +184,8 @@ def stay_as_last(slurm: SlurmClient, job_id: str, after: int = AFTER_S, restarts
     if lifted:  # the begin time from the moment it leaves
         with contextlib.suppress(FtError):
             slurm.start_after(job_id, ahead())
-        log(f"job {job_id}: nothing else of it runs: leaving, its begin time {ahead()} s ahead")
+        log(f"job {job_id}: nothing else of it runs here or completes elsewhere: leaving, its begin time "
+            f"{ahead()} s ahead")
     return lifted
 
 

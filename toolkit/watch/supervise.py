@@ -30,6 +30,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from pathlib import Path
 from toolkit.errors import FtError
 from toolkit.launch.rendezvous import job_secret
 from toolkit.receipts import entries as receipt_entries
-from toolkit.runs.layout import RunLayout
+from toolkit.runs.layout import RunLayout, RunSpecError
 from toolkit.runs.timeline import record
 from toolkit.slurm import steps
 from toolkit.slurm.client import CliSlurmClient, SlurmClient
@@ -540,3 +541,32 @@ class Supervisor:
         self.stopping.set()
         if self.process and self.process.poll() is None:
             self.process.send_signal(signum)
+
+
+def main(argv: list[str]) -> int:
+    """What a job script rendered by an older ft runs (`python -m toolkit.watch.supervise -- srun ...`,
+    its requeue logic in bash): a job requeued across an upgrade of ft reruns the script it was
+    submitted with. The supervisor as it was then; the lost nodes for that script in
+    FT_LAUNCH_MARKS/lost-nodes. New scripts run the job itself (python -m toolkit.job)."""
+    if "--" not in argv or argv.index("--") == len(argv) - 1:
+        print("usage: python -m toolkit.watch.supervise -- srun [options] COMMAND", file=sys.stderr)
+        return 2
+    log("this job script was rendered by an older ft: it runs as it did then; render it again (ft render) for "
+        "the job controller (toolkit/job)")
+    run_dir = Path(os.environ["FT_RUN_DIR"])
+    try:
+        supervisor = Supervisor(argv[argv.index("--") + 1:], run_dir)
+    except RunSpecError as exc:
+        print(f"ft-watch: {exc}", file=sys.stderr, flush=True)
+        exits.leave_exit_status(run_dir, exits.USER_ERROR)
+        return exits.USER_ERROR
+    signal.signal(signal.SIGUSR2, supervisor.on_signal)
+    signal.signal(signal.SIGTERM, supervisor.on_signal)
+    code = supervisor.run()
+    if code == exits.NODES_LOST and supervisor.marks is not None:
+        (supervisor.marks / "lost-nodes").write_text("\n".join(supervisor.excluded) + "\n")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
