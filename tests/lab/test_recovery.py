@@ -306,7 +306,7 @@ def test_a_run_near_its_time_limit_checkpoints_requeues_and_resumes(tiny_baselin
     assert [e["job"] for e in events(run) if e["event"] == "requeue_hold_lifted"] == [run["job_id"]] * len(stops)
     # The ranks stopped after their checkpoint, so the job's script was its last process (proctrack/cgroup
     # tracks them all), and left with the begin time ahead: no hold on the requeued job.
-    assert batch_log.count("nothing else of it runs: leaving") == len(stops), batch_log[-3000:]
+    assert batch_log.count(": leaving, its begin time") == len(stops), batch_log[-3000:]
     assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after the time limit at {stops}")
 
 

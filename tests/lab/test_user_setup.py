@@ -104,7 +104,9 @@ def test_readme_lines_take_a_clean_home_to_a_completed_run(user_path, carol):
     assert profile["python"].startswith(f"/var/lib/ft-lab/shared/envs/uid-{carol['uid']}/mylab/ft-")
     # The job ran the prepared environment's interpreter, not the login install's.
     script = (run_dir / "job.sbatch").read_text()
-    assert f"{profile['python']} -m toolkit.launch" in script and ".local/share/ft" not in script
+    spec = json.loads((run_dir / "recipe.json").read_text())
+    assert spec["step"]["python"] == profile["python"] and ".local/share/ft" not in script  # the ranks'
+    assert script.rstrip().endswith(f"exec {profile['python']} -m toolkit.job")  # and the job's own
     assert {"free", "standard", "premium"} == set(profile["tiers"]) and profile["default_account"] == "research"
 
 
