@@ -289,32 +289,34 @@ def test_a_stop_on_request_is_requeued_unless_slurm_requeues_the_preempted_job(j
     assert code == 0 and slurm.requeued == requeued
 
 
+def lost_in_training(controller) -> None:
+    """The watchdog hands back node3 lost, no spare left (toolkit/watch/supervise.py, tested in test_watch.py)."""
+    from toolkit.watch import exits
+
+    class Watchdog:
+        excluded = ["node3"]
+
+        def __init__(self):
+            controller.supervisor = self
+
+        def run(self):
+            (controller.layout.root / "exit-status").unlink(missing_ok=True)
+            return exits.NODES_LOST
+
+        def close(self):
+            pass
+
+        def on_signal(self, signum, frame):
+            pass
+
+    controller.supervised = lambda argv: Watchdog().run()
+
+
 def test_nodes_lost_in_training_requeue_the_job_without_marking_them(job, capfd):
     """No spare left: the watchdog marked silent nodes DOWN (or left drained ones to their reason);
     the job requeues itself, as Slurm requeues nothing under --no-kill, and lifts the hold."""
-    from toolkit.watch import exits
 
     slurm = FakeSlurm(["node1", "node2", "node3"])
-
-    def lost_in_training(controller) -> None:
-        class Watchdog:  # what the supervisor hands back (toolkit/watch/supervise.py, tested in test_watch.py)
-            excluded = ["node3"]
-
-            def __init__(self, *args, **kwargs):
-                controller.supervisor = self
-
-            def run(self):
-                (controller.layout.root / "exit-status").unlink(missing_ok=True)
-                return exits.NODES_LOST
-
-            def close(self):
-                pass
-
-            def on_signal(self, signum, frame):
-                pass
-
-        controller.supervised = lambda argv: Watchdog().run()
-
     code, _, _ = job(slurm=slurm, during=lost_in_training)
     assert code == 143 and slurm.requeued == ["7"] and slurm.downed == [] and slurm.lifted == [("7", 4)]
     assert "is requeued without node3 (lost nodes, requeue 1 of at most 3)" in batch_log(capfd)
@@ -410,28 +412,8 @@ class CancelledWhileAsking(FakeSlurm):
 
 
 def test_a_cancel_as_the_job_requeues_itself_is_not_undone(job):
-    from toolkit.watch import exits
 
     slurm = CancelledWhileAsking(["node1", "node2", "node3"], ends_job=False)
-
-    def lost_in_training(controller) -> None:
-        class Watchdog:
-            excluded = ["node3"]
-
-            def __init__(self):
-                controller.supervisor = self
-
-            def run(self):
-                return exits.NODES_LOST
-
-            def close(self):
-                pass
-
-            def on_signal(self, signum, frame):
-                pass
-
-        controller.supervised = lambda argv: Watchdog().run()
-
     code, _, _ = job(slurm=slurm, during=lost_in_training)
     assert code == 143 and slurm.requeued == []
     stopped, _, _ = job(slurm=CancelledWhileAsking(["node1", "node2", "node3"], ends_job=False), LEAVE="8", STATUS="8")

@@ -174,7 +174,7 @@ def test_one_surviving_node_reports_a_lost_batch_host(tmp_path, monkeypatch):
             return True
 
     monkeypatch.setattr("toolkit.slurm.client.CliSlurmClient", Slurm)
-    monkeypatch.setattr(node, "REQUEUE_EXPECTED", node.threading.Event())
+    monkeypatch.setattr(node, "REQUEUED_AT", [])
     monkeypatch.setattr(node, "slurmd_answers", lambda address: False)
     (tmp_path / "marks").mkdir()
     for name, value in {"FT_WATCH_NODE": "n1", "SLURM_JOB_ID": "41", "FT_RUN_ID": "run-1",
@@ -182,12 +182,12 @@ def test_one_surviving_node_reports_a_lost_batch_host(tmp_path, monkeypatch):
         monkeypatch.setenv(name, value)
 
     node.batch_host_lost("n1", 5.0)  # the batch host itself: its supervisor is its own business
-    assert calls == [] and not node.REQUEUE_EXPECTED.is_set()
+    assert calls == [] and not node.REQUEUED_AT
     node.batch_host_lost("n2", 5.0)
     node.batch_host_lost("n3", 5.0)
 
     assert [call[:2] for call in calls] == [("requeue", "41"), ("down", "n1")]  # the requeue first
-    assert "run run-1" in calls[1][2] and node.REQUEUE_EXPECTED.is_set()
+    assert "run run-1" in calls[1][2] and bool(node.REQUEUED_AT)
     (event,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert event["event"] == "node_lost" and event["node"] == "n1" and event["reported_by"] == "n2"
 
@@ -209,7 +209,7 @@ def test_a_batch_host_whose_slurmd_answers_is_left_to_slurm(tmp_path, monkeypatc
             return calls.append(("down", node_name)) or True
 
     monkeypatch.setattr("toolkit.slurm.client.CliSlurmClient", Slurm)
-    monkeypatch.setattr(node, "REQUEUE_EXPECTED", node.threading.Event())
+    monkeypatch.setattr(node, "REQUEUED_AT", [])
     monkeypatch.setattr(node, "slurmd_answers", lambda address: next(answers))
     (tmp_path / "marks").mkdir()
     for name, value in {"FT_WATCH_NODE": "n1", "SLURM_JOB_ID": "41", "FT_RUN_DIR": str(tmp_path),
@@ -220,7 +220,7 @@ def test_a_batch_host_whose_slurmd_answers_is_left_to_slurm(tmp_path, monkeypatc
     node.batch_host_lost("n3", 5.0)
     # Nothing to lift either: a launcher that stayed for a requeue that may never come would hold
     # every later end of its step (a restart inside the job, a cancel) for the wait.
-    assert calls == [] and not node.REQUEUE_EXPECTED.is_set() and not (tmp_path / "events.jsonl").exists()
+    assert calls == [] and not node.REQUEUED_AT and not (tmp_path / "events.jsonl").exists()
 
     node.batch_host_lost("n3", 5.0)  # now really lost
     assert calls == [("requeue", "41"), ("down", "n1")]

@@ -228,8 +228,7 @@ class JobController:
         if self.requeue_after is None:
             return
         after, self.requeue_after = self.requeue_after, None
-        restart = os.environ.get("SLURM_RESTART_COUNT", "0")
-        requeue.stay_as_last(self.slurm, self.job_id, after, int(restart) if restart.isdigit() else 0,
+        requeue.stay_as_last(self.slurm, self.job_id, after,
                              on_lifted=lambda: record(self.layout.root, "requeue_hold_lifted", after=after),
                              terminated_at=self.terminated_at)
 

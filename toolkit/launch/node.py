@@ -12,7 +12,6 @@ import json
 import os
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -115,8 +114,7 @@ def first_to_report(marks: str | None, what: str) -> bool:
 
 # This launcher asked Slurm to requeue the job (its batch host lost): it lifts Slurm's hold on the
 # requeued job as it ends.
-REQUEUE_EXPECTED = threading.Event()
-REQUEUED_AT: list[float] = []  # when this launcher asked for it (time.monotonic()): Slurm's TERM follows
+REQUEUED_AT: list[float] = []  # when it asked (time.monotonic()): Slurm's TERM follows at once
 
 
 def batch_host_lost(node: str, quiet: float) -> None:
@@ -152,7 +150,6 @@ def batch_host_lost(node: str, quiet: float) -> None:
     if os.environ.get("FT_RUN_DIR"):
         with contextlib.suppress(OSError):
             record(Path(os.environ["FT_RUN_DIR"]), "node_lost", node=batch_host, reason=why, reported_by=node)
-    REQUEUE_EXPECTED.set()
     slurm = CliSlurmClient()
     REQUEUED_AT.append(time.monotonic())
     requeued = retried(lambda: slurm.requeue(job), f"requeueing job {job}")
@@ -168,16 +165,14 @@ def lift_requeue_hold() -> None:
     from toolkit.slurm.client import CliSlurmClient
     from toolkit.watch.requeue import stay_as_last
 
-    job, restart = os.environ.get("SLURM_JOB_ID", ""), os.environ.get("SLURM_RESTART_COUNT", "0")
-    run_dir = os.environ.get("FT_RUN_DIR")
+    job, run_dir = os.environ.get("SLURM_JOB_ID", ""), os.environ.get("FT_RUN_DIR")
 
     def lifted() -> None:
         if run_dir:
             record(Path(run_dir), "requeue_hold_lifted", after=1)
 
     if job:
-        stay_as_last(CliSlurmClient(), job, restarts=int(restart) if restart.isdigit() else 0, on_lifted=lifted,
-                     terminated_at=REQUEUED_AT[0] if REQUEUED_AT else None)
+        stay_as_last(CliSlurmClient(), job, on_lifted=lifted, terminated_at=REQUEUED_AT[0])
 
 
 def train(run_dir: Path, node_rank: int, nodes: int, beat: Sender | None) -> int:
@@ -208,8 +203,8 @@ def main() -> None:
     beat = start_heartbeat(os.environ.get("SLURMD_NODENAME") or host)
     code = run_node(run_dir, mode, node_rank, nodes, host, beat)
     if beat:
-        beat.stop(code, linger=0 if REQUEUE_EXPECTED.is_set() else beat.silence_s + 2 if code else 0)
-    if REQUEUE_EXPECTED.is_set() and code != 0:  # ended by Slurm's TERM: the requeue (or a cancel)
+        beat.stop(code, linger=0 if REQUEUED_AT else beat.silence_s + 2 if code else 0)
+    if REQUEUED_AT and code != 0:  # ended by Slurm's TERM: the requeue (or a cancel)
         lift_requeue_hold()
     sys.exit(code)
 

@@ -145,13 +145,17 @@ def lift_hold(slurm: SlurmClient, job_id: str, after: int | Callable[[], int], m
     return lifted
 
 
-def stay_as_last(slurm: SlurmClient, job_id: str, after: int = AFTER_S, restarts: int = 0,
+def stay_as_last(slurm: SlurmClient, job_id: str, after: int = AFTER_S, restarts: int | None = None,
                  wait_s: float = WAIT_S, on_lifted: Callable[[], object] = lambda: None,
                  terminated_at: float | None = None) -> bool:
     """This process, of a job being requeued, ends what it started, lifts the hold while anything
     else of the job runs on its node, and returns as the last one (or once the job turns out not
     to be requeued): the caller then ends. True where the hold was lifted. terminated_at: when
-    Slurm's TERM came (time.monotonic(); None: now), from which its KILL follows after KillWait."""
+    Slurm's TERM came (time.monotonic(); None: now), from which its KILL follows after KillWait.
+    restarts: the job's restart count before the requeue (None: this start's, SLURM_RESTART_COUNT)."""
+    if restarts is None:
+        count = os.environ.get("SLURM_RESTART_COUNT", "0")
+        restarts = int(count) if count.isdigit() else 0
     end_descendants()
     me, node = os.getpid(), os.environ.get("SLURMD_NODENAME", "")
 
