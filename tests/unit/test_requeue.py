@@ -216,13 +216,13 @@ def test_a_batch_host_whose_slurmd_answers_is_left_to_slurm(tmp_path, monkeypatc
                         "FT_LAUNCH_MARKS": str(tmp_path / "marks")}.items():
         monkeypatch.setenv(name, value)
 
-    node.batch_host_lost("n2", 5.0)
-    node.batch_host_lost("n3", 5.0)
+    assert node.batch_host_lost("n2", 1.0, timeout=10) is False  # asked again while the silence lasts
+    assert node.batch_host_lost("n3", 10.0, timeout=10) is True  # the timeout reached: Slurm's to judge
     # Nothing to lift either: a launcher that stayed for a requeue that may never come would hold
     # every later end of its step (a restart inside the job, a cancel) for the wait.
     assert calls == [] and not node.REQUEUED_AT and not (tmp_path / "events.jsonl").exists()
 
-    node.batch_host_lost("n3", 5.0)  # now really lost
+    assert node.batch_host_lost("n3", 1.0, timeout=10) is True  # now really lost
     assert calls == [("requeue", "41"), ("down", "n1")]
     (event,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert event["event"] == "node_lost" and event["reported_by"] == "n3"

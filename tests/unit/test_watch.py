@@ -48,22 +48,41 @@ def test_heartbeats_reach_the_receiver_and_forged_replayed_or_stale_ones_do_not(
 
 
 def test_a_launcher_notices_once_when_the_supervisor_stops_answering():
+    from toolkit.watch.silence import QUIET_S
+
     receiver = Receiver(SECRET, host="127.0.0.1")
     silences = []
 
-    def report(quiet: float) -> None:  # telling Slurm takes a while (scontrol, twice)
+    def report(quiet: float) -> bool:  # telling Slurm takes a while (scontrol, twice)
         time.sleep(1.0)
         silences.append(quiet)
+        return True
 
-    sender = Sender("127.0.0.1", receiver.port, SECRET, "node2", receiver.next_start(), state=dict, silence_s=1.5,
+    sender = Sender("127.0.0.1", receiver.port, SECRET, "node2", receiver.next_start(), state=dict, silence_s=10,
                     on_silence=report).start()
     receiver.poll(time.monotonic() + 2.5)  # answers each heartbeat
     assert sender.answered is not None and silences == []
     receiver.close()  # the batch host is gone; and the launcher fails (its collective broke)
     began = time.monotonic()
     sender.stop(1, linger=4)
-    # Reported once, and the report was through before the launcher could end.
-    assert len(silences) == 1 and silences[0] >= 1.5 and time.monotonic() - began < 5
+    # Asked about after QUIET_S, not the 10 s timeout; reported once, and the report was through
+    # before the launcher could end.
+    assert len(silences) == 1 and QUIET_S <= silences[0] < QUIET_S + 1 and time.monotonic() - began < 4
+
+
+def test_a_silence_not_yet_judged_is_asked_about_again_while_it_lasts():
+    """The batch host's slurmd still answers (a supervisor starved of CPU, say): asked again while
+    the silence lasts, until it is judged; a heartbeat answered again ends the asking."""
+    receiver = Receiver(SECRET, host="127.0.0.1")
+    asked = []
+    sender = Sender("127.0.0.1", receiver.port, SECRET, "node2", receiver.next_start(), state=dict, silence_s=10,
+                    on_silence=lambda quiet: asked.append(quiet) or len(asked) == 3).start()
+    receiver.poll(time.monotonic() + 1.0)
+    time.sleep(3)  # the supervisor quiet
+    assert len(asked) == 3 and asked == sorted(asked)  # judged at the third: not asked after
+    receiver.poll(time.monotonic() + 1.0)
+    sender.stop(0)
+    receiver.close()
 
 
 def test_a_failing_launcher_lingers_only_until_the_supervisor_answers():
@@ -100,6 +119,43 @@ def test_a_rank_is_hung_when_late_by_k_median_steps_and_at_least_the_floor():
     fast.feed(0, b"step 10\n", now=began + 2)
     assert fast.hung(now=began + 2 + 4) == {} and fast.hung(now=began + 2 + 6)
     assert len(fast.ranks[0].intervals) == 9  # the save's time is not a step's
+
+
+def test_the_hang_bound_follows_the_runs_own_longest_steps():
+    """Steps of 1 s with now and then one of 8 s (a logging step's sync, a background write): the
+    bound is 3 x the longest (24 s), not 10 x the median (10 s), so the slow ones are not hangs."""
+    progress = NodeProgress([0], HangRule(hang_factor=10, hang_floor=5, startup_timeout=60))
+    now = 0.0
+    for step in range(1, 21):
+        now += 8.0 if step == 10 else 1.0
+        progress.feed(0, f"step {step}\n".encode(), now=now)
+    assert progress.ranks[0].limit(progress.rule) == 24.0
+    assert progress.hung(now=now + 23) == {} and progress.hung(now=now + 25)
+    # The recipe's defaults: a run of 0.3 s steps is hung after the 10 s floor, not two minutes.
+    defaults = NodeProgress([0], HangRule.of(WatchdogSpec()))
+    for step in range(1, 21):
+        defaults.feed(0, f"step {step}\n".encode(), now=step * 0.3)
+    assert defaults.ranks[0].limit(defaults.rule) == 10
+
+
+def test_silence_is_a_loss_at_once_where_the_slurmd_does_not_answer_and_after_the_timeout_otherwise():
+    from toolkit.watch.silence import PROBE_EVERY_S, QUIET_S, SilenceRule
+
+    probed = []
+    rule = SilenceRule(timeout=10, probe=lambda node: probed.append(node) or node != "crashed")
+    assert rule.lost({"crashed": QUIET_S / 2, "busy": QUIET_S / 2}) == {} and probed == []  # too soon to ask
+    lost = rule.lost({"crashed": QUIET_S + 0.1, "busy": QUIET_S + 0.1})
+    assert list(lost) == ["crashed"] and "slurmd does not answer" in lost["crashed"]
+    assert sorted(probed) == ["busy", "crashed"]
+    assert rule.lost({"busy": QUIET_S + 0.2}) == {} and probed.count("busy") == 1  # not asked again so soon
+    time.sleep(PROBE_EVERY_S)
+    assert rule.lost({"busy": QUIET_S + 0.8}) == {} and probed.count("busy") == 2
+    assert rule.lost({"busy": 10.0}) == {"busy": "no heartbeat for 10 s"}  # alive or not: the timeout is the end
+
+    slow = SilenceRule(timeout=10, probe=lambda node: time.sleep(0.4) or False)
+    began = time.monotonic()
+    assert len(slow.lost({f"n{i}": 2.0 for i in range(4)})) == 4
+    assert time.monotonic() - began < 1.2  # four nodes asked at once, not one after the other
 
 
 def test_progress_lines_split_across_reads_count_and_junk_does_not():
@@ -202,9 +258,10 @@ FAKE_SRUN = textwrap.dedent("""
                 sender.send()
     if plan.get("lose"):
         time.sleep(plan.get("linger", 60))  # srun waits for a lost node, as the real one does until it is DOWN
-    for sender in senders.values():
-        sender.exit_code = plan.get("exit", 0)
-        sender.send()
+    for node, sender in senders.items():
+        if node != plan.get("lose"):  # a crashed node says no goodbye
+            sender.exit_code = plan.get("exit", 0)
+            sender.send()
     sys.exit(plan.get("exit", 0))
 """)
 
@@ -216,6 +273,7 @@ class FakeSlurm:
         self.nodes, self.downed, self.drains, self.lifted = nodes, [], drains or {}, []
         self.began = time.monotonic()
         self.not_answering: set[str] = set()  # nodes whose slurmd Slurm says does not answer
+        self.crashed: set[str] = set()  # nodes whose slurmd takes no connection (the plan's lost ones)
 
     def hostnames(self, nodelist: str) -> list[str]:
         return self.nodes
@@ -227,6 +285,9 @@ class FakeSlurm:
     def lift_hold(self, job_id: str) -> None:
         """The job's expect_requeue's stand-in (toolkit/job/controller.py, tested in test_job_controller.py)."""
         self.lifted.append(job_id)
+
+    def slurmd_answers(self, address: str, port: int | None = None) -> bool:
+        return address not in self.crashed  # the test's nodes do not resolve: asked by name
 
     def unresponsive(self, nodes: list[str]) -> list[str]:
         return [node for node in nodes if node in self.not_answering]
@@ -254,6 +315,7 @@ def supervised(tmp_path, monkeypatch, allocation: list[str], nodes: int, plan: d
                         "PYTHONPATH": str(Path(__file__).resolve().parents[2])}.items():
         monkeypatch.setenv(name, value)
     slurm = FakeSlurm(allocation, drains)
+    slurm.crashed = {start["lose"] for start in plan.values() if isinstance(start, dict) and "lose" in start}
     supervisor = Supervisor([str(srun), *srun_options, "python", "-m", "toolkit.launch"], tmp_path, slurm,
                             on_requeue=slurm.lift_hold)
     began = time.monotonic()
@@ -283,6 +345,34 @@ def test_a_lost_node_is_replaced_by_the_spare_inside_the_job(tmp_path, monkeypat
     assert sorted(step["nodes"] for step in warm_steps) == [["n1"], ["n2"], ["n3"]]
     assert [step["nodes"] for step in warm_steps if step["time"] < starts[1]["time"]][-1] == ["n3"]
     assert [s["warm"] for s in starts] == ["1", "1"]
+
+
+def test_a_crashed_node_is_lost_within_two_seconds_and_a_quiet_one_that_answers_is_not(tmp_path, monkeypatch):
+    """n2 crashes at the start (one heartbeat, then nothing; its slurmd gone): lost within QUIET_S and
+    a probe, whatever the 10 s heartbeat timeout. In the second run n3 goes quiet for 3 s (its
+    heartbeats dropped, its slurmd answering): it keeps its place."""
+    code, starts, events, _, _ = supervised(tmp_path, monkeypatch, ["n1", "n2", "n3"], 2,
+                                            {"1": {"lose": "n2", "seconds": 3}}, heartbeat_timeout=10)
+    start, lost = events[0], next(e for e in events if e["event"] == "node_lost")
+    assert code == 0 and lost["node"] == "n2" and "slurmd does not answer" in lost["reason"]
+    assert lost["time"] - start["time"] < 2.0
+    for used in ("srun.log", "events.jsonl"):
+        (tmp_path / used).unlink()
+    code, starts, events, slurm, _ = supervised(tmp_path, monkeypatch, ["n1", "n2", "n3"], 2,
+                                                {"1": {"mute": "n2", "mute_for": 3, "seconds": 4}},
+                                                heartbeat_timeout=10)
+    assert code == 0 and len(starts) == 1 and slurm.downed == [] and "node_lost" not in [e["event"] for e in events]
+
+
+def test_a_node_that_crashed_as_the_step_failed_is_lost_not_started_on_again(tmp_path, monkeypatch):
+    """A crash breaks the other nodes' collectives at once: the step fails before the node's silence
+    is long enough to judge. The node that said no goodbye and whose slurmd does not answer is lost
+    all the same, and the restart goes to the spare, not back to it."""
+    code, starts, events, slurm, _ = supervised(tmp_path, monkeypatch, ["n1", "n2", "n3"], 2,
+                                                {"1": {"lose": "n2", "exit": 1, "seconds": 0.2, "linger": 0}})
+    assert code == 0 and [s["nodes"] for s in starts] == [["n1", "n2"], ["n1", "n3"]]
+    assert [node for node, _ in slurm.downed] == ["n2"]
+    assert [e.get("after") for e in events if e["event"] == "restart"] == ["node_lost"]
 
 
 def test_the_batch_host_waits_as_the_last_spare(tmp_path, monkeypatch):
@@ -384,15 +474,17 @@ def test_a_stop_signal_in_the_restart_pause_is_not_lost(tmp_path, monkeypatch):
     def signal_in_the_pause(supervisor):
         events = tmp_path / "events.jsonl"
         wait_until = time.monotonic() + 20
-        while time.monotonic() < wait_until and not (events.exists() and '"restart"' in events.read_text()):
+        # The first restart is at once; the second after a second's pause.
+        while time.monotonic() < wait_until and not (events.exists() and events.read_text().count('"event": "restart"') == 2):
             time.sleep(0.05)
         supervisor.on_signal(15, None)
 
-    code, starts, events, _, _ = supervised(tmp_path, monkeypatch, ["n1"], 1, {"1": {"exit": 1, "seconds": 0.3}},
+    code, starts, events, _, _ = supervised(tmp_path, monkeypatch, ["n1"], 1, {"1": {"exit": 1, "seconds": 0.3},
+                                                                              "2": {"exit": 1, "seconds": 0.3}},
                                             during=signal_in_the_pause)
     from toolkit.watch import exits
 
-    assert code == exits.STOPPED and len(starts) == 1  # no new start after the signal
+    assert code == exits.STOPPED and len(starts) == 2  # no new start after the signal
 
 
 def test_a_finished_run_is_never_restarted_and_a_quiet_node_at_a_success_is_not_lost(tmp_path, monkeypatch):
@@ -403,7 +495,7 @@ def test_a_finished_run_is_never_restarted_and_a_quiet_node_at_a_success_is_not_
     for used in ("events.jsonl",):
         (tmp_path / used).unlink()
     code, starts, events, slurm, _ = supervised(tmp_path, monkeypatch, ["n1", "n2", "n3"], 2,
-                                                {"1": {"lose": "n2", "seconds": 0.3, "linger": 1.0}})
+                                                {"1": {"lose": "n2", "seconds": 0.3, "linger": 0.5}})
     assert code == 0 and len(starts) == 1 and slurm.downed == []
 
 

@@ -8,6 +8,7 @@ workers. Exit status: 0 done, 1 failed (Slurm may requeue), 3 the node cannot ru
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -81,20 +82,21 @@ def start_heartbeat(node: str) -> Sender | None:
         return None
     silence = float(os.environ.get("FT_WATCH_TIMEOUT", "10"))
     return Sender(address, int(port), job_secret(), node, int(os.environ.get("FT_WATCH_START", "0")),
-                  state=dict, silence_s=silence, on_silence=lambda quiet: batch_host_lost(node, quiet)).start()
+                  state=dict, silence_s=silence, on_silence=lambda quiet: batch_host_lost(node, quiet, silence)).start()
 
 
-SLURMD_PORT = int(os.environ.get("FT_SLURMD_PORT", "6818"))  # Slurm's default SlurmdPort
+@functools.cache
+def slurm_client():
+    """One client for the launcher's life: it reads SlurmdPort once, not at every probe."""
+    from toolkit.slurm.client import CliSlurmClient
+
+    return CliSlurmClient()
 
 
-def slurmd_answers(address: str, timeout: float = 3.0) -> bool:
+def slurmd_answers(address: str) -> bool:
     """Whether the batch host's slurmd accepts a connection: a second opinion, independent of the
     heartbeats (which a flood of junk could drown), before a node is called lost."""
-    try:
-        with socket.create_connection((address, SLURMD_PORT), timeout=timeout):
-            return True
-    except OSError:
-        return False
+    return slurm_client().slurmd_answers(address)
 
 
 def first_to_report(marks: str | None, what: str) -> bool:
@@ -117,30 +119,33 @@ def first_to_report(marks: str | None, what: str) -> bool:
 REQUEUED_AT: list[float] = []  # when it asked (time.monotonic()): Slurm's TERM follows at once
 
 
-def batch_host_lost(node: str, quiet: float) -> None:
-    """The supervisor stopped answering: its node (the batch host) is lost, and the job with it.
-    Slurm would notice only after SlurmdTimeout; one surviving node tells it now: the job requeued
-    and the node marked DOWN (with the reason). Only when the node's slurmd does not answer either:
-    a supervisor gone quiet on a live node (a launcher of an earlier start it no longer answers, a
-    node that rebooted already) is Slurm's to judge, and where Slurm requeues the job for it, the
-    job starts again at once all the same."""
+def batch_host_lost(node: str, quiet: float, timeout: float = float("inf")) -> bool:
+    """The supervisor stopped answering for `quiet` seconds: where its node's slurmd does not answer
+    either, the node (the batch host) is lost, and the job with it. Slurm would notice only after
+    SlurmdTimeout; one surviving node tells it now: the job requeued and the node marked DOWN (with
+    the reason). A supervisor quiet on a live node (a launcher of an earlier start it no longer
+    answers, a node that rebooted already) is asked about again until the heartbeat `timeout`, then
+    left to Slurm to judge; where Slurm requeues the job for it, the job starts again at once all the
+    same. True once the silence is judged (toolkit/watch/heartbeat.py's Sender asks no more)."""
     from toolkit.runs.timeline import record
     from toolkit.slurm.client import CliSlurmClient
     from toolkit.watch.requeue import retried
 
     batch_host, job = os.environ.get("FT_WATCH_NODE", ""), os.environ.get("SLURM_JOB_ID", "")
     if not batch_host or batch_host == node or not job:
-        return
+        return True
     marks = os.environ.get("FT_LAUNCH_MARKS")
     if slurmd_answers(os.environ.get("FT_WATCH_ADDR", batch_host)):
+        if quiet < timeout:
+            return False
         log(f"the supervisor on {batch_host} did not answer for {quiet:.0f} s, but the node's slurmd does: "
             "left to Slurm")
-        return
+        return True
     if not first_to_report(marks, "batch-host-lost"):
-        log(f"the batch host {batch_host} did not answer for {quiet:.0f} s: another node reports it")
-        return
+        log(f"the batch host {batch_host} did not answer for {quiet:.1f} s: another node reports it")
+        return True
     why = (f"ft: batch host of job {job} (run {os.environ.get('FT_RUN_ID', '?')}) lost: its supervisor did not "
-           f"answer for {quiet:.0f} s, nor its slurmd")
+           f"answer for {quiet:.1f} s, nor its slurmd")
     # Slurm requeues a job for its DOWN node by itself, except a job that holds spare nodes
     # (--no-kill): that one it keeps running without its batch script, for good (seen on the lab).
     # So both, in this order: the requeue first (its TERM this launcher handles), then the mark
@@ -156,6 +161,7 @@ def batch_host_lost(node: str, quiet: float) -> None:
     marked = retried(lambda: slurm.mark_node_down(batch_host, why), f"marking {batch_host} DOWN")
     if not requeued and not marked:
         log(f"Slurm took neither (operator rights?): it requeues job {job} once it notices (SlurmdTimeout)")
+    return True
 
 
 def lift_requeue_hold() -> None:

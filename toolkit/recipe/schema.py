@@ -251,11 +251,13 @@ class WatchdogSpec(Strict):
     """ft's watchdog inside the job: it notices a lost node, a dead rank or a hung one within seconds
     and restarts training from the latest checkpoint (see toolkit/watch/)."""
     enabled: bool = True
-    heartbeat_timeout: Annotated[float, Field(ge=2, le=600, description="Seconds without a node's heartbeat "
-                                                                        "before it counts as lost")] = 10
+    heartbeat_timeout: Annotated[float, Field(ge=2, le=600, description=(
+        "Seconds without a node's heartbeat before it counts as lost while its slurmd still answers (a "
+        "node quiet for a second whose slurmd does not answer is lost at once)"))] = 10
     hang_factor: Annotated[float, Field(ge=2, le=1000, description="A rank is hung when its step is late by this "
-                                                                   "many of its median step times...")] = 10
-    hang_floor: Annotated[float, Field(ge=5, le=86400, description="...and by at least this many seconds")] = 120
+                                                                   "many of its median step times (and by 3 of "
+                                                                   "its longest)...")] = 10
+    hang_floor: Annotated[float, Field(ge=5, le=86400, description="...and by at least this many seconds")] = 10
     startup_timeout: Annotated[float, Field(ge=30, le=86400, description="Seconds a start may take until the "
                                                                          "first step")] = 1800
     max_restarts: Annotated[int, Field(ge=0, le=100, description="Restarts inside the allocation before the "

@@ -92,6 +92,10 @@ class SlurmClient(Protocol):
 
     def config_seconds(self, name: str) -> int | None: ...
 
+    def config_number(self, name: str) -> int | None: ...
+
+    def slurmd_answers(self, address: str, port: int | None = None) -> bool: ...
+
     def requeues_preempted(self, job_id: str, partition: str) -> bool: ...
 
 
@@ -195,6 +199,19 @@ class CliSlurmClient:
         """A duration of Slurm's configuration, in seconds (SlurmdTimeout: how long the controller
         waits for a silent slurmd before marking its node DOWN; KillWait: from a job's TERM to its
         KILL); None where `scontrol show config` does not say."""
+        return self.config_number(name)
+
+    def slurmd_answers(self, address: str, port: int | None = None) -> bool:
+        """Whether the slurmd at this address takes a connection (on `port`, or the cluster's SlurmdPort)."""
+        return slurm_nodes.slurmd_answers(address, port or self.slurmd_port())
+
+    @functools.cache  # noqa: B019 - one client per process; the configuration does not change under it
+    def slurmd_port(self) -> int:
+        return self.config_number("SlurmdPort") or slurm_nodes.SLURMD_PORT
+
+    def config_number(self, name: str) -> int | None:
+        """A number of Slurm's configuration (SlurmdPort; durations in seconds, "30 sec" read as
+        30); None where `scontrol show config` does not say."""
         try:
             value = slurm_nodes.config(commands.run, timeout=self.timeout).get(name, "")
         except SlurmCommandError:

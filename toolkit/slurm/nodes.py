@@ -7,6 +7,7 @@ unit tests give recorded answers instead.
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -159,6 +160,20 @@ def parse_node_gres(text: str) -> dict[str, NodeGpus]:
         node = nodes.setdefault(name, NodeGpus(name, [], gpus, kind, cpus, memory))
         node.partitions.append(partition.rstrip("*"))
     return nodes
+
+
+SLURMD_PORT = 6818  # Slurm's default SlurmdPort
+
+
+def slurmd_answers(address: str, port: int = SLURMD_PORT, timeout: float = 0.5) -> bool:
+    """Whether the slurmd at this address takes a connection: a sign of life independent of any
+    job's own traffic. A live node's kernel answers a connect in milliseconds however busy the node;
+    a crashed one refuses it or lets it time out. The connection is closed at once."""
+    try:
+        with socket.create_connection((address, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def drained(nodes: list[str], run: Callable = commands.run, timeout: float = 20.0) -> dict[str, str]:

@@ -41,7 +41,7 @@ from toolkit.watch.progress import PROGRESS_FD, HangRule, NodeProgress
 # The mmap threshold is glibc's largest; the heap keeps its peak, which every step reaches again.
 CPU_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(16 << 30),
               "MALLOC_TOP_PAD_": str(256 << 20)}
-HANG_KILL_DELAY_S = 2.0  # see supervise(): the other nodes read their ranks' stacks meanwhile
+HANG_KILL_DELAY_S = 1.0  # see supervise(): the other nodes read their ranks' stacks meanwhile
 
 
 def worker_env(node_rank: int, local_rank: int, per_node: int, nodes: int, backend: str) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Heartbeats: one UDP datagram a second from every node's launcher to the supervisor.
+"""Heartbeats: one UDP datagram every INTERVAL_S from every node's launcher to the supervisor.
 
 UDP, because a heartbeat that is late is worthless and a reader must never wait on a peer: the
 supervisor reads whole datagrams of bounded size and never blocks on anyone. Anyone on the cluster
@@ -11,7 +11,8 @@ left over from an earlier start is not mistaken for one of the current start.
 
 The supervisor answers each heartbeat, from a thread of its own that never waits on anything else
 (a slow Slurm command in the supervisor must not look like a lost batch host). An answer names the
-heartbeat it answers: a launcher that hears no fresh answer for long knows the batch host is lost.
+heartbeat it answers: a launcher that hears no fresh answer for long knows the batch host is lost
+(when silence means a loss: toolkit/watch/silence.py, the same rule both ways).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from toolkit.watch.silence import QUIET_S
+
 MAX_DATAGRAM = 4096
-INTERVAL_S = 1.0
+INTERVAL_S = 0.25  # four a second: a crash is seen within silence.QUIET_S, not the recipe's timeout
 RECEIVE_BUFFER = 4 << 20  # room for a burst of junk without losing the real heartbeats
 DRAIN_BATCH = 4096  # datagrams read per wake before looking at the clock again
 REFUSALS_KEPT_S = 120  # refused datagrams counted per second, this far back
@@ -68,9 +71,11 @@ def unseal(secret: bytes, datagram: bytes, tag: bytes | None = None) -> dict | N
 
 class Sender:
     """A launcher's heartbeat: `state()` (its ranks' steps, its exit code once known) sent every
-    INTERVAL_S until stopped; a last datagram says goodbye. `on_silence` is called once, in a
+    INTERVAL_S until stopped; a last datagram says goodbye. `on_silence(quiet)` is called, in a
     thread of its own, when the supervisor, having answered before, has answered none of the
-    heartbeats of the last `silence_s` seconds."""
+    heartbeats of the last `quiet` >= silence.QUIET_S seconds; again while the silence lasts,
+    until it returns True (the silence is judged: reported, or left to Slurm). `silence_s` is the
+    recipe's heartbeat timeout: how long a launcher ending with a failure waits for an answer."""
 
     def __init__(self, address: str, port: int, secret: bytes, node: str, start: int, state: Callable[[], dict],
                  silence_s: float = 0, on_silence: Callable[[float], None] | None = None):
@@ -86,6 +91,7 @@ class Sender:
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="ft-heartbeat", daemon=True)
         self.reporting: threading.Thread | None = None
+        self.judged = False  # on_silence returned True: the silence is dealt with
 
     def start(self) -> Sender:
         self.thread.start()
@@ -102,12 +108,15 @@ class Sender:
         while not self.stopped.wait(INTERVAL_S):
             self.send()
             self.read_answers()
-            if (self.on_silence and self.answered is not None
-                    and time.monotonic() - self.answered > self.silence_s):
-                report, self.on_silence = self.on_silence, None
-                quiet = time.monotonic() - self.answered
-                self.reporting = threading.Thread(target=report, args=(quiet,), name="ft-silence", daemon=True)
+            quiet = time.monotonic() - self.answered if self.answered is not None else 0.0
+            if self.on_silence and not self.judged and quiet >= QUIET_S and not (
+                    self.reporting and self.reporting.is_alive()):
+                self.reporting = threading.Thread(target=self._judge, args=(quiet,), name="ft-silence", daemon=True)
                 self.reporting.start()
+
+    def _judge(self, quiet: float) -> None:
+        if self.on_silence(quiet):
+            self.judged = True
 
     def read_answers(self) -> None:
         for _ in range(ANSWERS_PER_BEAT):
@@ -129,7 +138,7 @@ class Sender:
         soon as the batch host's ranks die), so that the silence is noticed and reported."""
         self.exit_code = exit_code
         asked, deadline = self.seq, time.monotonic() + linger  # an answer to a heartbeat sent from now on
-        while time.monotonic() < deadline and self.on_silence is not None and self.thread.is_alive():
+        while time.monotonic() < deadline and self.on_silence and not self.judged and self.thread.is_alive():
             if self.answered_seq > asked:
                 break
             time.sleep(0.1)
@@ -172,6 +181,7 @@ class NodeSeen:
     last: float  # monotonic time of the newest heartbeat
     seq: int
     message: dict = field(default_factory=dict)
+    longest_gap: float = 0.0  # the longest wait between two of its heartbeats in this start
 
 
 class Receiver:
@@ -247,7 +257,9 @@ class Receiver:
                     seen and message["seq"] <= seen.seq):
                 self.refuse(source)
                 return
-            self.nodes[node] = NodeSeen(time.monotonic(), message["seq"], message)
+            now = time.monotonic()
+            self.nodes[node] = NodeSeen(now, message["seq"], message,
+                                        max(seen.longest_gap, now - seen.last) if seen else 0.0)
             self.answers += 1
             answer = seal(self.secret, {"answer": node, "start": self.start_number, "seq": self.answers,
                                         "to": message["seq"]})

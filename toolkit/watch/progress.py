@@ -4,9 +4,12 @@ step advances ("save 12" while checkpointing, "eval 0" measuring the base model 
 step, "export 120" and "eval 120" at the end). Writes never block: a
 launcher that stopped reading never slows training.
 
-A rank is hung when its step is late by max(hang_factor x its median step time, hang_floor)
-seconds; before its first step, and during a save, the export or the evaluation, the limit is
-startup_timeout.
+A rank is hung when its step is late by max(hang_factor x its median step time, LONGEST_FACTOR x
+its longest, hang_floor) seconds, over its last STEPS_KEPT steps: the bound follows the run's own
+step times (a run whose steps now and then take long, a logging step's host synchronisation or a
+checkpoint's background write, gets room for those), and the floor only keeps a run of very short
+steps from being called hung for a pause of a few seconds. Before its first step, and during a
+save, the export or the evaluation, the limit is startup_timeout.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ if TYPE_CHECKING:
 
 PROGRESS_FD = "FT_PROGRESS_FD"
 PHASES = {"step", "save", "export", "eval"}
+LONGEST_FACTOR = 3.0
+STEPS_KEPT = 50
 
 
 class Reporter:
@@ -62,7 +67,7 @@ class RankProgress:
     since: float  # when the rank started, entered its current phase, or reached its current step
     phase: str = "start"
     step: int = -1
-    intervals: deque = field(default_factory=lambda: deque(maxlen=50))
+    intervals: deque = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
 
     def report(self, phase: str, step: int, now: float) -> None:
         """A step's time counts only between two steps (a save, or the start, is not a step)."""
@@ -73,7 +78,8 @@ class RankProgress:
     def limit(self, rule: HangRule) -> float:
         if self.phase != "step" or not self.intervals:
             return rule.startup_timeout
-        return max(rule.hang_factor * statistics.median(self.intervals), rule.hang_floor)
+        return max(rule.hang_factor * statistics.median(self.intervals), LONGEST_FACTOR * max(self.intervals),
+                   rule.hang_floor)
 
     def late_by(self, rule: HangRule, now: float) -> float:
         """Seconds past the limit (<= 0: not hung)."""

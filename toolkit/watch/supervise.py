@@ -2,8 +2,10 @@
 recipe's number of nodes (the allocation may hold `resources.spare_nodes` more), listens to every
 node's heartbeat, and decides what a failure costs:
 
-- a node silent for `watchdog.heartbeat_timeout` seconds is lost, and so is one drained meanwhile
-  (a health check found it bad, or an admin took it out; Slurm itself would let the job run on):
+- a node quiet for a second whose slurmd does not answer either is lost (toolkit/watch/silence.py),
+  and so is one silent for `watchdog.heartbeat_timeout` seconds whatever its slurmd says, and one
+  drained meanwhile (a health check found it bad, or an admin took it out; Slurm itself would let
+  the job run on):
   the step is stopped at once (not when Slurm notices, after SlurmdTimeout), a silent node is
   marked DOWN with a reason naming the run,
   and training starts again from the latest checkpoint on the survivors and a spare node, in the
@@ -46,8 +48,10 @@ from toolkit.slurm import steps
 from toolkit.slurm.client import CliSlurmClient, SlurmClient
 from toolkit.watch import exits
 from toolkit.watch.heartbeat import Receiver
+from toolkit.watch.silence import SilenceRule
 
 SILENT_AT_END_S = 3.0  # a node quiet this long before srun ended was lost, whatever srun says
+WATCH_EVERY_S = 0.1  # the watch loop's beat: a loss is acted on within this of its detection
 STOP_GRACE_S = 5.0
 SRUN_ERRORS = "srun.err"  # in FT_LAUNCH_MARKS: srun's messages
 LAUNCH_FAILED = b"Application launch failed"  # srun's words for a step that did not launch everywhere
@@ -130,10 +134,10 @@ class Supervisor:
         self.allocation = self.slurm.hostnames(os.environ["SLURM_JOB_NODELIST"])
         self.excluded: list[str] = []
         self.node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # the batch host
-        peers = addresses(self.allocation)
-        self.address = reachable_address(self.node, peers)
+        self.peers = addresses(self.allocation)
+        self.address = reachable_address(self.node, self.peers)
         # Heartbeats are heard only from the job's nodes (where all of them resolve).
-        sources = set(peers.values()) | {self.address} if len(peers) == len(self.allocation) else None
+        sources = set(self.peers.values()) | {self.address} if len(self.peers) == len(self.allocation) else None
         self.receiver = Receiver(job_secret(), sources=sources).listen()
         self.flood_said = False  # a flood is said once, not every half second
         self.flood_answer: tuple[float, dict[str, bool]] = (float("-inf"), {})  # Slurm's word, when asked
@@ -147,6 +151,14 @@ class Supervisor:
         self.err_seen = 0  # how much of srun.err (FT_LAUNCH_MARKS) earlier starts wrote
         self.auto_resume = any(arg.startswith("--auto-resume") for arg in command)  # HyperPod restarts itself
         self.marks = Path(os.environ["FT_LAUNCH_MARKS"]) if os.environ.get("FT_LAUNCH_MARKS") else None
+        self.silence = SilenceRule(self.watchdog.heartbeat_timeout, self.slurmd_answers)
+
+    def slurmd_answers(self, node: str) -> bool:
+        """Whether the node's slurmd takes a connection (a node that does not resolve: asked by name)."""
+        try:
+            return self.slurm.slurmd_answers(self.peers.get(node, node))
+        except FtError:  # SlurmdPort unknown (Slurm away): no sign of loss
+            return True
 
     def unstarted(self, nodes: list[str]) -> list[str]:
         """Nodes of the last start whose launcher never started: the step failed to launch there."""
@@ -202,7 +214,7 @@ class Supervisor:
         began, reported, drain_checked = time.monotonic(), False, time.monotonic()
         timeout, startup = self.watchdog.heartbeat_timeout, self.watchdog.startup_timeout
         while True:
-            time.sleep(0.5)
+            time.sleep(WATCH_EVERY_S)
             now = time.monotonic()
             code = process.poll()
             if code is not None:
@@ -217,11 +229,7 @@ class Supervisor:
             if self.warm and not self.spares_warm and self.training_began():
                 self.spares_warm = True
                 self.start_warm()
-            seen = self.receiver.seen()
-            silent = self.silent(seen, nodes, now, timeout) + [n for n in nodes if n not in seen
-                                                                   and now - began > startup]
-            silent = self.flood_checked(silent, timeout)
-            lost = Lost(silent, f"no heartbeat for {timeout:.0f} s") if silent else None
+            lost = self.silent_lost(nodes, now, timeout, now - began > startup)
             if lost is None and now - drain_checked > DRAIN_CHECK_S and not self.auto_resume:
                 drain_checked = now
                 drained = self.drained(nodes)
@@ -246,21 +254,41 @@ class Supervisor:
                 self.stop_step(process, grace=LOST_STOP_GRACE_S)
                 return Outcome(None, lost)
 
+    def silent_lost(self, nodes: list[str], now: float, timeout: float, started_late: bool) -> Lost | None:
+        """The nodes lost by their silence (toolkit/watch/silence.py), and those never heard from
+        within the startup timeout. Silence for the whole timeout under a flood of datagrams is
+        asked about once more (flood_checked): the kernel drops real heartbeats in a flood."""
+        seen = self.receiver.seen()
+        quiet = {node: now - seen[node].last for node in self.silent(seen, nodes, now, 0)}
+        judged = self.silence.lost(quiet)
+        late = self.flood_checked([n for n in judged if quiet[n] >= timeout], timeout)
+        lost = {node: why for node, why in judged.items() if quiet[node] < timeout or node in late}
+        lost.update({n: "never heard from since the start" for n in nodes if n not in seen and started_late})
+        if not lost:
+            return None
+        return Lost(sorted(lost), "; ".join(sorted(set(lost.values()))))
+
     def ended(self, code: int, nodes: list[str]) -> Outcome:
-        """srun is done. After a failure, a node already quiet for SILENT_AT_END_S when srun ended,
-        without a goodbye, was lost. Not one that srun's own stop killed as it ended (it had no time
-        to say goodbye: its silence starts with the end), nor any node of a step that did not
-        launch everywhere (the job judges those, from srun's messages). A node lost only
-        just before the end is found at the next start, which cannot launch on it. A success, a
+        """srun is done. After a failure, a node that said no goodbye was lost where its slurmd does
+        not answer (a crash ends the other nodes' collectives at once: the step may end before the
+        node's silence is long enough to judge), or where it was already quiet for SILENT_AT_END_S
+        when srun ended. Not one that srun's own stop killed as it ended (it had no time
+        to say goodbye, but its slurmd answers), nor any node of a step that did not
+        launch everywhere (the job judges those, from srun's messages). A success, a
         user error or a requested stop is what it says, whatever the heartbeats."""
         if code:  # the code of whichever rank or launcher ended the step, not srun's (exits.py)
             code = exits.read_exit_status(self.run_dir) or code
         if code == 0 or code in exits.NOT_RESTARTED or self.auto_resume or self.stopping.is_set() \
                 or self.unstarted(nodes):
             return Outcome(code, None)
-        quiet = self.silent(self.receiver.seen(), nodes, time.monotonic(), SILENT_AT_END_S)
-        return Outcome(code, Lost(quiet, f"no heartbeat for {SILENT_AT_END_S:.0f} s before the step ended")
-                       if quiet else None)
+        seen, now = self.receiver.seen(), time.monotonic()
+        quiet = self.silent(seen, nodes, now, SILENT_AT_END_S)
+        if quiet:
+            return Outcome(code, Lost(quiet, f"no heartbeat for {SILENT_AT_END_S:.0f} s before the step ended"))
+        unsaid = self.silent(seen, nodes, now, 0)
+        gone = [node for node, answered in zip(unsaid, self.silence.probe_all(unsaid), strict=True) if not answered]
+        return Outcome(code, Lost(gone, "no goodbye as the step ended, and its slurmd does not answer")
+                       if gone else None)
 
     def flood_checked(self, silent: list[str], timeout: float) -> list[str]:
         """Nodes gone silent while the receiver refused a flood of datagrams (FLOOD_DATAGRAMS or more
@@ -360,6 +388,13 @@ class Supervisor:
             log(f"node {node} {'marked DOWN' if marked else 'left out (marking it DOWN needs operator rights)'}: "
                 f"{lost.why}")
             record(self.run_dir, "node_lost", node=node, reason=lost.why, marked_down=marked)
+
+    def record_gaps(self) -> None:
+        """The longest wait between two heartbeats of each node in this start: how close the run
+        came to silence.QUIET_S (benchmarks/false_alarms.py reads them)."""
+        gaps = {node: round(seen.longest_gap, 3) for node, seen in self.receiver.seen().items()}
+        if gaps:
+            record(self.run_dir, "heartbeat_gaps", longest=gaps)
 
     def finished(self) -> bool:
         return RunLayout(self.run_dir).done.exists()
@@ -490,6 +525,7 @@ class Supervisor:
             if self.stopping.is_set():  # the signal came while srun was starting: pass it on now
                 self.process.send_signal(signal.SIGUSR2)
             outcome = self.watch(self.process, nodes)
+            self.record_gaps()
             if outcome.lost and not self.stopping.is_set():
                 self.exclude(outcome.lost)
             elif outcome.code == 0 or self.stopping.is_set() or self.auto_resume or outcome.code in exits.NOT_RESTARTED:
@@ -510,7 +546,9 @@ class Supervisor:
                 log(f"{most} restarts in this job already: giving up (watchdog.max_restarts)")
                 self.for_good = True
                 return self.end(outcome.code or 1, why="max_restarts")
-            pause = 0 if outcome.lost else min(2 ** (restarts - 1), 30)
+            # The first restart at once (most faults are one-off); a fault that keeps coming back
+            # waits longer each time, so that a broken node or filesystem is not hammered.
+            pause = 0 if outcome.lost else min(2 ** (restarts - 1) - 1, 30)
             log(f"restart {restarts} of at most {most}"
                 + (f" in {pause} s" if pause else "") + ": training resumes from the latest checkpoint")
             record(self.run_dir, "restart", restart=restarts, after=("node_lost" if outcome.lost else

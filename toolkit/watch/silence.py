@@ -1,0 +1,66 @@
+"""When a quiet node is lost: the one rule the supervisor (about the training nodes) and the
+launchers (about the batch host) follow.
+
+Heartbeats come every heartbeat.INTERVAL_S. A node quiet for QUIET_S is asked about: its slurmd
+probed, a TCP connect to SlurmdPort. A crashed node answers nothing (power lost, kernel panic: the
+connect is refused or times out within PROBE_TIMEOUT_S), and is lost at once, within about QUIET_S
++ PROBE_TIMEOUT_S of its last heartbeat. A quiet node whose slurmd answers is alive but late (a
+launcher starved of CPU, a flood of datagrams dropping heartbeats): it is given the recipe's
+`watchdog.heartbeat_timeout` before it counts as lost. So the fast path needs two independent
+signs, and a loaded node never loses its place to one late datagram.
+
+QUIET_S is set from the heartbeat gaps measured on the loaded lab (benchmarks/false_alarms.py,
+benchmarks/FALSE_ALARMS.md): the longest gap seen there, with room.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+QUIET_S = 1.0  # a node quiet this long is asked about
+PROBE_TIMEOUT_S = 0.5  # toolkit/slurm/nodes.py's slurmd_answers: a live node answers in milliseconds
+PROBE_EVERY_S = 0.5  # a quiet node whose slurmd answered is asked again this often
+
+
+@dataclass
+class SilenceRule:
+    """`lost(quiet)` names the lost nodes among the quiet ones (node: seconds since its last
+    heartbeat) and why. `probe(node)` says whether the node's slurmd answers."""
+    timeout: float  # watchdog.heartbeat_timeout: quiet this long, lost whatever its slurmd says
+    probe: Callable[[str], bool]
+    quick: float = QUIET_S
+    asked: dict[str, float] = field(default_factory=dict)  # node: when its slurmd last answered
+
+    def lost(self, quiet: dict[str, float]) -> dict[str, str]:
+        found = {node: f"no heartbeat for {self.timeout:.0f} s" for node, seconds in quiet.items()
+                 if seconds >= self.timeout}
+        now = time.monotonic()
+        ask = [node for node, seconds in quiet.items() if node not in found and seconds >= self.quick
+               and now - self.asked.get(node, float("-inf")) >= PROBE_EVERY_S]
+        for node, answered in zip(ask, self.probe_all(ask), strict=True):
+            if answered:
+                self.asked[node] = now
+            else:
+                found[node] = f"no heartbeat for {quiet[node]:.1f} s and its slurmd does not answer"
+        for node in [n for n in self.asked if n not in quiet]:  # heard again: asked afresh next time
+            del self.asked[node]
+        return found
+
+    def probe_all(self, nodes: list[str]) -> list[bool]:
+        """All at once: several nodes lost together (a rack's switch) cost one probe's time."""
+        if len(nodes) <= 1:
+            return [self.probe(node) for node in nodes]
+        answers = [True] * len(nodes)  # a probe that does not come back in time is no sign of loss
+
+        def ask(index: int) -> None:
+            answers[index] = self.probe(nodes[index])
+
+        threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(len(nodes))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=PROBE_TIMEOUT_S * 2)
+        return answers
