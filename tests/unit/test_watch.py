@@ -475,7 +475,8 @@ def test_a_stop_signal_in_the_restart_pause_is_not_lost(tmp_path, monkeypatch):
         events = tmp_path / "events.jsonl"
         wait_until = time.monotonic() + 20
         # The first restart is at once; the second after a second's pause.
-        while time.monotonic() < wait_until and not (events.exists() and events.read_text().count('"event": "restart"') == 2):
+        while time.monotonic() < wait_until and not (
+                events.exists() and events.read_text().count('"event": "restart"') == 2):
             time.sleep(0.05)
         supervisor.on_signal(15, None)
 
