@@ -16,6 +16,7 @@ defaults leave on this machine:
   ratio; 1.0 would be a hang called.
 
     python benchmarks/false_alarms.py [--minutes 60] [--no-load]
+    python benchmarks/false_alarms.py --report RUN_DIR   # the figures of a run measured before
 """
 
 from __future__ import annotations
@@ -63,9 +64,7 @@ def step_margin(run_dir: Path) -> tuple[float, float, float]:
     rule = HangRule.of(WatchdogSpec())
     worst = (0.0, 0.0, 0.0)
     rank: RankProgress | None = None
-    for line in read_lines(run_dir / "metrics.jsonl"):
-        if "step" not in line or "time" not in line:
-            continue
+    for line in read_lines(run_dir / "metrics.jsonl", {"step": int, "time": (int, float)}):
         if rank is None or line["step"] <= rank.step:  # a new start (resumed from a checkpoint): a new clock
             rank = RankProgress(since=line["time"])
             rank.report("step", line["step"], line["time"])
@@ -95,11 +94,49 @@ def load_beside(stop_at: float, log: Path) -> int:
     return rounds
 
 
+def suite_rounds(log: Path) -> int:
+    """Complete rounds of the unit suite in its log (pytest's last line: "... passed in 301.2s")."""
+    try:
+        return sum(1 for line in log.read_text(errors="replace").splitlines()
+                   if line.strip().endswith("s") and " in " in line and ("passed" in line or "failed" in line))
+    except OSError:
+        return 0
+
+
+def report(run_dir: Path, minutes: float, loaded: bool, rounds: int) -> dict:
+    events = read_lines(run_dir / "events.jsonl", {"event": str})
+    alarms = [e for e in events if e["event"] in ALARMS]
+    gaps = [gap for e in events if e["event"] == "heartbeat_gaps" for gap in e.get("longest", {}).values()]
+    steps = read_lines(run_dir / "metrics.jsonl", {"step": int})
+    ratio, waited, limit = step_margin(run_dir)
+    result = {"run_dir": str(run_dir), "minutes": minutes, "load": "unit suite" if loaded else "none",
+              "suite_rounds": rounds, "steps": len(steps), "false_alarms": alarms,
+              "longest_heartbeat_gap_s": max(gaps, default=None), "quiet_s": QUIET_S,
+              "step_wait_over_limit": ratio, "step_wait_s": waited, "step_limit_s": limit}
+    print(f"\n{minutes:.0f} min of training ({len(steps)} steps of rank 0), "
+          f"{f'{rounds} complete rounds of the unit suite beside' if loaded else 'no load'}:")
+    print(f"  false alarms: {len(alarms)}" + "".join(f"\n    {json.dumps(a)}" for a in alarms))
+    if gaps:
+        print(f"  longest heartbeat gap: {max(gaps):.2f} s (a node is probed after {QUIET_S:.1f} s of silence: "
+              f"{QUIET_S / max(gaps):.1f}x margin)")
+    print(f"  slowest step against its hang limit: {waited:.2f} s of {limit:.1f} s ({ratio:.2f}; a hang at 1.0)")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--minutes", type=float, default=60.0)
     parser.add_argument("--no-load", action="store_true", help="the run alone (a baseline for the margins)")
+    parser.add_argument("--report", type=Path, help="a run directory measured before: its figures only")
     args = parser.parse_args()
+    if args.report:
+        work = args.report.parents[1]
+        events = read_lines(args.report / "events.jsonl", {"event": str, "time": (int, float)})
+        metrics = read_lines(args.report / "metrics.jsonl", {"time": (int, float)})
+        minutes = (metrics[-1]["time"] - events[0]["time"]) / 60 if metrics and events else 0
+        rounds = suite_rounds(work / "suite.log")
+        report(args.report, minutes, (work / "suite.log").exists(), rounds)
+        return
     work = Path(tempfile.mkdtemp(prefix="ft-bench-false-alarms-", dir="/var/lib/ft-lab/shared"))
     manifest = LabManifest.load()
     store = manifest.object_store.env if manifest and manifest.object_store else {}
@@ -127,21 +164,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "toolkit", "cancel", run["run_id"]], env=env, cwd=REPO,
                        capture_output=True)
     time.sleep(5)  # the supervisor's last events (the heartbeat gaps of the start it ends)
-    events = read_lines(run_dir / "events.jsonl")
-    alarms = [e for e in events if e.get("event") in ALARMS]
-    gaps = [gap for e in events if e.get("event") == "heartbeat_gaps" for gap in e["longest"].values()]
-    steps = [line for line in read_lines(run_dir / "metrics.jsonl") if "step" in line]
-    ratio, waited, limit = step_margin(run_dir)
-    result = {"minutes": args.minutes, "load": "none" if args.no_load else "unit suite", "suite_rounds": rounds,
-              "steps": len(steps), "false_alarms": alarms, "longest_heartbeat_gap_s": max(gaps, default=None),
-              "quiet_s": QUIET_S, "step_wait_over_limit": ratio, "step_wait_s": waited, "step_limit_s": limit}
-    print(f"\n{args.minutes:.0f} min of training ({len(steps)} steps of rank 0), "
-          f"{'no load' if args.no_load else f'{rounds} rounds of the unit suite beside'}:")
-    print(f"  false alarms: {len(alarms)}" + "".join(f"\n    {json.dumps(a)}" for a in alarms))
-    if gaps:
-        print(f"  longest heartbeat gap: {max(gaps):.2f} s (a node is probed after {QUIET_S:.1f} s of silence: "
-              f"{QUIET_S / max(gaps):.1f}x margin)")
-    print(f"  slowest step against its hang limit: {waited:.2f} s of {limit:.1f} s ({ratio:.2f}; a hang at 1.0)")
+    result = report(run_dir, args.minutes, not args.no_load, rounds)
     (work / "results.json").write_text(json.dumps(result, indent=2))
     print(f"raw results: {work / 'results.json'}")
 

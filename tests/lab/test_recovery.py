@@ -210,6 +210,41 @@ def test_a_hung_rank_then_killed_ones_are_restarted_on_the_same_nodes_and_the_lo
     assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), "after a hung rank and killed ones")
 
 
+def test_a_node_that_keeps_hanging_is_drained_and_the_run_goes_on_on_the_spare(tiny_baseline, runs, lab):
+    """The same rank stopped twice (a node that still answers but hangs: a dead fabric port, a GPU
+    stuck in the driver): the first hang restarts on the same nodes, the second (the watchdog's
+    defaults: exclude_after_hangs 2) drains the node with the reason and the run finishes on the
+    spare, with the weights of an uninterrupted run."""
+    from toolkit.slurm import commands
+
+    run = submit(recipe(runs, "hangs", resources={"spare_nodes": 1}, env={"FT_FAULT_SLOW_STEP_S": "0.1"}),
+                 runs_dir=runs)
+    checkpoint_after(run, 0)  # the first one
+    first = chaos.hang_rank(Path(run["run_dir"]), 1)
+    wait_for("the restart after the first hang", lambda: len([e for e in events(run) if e["event"] == "start"]) == 2,
+             timeout=120, interval=0.3)
+    checkpoint_after(run, latest_step(run))  # trained again on the same nodes
+    second = chaos.hang_rank(Path(run["run_dir"]), 1)
+    assert second.node == first.node
+    try:
+        finished(run, runs)
+        drained = reasons(first.node)[first.node]
+    finally:  # drained for an admin to look at: the admin's resume, here
+        commands.run(["scontrol", "update", f"NodeName={first.node}", "State=RESUME"], check=False)
+    timeline = events(run)
+    (lost,) = [e for e in timeline if e["event"] == "node_lost"]
+    assert lost["node"] == first.node and lost["drained_by_ft"] and not lost["marked_down"]
+    assert "hung 2 times, last: rank 1 stopped" in lost["reason"]
+    assert run["run_id"] in drained and "hung 2 times" in drained, drained
+    blamed = [e for e in timeline if e["event"] == "rank_hung" and e["blamed"]]
+    assert [(e["node"], e["rank"], e["start"]) for e in blamed] == [(first.node, 1, 1), (first.node, 1, 2)]
+    starts = [e["nodes"] for e in timeline if e["event"] == "start"]
+    assert starts[0] == starts[1] and first.node in starts[1] and first.node not in starts[2] and len(starts) == 3
+    status = ft("status", run["run_id"], runs_dir=runs).stdout
+    assert f"node {first.node} lost (hung 2 times" in status and "drained" in status, status
+    assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after {first.node} hung twice")
+
+
 def test_a_lost_node_without_a_spare_requeues_the_job_without_slurms_hold(tiny_baseline, runs, heal_lab):
     """The watchdog marks the silent node DOWN, Slurm requeues the job for it, and the helper the
     watchdog left behind lifts the hold Slurm puts on a requeued job (cred_expire)."""

@@ -256,6 +256,13 @@ FAKE_SRUN = textwrap.dedent("""
                 - plan.get("mute_after", 0) < plan.get("mute_for", 0)  # its beats lost on the way
             if node != plan.get("lose") and not muted:
                 sender.send()
+    if plan.get("exit") == 6:  # a hang: each launcher's rank_hung, the blame on plan["hung_on"] (if any)
+        from pathlib import Path
+        from toolkit.runs.timeline import record
+        for node in nodes:
+            blamed = "stopped (SIGSTOP, or a debugger)" if node == plan.get("hung_on") else None
+            record(Path(os.environ["FAKE_PLAN"]).parent, "rank_hung", node=node, rank=nodes.index(node), start=start,
+                   why="no progress for 10 s", blamed=blamed)
     if plan.get("lose"):
         time.sleep(plan.get("linger", 60))  # srun waits for a lost node, as the real one does until it is DOWN
     for node, sender in senders.items():
@@ -274,12 +281,17 @@ class FakeSlurm:
         self.began = time.monotonic()
         self.not_answering: set[str] = set()  # nodes whose slurmd Slurm says does not answer
         self.crashed: set[str] = set()  # nodes whose slurmd takes no connection (the plan's lost ones)
+        self.drains_made: list[tuple[str, str]] = []  # by ft: drain_node
 
     def hostnames(self, nodelist: str) -> list[str]:
         return self.nodes
 
     def mark_node_down(self, node: str, reason: str) -> bool:
         self.downed.append((node, reason))
+        return True
+
+    def drain_node(self, node: str, reason: str) -> bool:
+        self.drains_made.append((node, reason))
         return True
 
     def lift_hold(self, job_id: str) -> None:
@@ -325,6 +337,8 @@ def supervised(tmp_path, monkeypatch, allocation: list[str], nodes: int, plan: d
     log = tmp_path / "srun.log"
     starts = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    # Each start's heartbeat gaps (a measurement, not a decision): asserted where they are the point.
+    events = [e for e in events if e["event"] != "heartbeat_gaps"]
     return code, starts, events, slurm, time.monotonic() - began
 
 
@@ -362,6 +376,9 @@ def test_a_crashed_node_is_lost_within_two_seconds_and_a_quiet_one_that_answers_
                                                 {"1": {"mute": "n2", "mute_for": 3, "seconds": 4}},
                                                 heartbeat_timeout=10)
     assert code == 0 and len(starts) == 1 and slurm.downed == [] and "node_lost" not in [e["event"] for e in events]
+    (gaps,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()
+               if '"heartbeat_gaps"' in line]
+    assert gaps["longest"]["n2"] >= 3 > gaps["longest"]["n1"]  # n2's beats lost for 3 s: measured, and survived
 
 
 def test_a_node_that_crashed_as_the_step_failed_is_lost_not_started_on_again(tmp_path, monkeypatch):
@@ -373,6 +390,31 @@ def test_a_node_that_crashed_as_the_step_failed_is_lost_not_started_on_again(tmp
     assert code == 0 and [s["nodes"] for s in starts] == [["n1", "n2"], ["n1", "n3"]]
     assert [node for node, _ in slurm.downed] == ["n2"]
     assert [e.get("after") for e in events if e["event"] == "restart"] == ["node_lost"]
+
+
+def test_a_node_that_keeps_hanging_is_drained_and_left_out_for_the_spare(tmp_path, monkeypatch):
+    """Two hangs blamed on n2 (a rank of it stopped): the first restarts on the same nodes, the
+    second drains n2 with the reason and the run goes on on the spare. A hang that blames no node
+    counts against none."""
+    plan = {"1": {"exit": 6, "hung_on": "n2", "seconds": 0.3}, "2": {"exit": 6, "seconds": 0.3},
+            "3": {"exit": 6, "hung_on": "n2", "seconds": 0.3}}
+    code, starts, events, slurm, _ = supervised(tmp_path, monkeypatch, ["n1", "n2", "n3"], 2, plan, max_restarts=5)
+    assert code == 0 and [s["nodes"] for s in starts] == [["n1", "n2"]] * 3 + [["n1", "n3"]]
+    ((node, reason),) = slurm.drains_made
+    assert node == "n2" and "hung 2 times, last: rank 1 stopped" in reason and "run run-1" in reason
+    assert slurm.downed == []  # alive: drained for an admin to look, not marked DOWN
+    (lost,) = [e for e in events if e["event"] == "node_lost"]
+    assert lost["node"] == "n2" and lost["drained_by_ft"] and not lost["marked_down"]
+
+
+def test_a_node_that_keeps_hanging_with_no_spare_is_handed_back_for_a_requeue_without_it(tmp_path, monkeypatch):
+    from toolkit.watch import exits
+
+    plan = {str(start): {"exit": 6, "hung_on": "n1", "seconds": 0.3} for start in (1, 2)}
+    code, starts, events, slurm, _ = supervised(tmp_path, monkeypatch, ["n1", "n2"], 2, plan,
+                                                exclude_after_hangs=2)
+    assert code == exits.NODES_LOST and len(starts) == 2 and [n for n, _ in slurm.drains_made] == ["n1"]
+    assert events[-1]["event"] == "end" and events[-1]["lost"] == ["n1"]
 
 
 def test_the_batch_host_waits_as_the_last_spare(tmp_path, monkeypatch):

@@ -45,7 +45,7 @@ def _fault_line(fault: dict) -> str:
     when = datetime.fromtimestamp(fault["time"]).strftime("%H:%M:%S")  # a plausible time (timeline.py)
     if fault["event"] == "node_lost":
         by = f", reported by {plain(fault['reported_by'])}" if fault.get("reported_by") else ""
-        down = ", marked DOWN" if fault.get("marked_down") else ""
+        down = ", marked DOWN" if fault.get("marked_down") else ", drained" if fault.get("drained_by_ft") else ""
         return f"{when} node {plain(fault.get('node', '?'))} lost ({plain(fault.get('reason', ''))}){down}{by}"
     if fault["event"] == "restart":
         return f"{when} restart {plain(fault.get('restart', '?'))} after {plain(fault.get('after', '?'))}"

@@ -262,6 +262,9 @@ class WatchdogSpec(Strict):
                                                                          "first step")] = 1800
     max_restarts: Annotated[int, Field(ge=0, le=100, description="Restarts inside the allocation before the "
                                                                  "job gives up")] = 5
+    exclude_after_hangs: Annotated[int, Field(ge=1, le=100, description=(
+        "Hangs blamed on one node (a rank of it stopped, or stuck in the kernel) before the job drains it "
+        "and goes on without it: on a spare, or requeued without it"))] = 2
     max_requeues: Annotated[int, Field(ge=0, le=100, description="Requeues for lost nodes in a row without a new "
                                                                  "checkpoint before the job gives up (a run that "
                                                                  "goes on between losses is never given up on)")] = 3

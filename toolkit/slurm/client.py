@@ -78,6 +78,8 @@ class SlurmClient(Protocol):
 
     def mark_node_down(self, node: str, reason: str) -> bool: ...
 
+    def drain_node(self, node: str, reason: str) -> bool: ...
+
     def requeue(self, job_id: str) -> bool: ...
 
     def start_after(self, job_id: str, seconds: int) -> bool: ...
@@ -151,6 +153,13 @@ class CliSlurmClient:
     def mark_node_down(self, node: str, reason: str) -> bool:
         """Mark a node DOWN with a reason; False where this user lacks Slurm operator rights."""
         result = commands.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", f"Reason={reason}"],
+                              timeout=self.timeout, check=False)
+        return result.returncode == 0
+
+    def drain_node(self, node: str, reason: str) -> bool:
+        """Drain a node with a reason: no new job lands on it, an admin looks; False where this user
+        lacks Slurm operator rights."""
+        result = commands.run(["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"],
                               timeout=self.timeout, check=False)
         return result.returncode == 0
 

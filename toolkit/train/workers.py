@@ -28,6 +28,7 @@ from pathlib import Path
 from toolkit.launch import cores
 from toolkit.launch.node import log
 from toolkit.runs.layout import RunLayout, RunSpecError
+from toolkit.runs.timeline import record
 from toolkit.shared_dirs import write_atomically
 from toolkit.train import warm
 from toolkit.train.warm import WarmWorker
@@ -182,6 +183,7 @@ def supervise(layout: RunLayout, host: str, workers: dict[int, subprocess.Popen]
         if hung:
             for rank, why in sorted(hung.items()):
                 print(f"[ft-launch {host}] rank {rank} on {host} is hung: {why}", flush=True)
+            record_hung(layout, host, hung, workers)
             stacks.dump_all(layout, {rank: p.pid for rank, p in workers.items() if p.poll() is None},
                             lambda line: print(f"[ft-launch {host}] {line}", flush=True))
             # The other nodes' launchers see the same stall within a second or two and read their
@@ -192,6 +194,18 @@ def supervise(layout: RunLayout, host: str, workers: dict[int, subprocess.Popen]
             exits.leave_exit_status(layout.root, exits.HUNG)
             return exits.HUNG
         time.sleep(0.2)
+
+
+def record_hung(layout: RunLayout, host: str, hung: dict[int, str], workers: dict[int, subprocess.Popen]) -> None:
+    """Each hung rank in the run's events, with the blame its state puts on this node (a stopped
+    rank, one stuck in the kernel) or none (it may be waiting on another): the supervisor leaves a
+    node out that keeps being blamed (watchdog.exclude_after_hangs)."""
+    start = int(os.environ.get("FT_WATCH_START", "0") or 0)
+    for rank, why in sorted(hung.items()):
+        blamed = stacks.blame(workers[rank].pid)
+        with contextlib.suppress(OSError):
+            record(layout.root, "rank_hung", node=os.environ.get("SLURMD_NODENAME") or host, rank=rank,
+                   start=start, why=why, blamed=blamed)
 
 
 def stop(workers: dict[int, subprocess.Popen], grace: float = 5.0) -> None:

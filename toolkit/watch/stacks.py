@@ -37,6 +37,11 @@ def main_thread_frames(dump_text: str) -> bool:
             return FRAME_LINE.search(dump_text, header.end(), end) is not None
     return FRAME_LINE.search(dump_text) is not None  # no thread names (an older py-spy): any frame
 FAULTHANDLER_SIGNAL = signal.SIGUSR1  # registered by the worker (toolkit/train/worker.py)
+# A hung rank in one of these states hangs by itself, not waiting on a peer: its node is to blame
+# (toolkit/watch/supervise.py leaves a node out that keeps hanging). A rank waiting in a collective
+# sleeps (S) or spins (R); which of those waits on whom, no state tells.
+BLAMED_STATES = {"T": "stopped (SIGSTOP, or a debugger)", "t": "stopped by a debugger",
+                 "D": "stuck in the kernel (a driver call, or I/O that does not return)"}
 
 
 def process_state(pid: int) -> str:
@@ -76,6 +81,11 @@ def dump(pid: int, target: Path) -> str:
     except ProcessLookupError:
         return "the process is gone"
     return f"stacks requested with faulthandler (in the rank's log); process state {state}"
+
+
+def blame(pid: int) -> str | None:
+    """Why a hung rank hangs by itself, from its state now; None where it may be waiting on a peer."""
+    return BLAMED_STATES.get(process_state(pid))
 
 
 def dump_all(layout: RunLayout, pids: dict[int, int], log: Callable[[str], None]) -> None:

@@ -15,6 +15,8 @@ node's heartbeat, and decides what a failure costs:
   the other nodes notice that their heartbeats go unanswered and tell Slurm (toolkit/launch/node.py);
 - a dead or hung rank, or a failed collective, on nodes that still answer: the same nodes start
   again from the latest checkpoint, after a short backoff, at most `watchdog.max_restarts` times;
+  a node blamed for `watchdog.exclude_after_hangs` hangs (a rank of it stopped, or stuck in the
+  kernel: toolkit/watch/stacks.py) is drained with the reason and left out, like a lost node;
 - a user error (4) or running out of memory (5) goes back to the job unchanged: restarting
   would fail the same way (the job retries out of memory once, with a smaller micro batch);
 - under HyperPod's `srun --auto-resume=1`, HyperPod replaces a faulty node and restarts the step
@@ -43,7 +45,7 @@ from toolkit.errors import FtError
 from toolkit.launch.rendezvous import job_secret
 from toolkit.receipts import entries as receipt_entries
 from toolkit.runs.layout import RunLayout, RunSpecError
-from toolkit.runs.timeline import record
+from toolkit.runs.timeline import read_lines, record
 from toolkit.slurm import steps
 from toolkit.slurm.client import CliSlurmClient, SlurmClient
 from toolkit.watch import exits
@@ -68,6 +70,7 @@ class Lost:
     nodes: list[str]
     why: str
     drained: bool = False  # taken out by someone else: not marked DOWN again
+    hung: bool = False  # alive but hanging again and again: drained by ft (an admin looks), not marked DOWN
 
 @dataclass
 class Outcome:
@@ -152,6 +155,7 @@ class Supervisor:
         self.auto_resume = any(arg.startswith("--auto-resume") for arg in command)  # HyperPod restarts itself
         self.marks = Path(os.environ["FT_LAUNCH_MARKS"]) if os.environ.get("FT_LAUNCH_MARKS") else None
         self.silence = SilenceRule(self.watchdog.heartbeat_timeout, self.slurmd_answers)
+        self.hangs: dict[str, int] = {}  # node: hangs blamed on it in this job
 
     def slurmd_answers(self, node: str) -> bool:
         """Whether the node's slurmd takes a connection (a node that does not resolve: asked by name)."""
@@ -381,6 +385,16 @@ class Supervisor:
                 record(self.run_dir, "node_lost", node=node, reason=lost.why, marked_down=False)
                 continue
             reason = f"ft: {lost.why} (run {os.environ.get('FT_RUN_ID', '?')}, job {self.job_id})"
+            if lost.hung:  # alive: drained, so that no job lands on it until an admin looks
+                try:
+                    drained = self.slurm.drain_node(node, reason)
+                except FtError:
+                    drained = False
+                log(f"node {node} {'drained' if drained else 'left out (draining it needs operator rights)'}: "
+                    f"{lost.why}")
+                record(self.run_dir, "node_lost", node=node, reason=lost.why, marked_down=False,
+                       drained_by_ft=drained)
+                continue
             try:
                 marked = self.slurm.mark_node_down(node, reason)
             except FtError:
@@ -388,6 +402,29 @@ class Supervisor:
             log(f"node {node} {'marked DOWN' if marked else 'left out (marking it DOWN needs operator rights)'}: "
                 f"{lost.why}")
             record(self.run_dir, "node_lost", node=node, reason=lost.why, marked_down=marked)
+
+    def hung_too_often(self) -> Lost | None:
+        """The nodes this start's hang is blamed on (toolkit/train/workers.py's rank_hung events),
+        counted; those blamed watchdog.exclude_after_hangs times are left out. A hang that blames
+        no node (every hung rank may be waiting on another) restarts on the same nodes."""
+        blamed: dict[str, str] = {}
+        for event in read_lines(RunLayout(self.run_dir).events, {"event": str, "node": str, "start": int}):
+            if event["event"] == "rank_hung" and event.get("job") == self.job_id and event.get("blamed") \
+                    and event["start"] == self.receiver.start_number:
+                blamed.setdefault(event["node"], f"rank {event.get('rank', '?')} {event['blamed']}")
+        if not blamed:
+            log("the hang blames no node (each hung rank may be waiting on another): the same nodes again")
+            return None
+        bound, over = self.watchdog.exclude_after_hangs, []
+        for node, why in sorted(blamed.items()):
+            self.hangs[node] = self.hangs.get(node, 0) + 1
+            if self.hangs[node] >= bound:
+                over.append(node)
+            else:
+                log(f"hang {self.hangs[node]} of {bound} blamed on {node} ({why}) before it is left out")
+        if not over:
+            return None
+        return Lost(over, "; ".join(f"hung {self.hangs[node]} times, last: {blamed[node]}" for node in over), hung=True)
 
     def record_gaps(self) -> None:
         """The longest wait between two heartbeats of each node in this start: how close the run
@@ -526,6 +563,8 @@ class Supervisor:
                 self.process.send_signal(signal.SIGUSR2)
             outcome = self.watch(self.process, nodes)
             self.record_gaps()
+            if outcome.code == exits.HUNG and outcome.lost is None and not self.stopping.is_set():
+                outcome.lost = self.hung_too_often()
             if outcome.lost and not self.stopping.is_set():
                 self.exclude(outcome.lost)
             elif outcome.code == 0 or self.stopping.is_set() or self.auto_resume or outcome.code in exits.NOT_RESTARTED:
