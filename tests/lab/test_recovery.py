@@ -114,7 +114,7 @@ def reasons(*nodes: str) -> dict[str, str]:
 def test_a_lost_node_is_replaced_by_a_spare_and_a_bad_gpu_with_no_spare_left_requeues(lab, tiny_baseline, runs,
                                                                                       heal_lab):
     # Slower steps: training on the spare must outlast the wait for its checkpoint and the health check.
-    run = submit(recipe(runs, "spare", resources={"spare_nodes": 1}, watchdog={"heartbeat_timeout": 5},
+    run = submit(recipe(runs, "spare", resources={"spare_nodes": 1},
                         env={"FT_FAULT_SLOW_STEP_S": "0.1"}), runs_dir=runs)
     checkpoint_after(run, 0)  # the first one
     first = chaos.crash_rank_node(Path(run["run_dir"]), 1).node
@@ -159,7 +159,7 @@ def test_a_gpu_that_needs_a_restart_moves_the_run_off_and_its_node_comes_back_by
     """XID 94 (a contained ECC error: the GPU's context is lost, the GPU sound): the node's health
     check drains it for a restart, the run checkpoints and moves onto the spare, and once the run
     is off it the node's GPUs are reset and the node resumed, with no admin."""
-    run = submit(recipe(runs, "xid", resources={"spare_nodes": 1}, watchdog={"heartbeat_timeout": 5},
+    run = submit(recipe(runs, "xid", resources={"spare_nodes": 1},
                         env={"FT_FAULT_SLOW_STEP_S": "0.1"}), runs_dir=runs)
     checkpoint_after(run, 0)  # the first one
     node = chaos.gpu_xid(Path(run["run_dir"]), 1).node
@@ -180,7 +180,7 @@ def test_a_gpu_that_needs_a_restart_moves_the_run_off_and_its_node_comes_back_by
 @pytest.mark.slurm_matrix
 def test_a_hung_rank_then_killed_ones_are_restarted_on_the_same_nodes_and_the_loop_alert_fires(
         tiny_baseline, runs, lab):
-    run = submit(recipe(runs, "hang", watchdog={"hang_floor": 5, "hang_factor": 10}), runs_dir=runs)
+    run = submit(recipe(runs, "hang"), runs_dir=runs)  # the watchdog's defaults
     checkpoint_after(run, 0)  # the first one
     hung = chaos.hang_rank(Path(run["run_dir"]), 1)
     checkpoint_after(run, latest_step(run))
@@ -248,7 +248,7 @@ def test_a_node_that_keeps_hanging_is_drained_and_the_run_goes_on_on_the_spare(t
 def test_a_lost_node_without_a_spare_requeues_the_job_without_slurms_hold(tiny_baseline, runs, heal_lab):
     """The watchdog marks the silent node DOWN, Slurm requeues the job for it, and the helper the
     watchdog left behind lifts the hold Slurm puts on a requeued job (cred_expire)."""
-    run = submit(recipe(runs, "no-spare", watchdog={"heartbeat_timeout": 5}), runs_dir=runs)
+    run = submit(recipe(runs, "no-spare"), runs_dir=runs)
     checkpoint_after(run, 0)  # the first one
     crashed = chaos.crash_rank_node(Path(run["run_dir"]), 1).node
 
@@ -269,7 +269,7 @@ def test_a_lost_batch_host_is_reported_by_the_survivors_and_the_job_requeued(tin
     # script: the survivors requeue it.
     # Slower steps: the ranks on the other nodes train on without the batch host (it is the spare),
     # and must still be training when the survivors' requeue ends them.
-    run = submit(recipe(runs, "batch-host", watchdog={"heartbeat_timeout": 5}, resources={"spare_nodes": 1},
+    run = submit(recipe(runs, "batch-host", resources={"spare_nodes": 1},
                         env={"FT_FAULT_SLOW_STEP_S": "0.1"}), runs_dir=runs)
     checkpoint_after(run, 0)  # the first one
     crashed = chaos.crash_batch_host(Path(run["run_dir"]))  # the last spare: it trains on no rank yet

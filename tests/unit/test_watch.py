@@ -191,6 +191,33 @@ HANGING_WORKER = textwrap.dedent("""
 """)
 
 
+def test_a_launcher_hears_of_a_lost_peer_and_stops_its_ranks_at_once(tmp_path):
+    """The supervisor found node3 lost: its answers say so, and node2's launcher kills its ranks
+    within a heartbeat (they would wait on node3's collectives until Slurm's KILL). A new start
+    begins with no node lost."""
+    from toolkit.train.workers import supervise
+
+    receiver = Receiver(SECRET, host="127.0.0.1").listen()
+    sender = Sender("127.0.0.1", receiver.port, SECRET, "node2", receiver.next_start(), state=dict).start()
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.6)
+        assert not sender.peers_lost.is_set()
+        receiver.tell_lost(["node3"])
+        began = time.monotonic()
+        progress = NodeProgress([0], HangRule(hang_factor=10, hang_floor=60, startup_timeout=60))
+        code = supervise(RunLayout(tmp_path), "here", {0: worker}, progress, threading.Lock(), True,
+                         sender.peers_lost, lambda: sender.lost)
+        assert code == 1 and worker.poll() is not None and sender.lost == ["node3"]
+        assert time.monotonic() - began < 1.5
+        receiver.next_start()
+        assert receiver.lost == []
+    finally:
+        worker.kill()
+        sender.stop(0)
+        receiver.close()
+
+
 def test_a_hung_worker_has_its_stacks_dumped_then_is_stopped(tmp_path):
     from toolkit.train.workers import read_progress, supervise
     from toolkit.watch import exits

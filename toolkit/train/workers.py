@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.launch import cores
@@ -163,12 +164,21 @@ def run_workers(run_dir: Path, node_rank: int, nodes: int, beat: Sender | None =
 
     signal.signal(signal.SIGUSR2, forward)
     signal.signal(signal.SIGTERM, forward)
-    return supervise(layout, host, workers, progress, lock, watchdog.enabled)
+    return supervise(layout, host, workers, progress, lock, watchdog.enabled, beat.peers_lost if beat else None,
+                     lambda: beat.lost if beat else [])
 
 
 def supervise(layout: RunLayout, host: str, workers: dict[int, subprocess.Popen], progress: NodeProgress,
-              lock: threading.Lock, watching: bool) -> int:
+              lock: threading.Lock, watching: bool, peers_lost: threading.Event | None = None,
+              lost: Callable[[], list[str]] = list) -> int:
     while True:
+        if peers_lost is not None and peers_lost.is_set():
+            # No checkpoint can be taken without the lost node's ranks: stopped now, not after the
+            # TERM a requeue brings and the KillWait they would wait out on its collectives.
+            print(f"[ft-launch {host}] {', '.join(lost())} lost (the supervisor says): stopping this node's "
+                  "ranks at once", flush=True)
+            stop(workers, grace=0)
+            return 1
         failed = {rank: p.returncode for rank, p in workers.items() if p.poll() not in (None, 0)}
         if failed:
             rank, code = min(failed.items())

@@ -11,7 +11,9 @@ left over from an earlier start is not mistaken for one of the current start.
 
 The supervisor answers each heartbeat, from a thread of its own that never waits on anything else
 (a slow Slurm command in the supervisor must not look like a lost batch host). An answer names the
-heartbeat it answers: a launcher that hears no fresh answer for long knows the batch host is lost
+heartbeat it answers, and the nodes of the start found lost: a launcher that hears of one stops its
+ranks at once (they would wait on the lost one's collectives until Slurm's KILL), and one that
+hears no fresh answer for long knows the batch host is lost
 (when silence means a loss: toolkit/watch/silence.py, the same rule both ways).
 """
 
@@ -92,6 +94,8 @@ class Sender:
         self.thread = threading.Thread(target=self._run, name="ft-heartbeat", daemon=True)
         self.reporting: threading.Thread | None = None
         self.judged = False  # on_silence returned True: the silence is dealt with
+        self.peers_lost = threading.Event()  # the supervisor said a node of this start is lost
+        self.lost: list[str] = []
 
     def start(self) -> Sender:
         self.thread.start()
@@ -131,6 +135,10 @@ class Sender:
                 and type(answer.get("to")) is int and self.answered_seq < answer["to"] <= self.seq
             if fresh:  # a replayed answer names a heartbeat answered before: it proves nothing
                 self.answered, self.answered_seq = time.monotonic(), answer["to"]
+                lost = answer.get("lost")
+                if isinstance(lost, list) and lost and all(isinstance(node, str) for node in lost):
+                    self.lost = lost
+                    self.peers_lost.set()
 
     def stop(self, exit_code: int, linger: float = 0.0) -> None:
         """Say goodbye. A launcher that failed first lingers until the supervisor answers, or until
@@ -203,6 +211,7 @@ class Receiver:
         self.refused = 0
         self.answers = 0
         self.start_number = 0
+        self.lost: list[str] = []  # nodes of this start found lost: every answer says so
         self.lock = threading.Lock()
         self.closed = threading.Event()
 
@@ -262,7 +271,7 @@ class Receiver:
                                         max(seen.longest_gap, now - seen.last) if seen else 0.0)
             self.answers += 1
             answer = seal(self.secret, {"answer": node, "start": self.start_number, "seq": self.answers,
-                                        "to": message["seq"]})
+                                        "to": message["seq"], **({"lost": self.lost} if self.lost else {})})
         with contextlib.suppress(OSError):
             self.socket.sendto(answer, source)
 
@@ -276,8 +285,15 @@ class Receiver:
         """A new start of the training: only its launchers are heard from now on."""
         with self.lock:
             self.nodes.clear()
+            self.lost = []
             self.start_number += 1
             return self.start_number
+
+    def tell_lost(self, nodes: list[str]) -> None:
+        """Every answer from now on says these nodes of the start are lost (the launchers stop their
+        ranks at once: within a heartbeat)."""
+        with self.lock:
+            self.lost = sorted(set(self.lost) | set(nodes))
 
     def seen(self) -> dict[str, NodeSeen]:
         with self.lock:

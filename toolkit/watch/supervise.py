@@ -254,6 +254,7 @@ class Supervisor:
                 # waits for nothing that will never answer; the survivors' ranks are killed (they
                 # would wait on the lost one's collectives) and the next start goes on at once.
                 log(f"{lost.why} ({', '.join(lost.nodes)}): stopping the step")
+                self.receiver.tell_lost(lost.nodes)
                 self.exclude(lost)
                 self.stop_step(process, grace=LOST_STOP_GRACE_S)
                 return Outcome(None, lost)
