@@ -88,6 +88,12 @@ class FakeSlurm:
     def config_seconds(self, name: str) -> int:
         return {"SlurmdTimeout": 10, "KillWait": 5}[name]
 
+    def node_addresses(self, nodes: list[str]) -> dict[str, str]:
+        return {}  # nothing to probe: a silence waits for the heartbeat timeout (the watchdog's, tested apart)
+
+    def slurmd_answers(self, address: str, port: int | None = None) -> bool:
+        return True
+
     def requeues_preempted(self, job_id: str, partition: str) -> bool:
         return self.preempted_requeue
 

@@ -27,3 +27,18 @@ def test_host_lists_expand_as_scontrol_show_hostnames_does():
     assert expand_hostlist("rack[1-2]-n[1-2]") == ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]
     assert expand_hostlist("") == [] and expand_hostlist("n[a-b]") == ["n[a-b]"]  # not a range: as written
     assert len(expand_hostlist("n[1-99999999]")) == 1  # no list of a hundred million names
+
+
+def test_node_addresses_are_slurms_nodeaddr_once_per_node():
+    """sinfo lists a node once per partition; a node without an address says nothing."""
+    import subprocess
+
+    from toolkit.slurm.nodes import node_addresses
+
+    answer = "gpu-001|10.1.0.11\ngpu-001|10.1.0.11\ngpu-002|(null)\nother|10.9.9.9\n"
+
+    def run(argv, timeout, check):
+        assert "--format=%N|%o" in argv and "gpu-001,gpu-002" in argv
+        return subprocess.CompletedProcess(argv, 0, answer, "")
+
+    assert node_addresses(["gpu-001", "gpu-002"], run) == {"gpu-001": "10.1.0.11"}

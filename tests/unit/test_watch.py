@@ -325,8 +325,11 @@ class FakeSlurm:
         """The job's expect_requeue's stand-in (toolkit/job/controller.py, tested in test_job_controller.py)."""
         self.lifted.append(job_id)
 
+    def node_addresses(self, nodes: list[str]) -> dict[str, str]:
+        return {node: f"addr-{node}" for node in nodes if node != "unlisted"}  # the test's nodes do not resolve
+
     def slurmd_answers(self, address: str, port: int | None = None) -> bool:
-        return address not in self.crashed  # the test's nodes do not resolve: asked by name
+        return address.removeprefix("addr-") not in self.crashed
 
     def unresponsive(self, nodes: list[str]) -> list[str]:
         return [node for node in nodes if node in self.not_answering]
@@ -406,6 +409,16 @@ def test_a_crashed_node_is_lost_within_two_seconds_and_a_quiet_one_that_answers_
     (gaps,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()
                if '"heartbeat_gaps"' in line]
     assert gaps["longest"]["n2"] >= 3 > gaps["longest"]["n1"]  # n2's beats lost for 3 s: measured, and survived
+
+
+def test_a_node_with_no_address_slurm_knows_waits_for_the_timeout(tmp_path, monkeypatch):
+    """No NodeAddr from Slurm and a name that does not resolve: nothing to probe, so no sign of loss;
+    its silence counts only at the heartbeat timeout (here 3 s), never after a second."""
+    code, starts, events, _, _ = supervised(tmp_path, monkeypatch, ["n1", "unlisted", "n3"], 2,
+                                            {"1": {"lose": "unlisted", "seconds": 6}}, heartbeat_timeout=3)
+    start, lost = events[0], next(e for e in events if e["event"] == "node_lost")
+    assert lost["node"] == "unlisted" and lost["reason"] == "no heartbeat for 3 s"
+    assert 3 <= lost["time"] - start["time"] < 5
 
 
 def test_a_node_that_crashed_as_the_step_failed_is_lost_not_started_on_again(tmp_path, monkeypatch):

@@ -98,6 +98,8 @@ class SlurmClient(Protocol):
 
     def slurmd_answers(self, address: str, port: int | None = None) -> bool: ...
 
+    def node_addresses(self, nodes: list[str]) -> dict[str, str]: ...
+
     def requeues_preempted(self, job_id: str, partition: str) -> bool: ...
 
 
@@ -209,6 +211,10 @@ class CliSlurmClient:
         waits for a silent slurmd before marking its node DOWN; KillWait: from a job's TERM to its
         KILL); None where `scontrol show config` does not say."""
         return self.config_number(name)
+
+    def node_addresses(self, nodes: list[str]) -> dict[str, str]:
+        """Each node's NodeAddr, where Slurm says it (sinfo)."""
+        return slurm_nodes.node_addresses(nodes, commands.run, timeout=self.timeout)
 
     def slurmd_answers(self, address: str, port: int | None = None) -> bool:
         """Whether the slurmd at this address takes a connection (on `port`, or the cluster's SlurmdPort)."""

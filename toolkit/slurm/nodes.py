@@ -165,6 +165,18 @@ def parse_node_gres(text: str) -> dict[str, NodeGpus]:
 SLURMD_PORT = 6818  # Slurm's default SlurmdPort
 
 
+def node_addresses(nodes: list[str], run: Callable = commands.run, timeout: float = 10.0) -> dict[str, str]:
+    """Each node's NodeAddr: where Slurm itself reaches its slurmd (a node's name need not resolve)."""
+    result = run(["sinfo", "--noheader", "--Node", "--nodes", ",".join(nodes), "--format=%N|%o"],
+                 timeout=timeout, check=False)
+    found = {}
+    for line in result.stdout.splitlines():
+        name, _, address = line.strip().partition("|")
+        if name in nodes and address and address not in ("(null)", "N/A"):
+            found[name] = address
+    return found
+
+
 def slurmd_answers(address: str, port: int = SLURMD_PORT, timeout: float = 0.5) -> bool:
     """Whether the slurmd at this address takes a connection: a sign of life independent of any
     job's own traffic. A live node's kernel answers a connect in milliseconds however busy the node;

@@ -155,13 +155,27 @@ class Supervisor:
         self.auto_resume = any(arg.startswith("--auto-resume") for arg in command)  # HyperPod restarts itself
         self.marks = Path(os.environ["FT_LAUNCH_MARKS"]) if os.environ.get("FT_LAUNCH_MARKS") else None
         self.silence = SilenceRule(self.watchdog.heartbeat_timeout, self.slurmd_answers)
+        self.slurmd_addresses = self.ask_node_addresses()
         self.hangs: dict[str, int] = {}  # node: hangs blamed on it in this job
 
-    def slurmd_answers(self, node: str) -> bool:
-        """Whether the node's slurmd takes a connection (a node that does not resolve: asked by name)."""
+    def ask_node_addresses(self) -> dict[str, str]:
+        """Where each node's slurmd listens: Slurm's NodeAddr, else the name's address."""
         try:
-            return self.slurm.slurmd_answers(self.peers.get(node, node))
-        except FtError:  # SlurmdPort unknown (Slurm away): no sign of loss
+            found = self.slurm.node_addresses(self.allocation)
+        except FtError:
+            found = {}
+        return {node: found.get(node) or self.peers[node] for node in self.allocation
+                if found.get(node) or node in self.peers}
+
+    def slurmd_answers(self, node: str) -> bool:
+        """Whether the node's slurmd takes a connection. A node with no known address, or a Slurm that
+        does not say its SlurmdPort, gives no sign of loss: its silence waits for the timeout."""
+        address = self.slurmd_addresses.get(node)
+        if address is None:
+            return True
+        try:
+            return self.slurm.slurmd_answers(address)
+        except FtError:
             return True
 
     def unstarted(self, nodes: list[str]) -> list[str]:
