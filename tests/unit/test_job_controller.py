@@ -91,8 +91,11 @@ class FakeSlurm:
     def node_addresses(self, nodes: list[str]) -> dict[str, str]:
         return {}  # nothing to probe: a silence waits for the heartbeat timeout (the watchdog's, tested apart)
 
-    def slurmd_answers(self, address: str, port: int | None = None) -> bool:
+    def slurmd_answers(self, address: str, port: int) -> bool:
         return True
+
+    def config_number(self, name: str) -> None:
+        return None  # SlurmdPort unknown: no probe
 
     def requeues_preempted(self, job_id: str, partition: str) -> bool:
         return self.preempted_requeue

@@ -199,7 +199,7 @@ def test_a_batch_host_whose_slurmd_answers_is_left_to_slurm(tmp_path, monkeypatc
     does not use up the report of a real loss later in the same start."""
     from toolkit.launch import node
 
-    calls, answers = [], iter([True, True, False])
+    calls, answers = [], iter([True, True, False, False])
 
     class Slurm:
         def requeue(self, job):
@@ -222,6 +222,9 @@ def test_a_batch_host_whose_slurmd_answers_is_left_to_slurm(tmp_path, monkeypatc
     # every later end of its step (a restart inside the job, a cancel) for the wait.
     assert calls == [] and not node.REQUEUED_AT and not (tmp_path / "events.jsonl").exists()
 
+    # Its own link back after a flap: an answer came while the probe failed: nothing reported.
+    assert node.batch_host_lost("n3", 1.0, timeout=10, still_quiet=lambda: False) is False
+    assert calls == [] and not node.REQUEUED_AT
     assert node.batch_host_lost("n3", 1.0, timeout=10) is True  # now really lost
     assert calls == [("requeue", "41"), ("down", "n1")]
     (event,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
@@ -235,3 +238,20 @@ def test_the_lift_is_recorded_as_it_happens(monkeypatch):
     slurm = ScriptedSlurm(["COMPLETING 1"], pids=[[os.getpid(), 1]] * 3 + [[os.getpid()]])
     assert requeue.stay_as_last(slurm, "41", on_lifted=lambda: seen.append(f"lifted after {len(slurm.started_after)}"))
     assert seen == ["lifted after 1"]
+
+
+def test_the_launchers_probe_uses_the_supervisors_slurmd_port_and_none_known_is_no_sign_of_loss(monkeypatch):
+    """No Slurm command on the node (a container): the port comes from the supervisor. A refused
+    connection is an answer that no slurmd listens; a listening one answers."""
+    import socket
+
+    from toolkit.launch import node
+
+    monkeypatch.delenv("FT_WATCH_SLURMD_PORT", raising=False)
+    assert node.slurmd_answers("127.0.0.1") is True  # nothing known, nothing asked
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        monkeypatch.setenv("FT_WATCH_SLURMD_PORT", str(listening.getsockname()[1]))
+        assert node.slurmd_answers("127.0.0.1") is True
+    assert node.slurmd_answers("127.0.0.1") is False  # the port closed: refused

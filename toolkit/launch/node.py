@@ -8,12 +8,12 @@ workers. Exit status: 0 done, 1 failed (Slurm may requeue), 3 the node cannot ru
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.launch.rendezvous import RendezvousError, barrier, job_secret
@@ -81,22 +81,21 @@ def start_heartbeat(node: str) -> Sender | None:
     if not address or not port.isdigit():
         return None
     silence = float(os.environ.get("FT_WATCH_TIMEOUT", "10"))
-    return Sender(address, int(port), job_secret(), node, int(os.environ.get("FT_WATCH_START", "0")),
-                  state=dict, silence_s=silence, on_silence=lambda quiet: batch_host_lost(node, quiet, silence)).start()
-
-
-@functools.cache
-def slurm_client():
-    """One client for the launcher's life: it reads SlurmdPort once, not at every probe."""
-    from toolkit.slurm.client import CliSlurmClient
-
-    return CliSlurmClient()
+    sender = Sender(address, int(port), job_secret(), node, int(os.environ.get("FT_WATCH_START", "0")),
+                    state=dict, silence_s=silence)
+    sender.on_silence = lambda quiet: batch_host_lost(node, quiet, silence, still_quiet=sender.unanswered)
+    return sender.start()
 
 
 def slurmd_answers(address: str) -> bool:
-    """Whether the batch host's slurmd accepts a connection: a second opinion, independent of the
-    heartbeats (which a flood of junk could drown), before a node is called lost."""
-    return slurm_client().slurmd_answers(address)
+    """Whether the batch host's slurmd accepts a connection: a second opinion beside the heartbeats
+    (which a flood of junk could drown), before a node is called lost. On the SlurmdPort the
+    supervisor read (a launcher may run in a container without Slurm's commands); none known: no
+    sign of loss."""
+    from toolkit.slurm.nodes import slurmd_answers as answers
+
+    port = os.environ.get("FT_WATCH_SLURMD_PORT", "")
+    return answers(address, int(port)) if port.isdigit() else True
 
 
 def first_to_report(marks: str | None, what: str) -> bool:
@@ -119,14 +118,17 @@ def first_to_report(marks: str | None, what: str) -> bool:
 REQUEUED_AT: list[float] = []  # when it asked (time.monotonic()): Slurm's TERM follows at once
 
 
-def batch_host_lost(node: str, quiet: float, timeout: float = float("inf")) -> bool:
+def batch_host_lost(node: str, quiet: float, timeout: float = float("inf"),
+                    still_quiet: Callable[[], bool] = lambda: True) -> bool:
     """The supervisor stopped answering for `quiet` seconds: where its node's slurmd does not answer
     either, the node (the batch host) is lost, and the job with it. Slurm would notice only after
     SlurmdTimeout; one surviving node tells it now: the job requeued and the node marked DOWN (with
     the reason). A supervisor quiet on a live node (a launcher of an earlier start it no longer
     answers, a node that rebooted already) is asked about again until the heartbeat `timeout`, then
     left to Slurm to judge; where Slurm requeues the job for it, the job starts again at once all the
-    same. True once the silence is judged (toolkit/watch/heartbeat.py's Sender asks no more)."""
+    same. True once the silence is judged (toolkit/watch/heartbeat.py's Sender asks no more).
+    `still_quiet()` is asked again before each step: an answer meanwhile (this node's own link back
+    after a flap) ends it, and no healthy batch host is marked DOWN."""
     from toolkit.runs.timeline import record
     from toolkit.slurm.client import CliSlurmClient
     from toolkit.watch.requeue import retried
@@ -141,6 +143,8 @@ def batch_host_lost(node: str, quiet: float, timeout: float = float("inf")) -> b
         log(f"the supervisor on {batch_host} did not answer for {quiet:.0f} s, but the node's slurmd does: "
             "left to Slurm")
         return True
+    if not still_quiet():
+        return False
     if not first_to_report(marks, "batch-host-lost"):
         log(f"the batch host {batch_host} did not answer for {quiet:.1f} s: another node reports it")
         return True
@@ -158,6 +162,9 @@ def batch_host_lost(node: str, quiet: float, timeout: float = float("inf")) -> b
     slurm = CliSlurmClient()
     REQUEUED_AT.append(time.monotonic())
     requeued = retried(lambda: slurm.requeue(job), f"requeueing job {job}")
+    if not still_quiet():  # the requeue stands (the job resumes from its checkpoint); the node is sound
+        log(f"the supervisor on {batch_host} answers again: not marking it DOWN")
+        return True
     marked = retried(lambda: slurm.mark_node_down(batch_host, why), f"marking {batch_host} DOWN")
     if not requeued and not marked:
         log(f"Slurm took neither (operator rights?): it requeues job {job} once it notices (SlurmdTimeout)")

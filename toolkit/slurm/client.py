@@ -96,7 +96,7 @@ class SlurmClient(Protocol):
 
     def config_number(self, name: str) -> int | None: ...
 
-    def slurmd_answers(self, address: str, port: int | None = None) -> bool: ...
+    def slurmd_answers(self, address: str, port: int) -> bool: ...
 
     def node_addresses(self, nodes: list[str]) -> dict[str, str]: ...
 
@@ -216,13 +216,9 @@ class CliSlurmClient:
         """Each node's NodeAddr, where Slurm says it (sinfo)."""
         return slurm_nodes.node_addresses(nodes, commands.run, timeout=self.timeout)
 
-    def slurmd_answers(self, address: str, port: int | None = None) -> bool:
-        """Whether the slurmd at this address takes a connection (on `port`, or the cluster's SlurmdPort)."""
-        return slurm_nodes.slurmd_answers(address, port or self.slurmd_port())
-
-    @functools.cache  # noqa: B019 - one client per process; the configuration does not change under it
-    def slurmd_port(self) -> int:
-        return self.config_number("SlurmdPort") or slurm_nodes.SLURMD_PORT
+    def slurmd_answers(self, address: str, port: int) -> bool:
+        """Whether the slurmd at this address takes a connection on `port` (the cluster's SlurmdPort)."""
+        return slurm_nodes.slurmd_answers(address, port)
 
     def config_number(self, name: str) -> int | None:
         """A number of Slurm's configuration (SlurmdPort; durations in seconds, "30 sec" read as

@@ -177,15 +177,21 @@ def node_addresses(nodes: list[str], run: Callable = commands.run, timeout: floa
     return found
 
 
-def slurmd_answers(address: str, port: int = SLURMD_PORT, timeout: float = 0.5) -> bool:
-    """Whether the slurmd at this address takes a connection: a sign of life independent of any
-    job's own traffic. A live node's kernel answers a connect in milliseconds however busy the node;
-    a crashed one refuses it or lets it time out. The connection is closed at once."""
-    try:
-        with socket.create_connection((address, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
+def slurmd_answers(address: str, port: int = SLURMD_PORT, timeout: float = 0.4, tries: int = 2) -> bool:
+    """Whether the slurmd at this address takes a connection: a sign of life beside any job's own
+    traffic. A live node's kernel answers a connect in milliseconds however busy the node. A refusal
+    is an answer (the host is up, its slurmd is not); no answer in time is asked once more (a lost
+    SYN is resent only after a second): a crashed host answers neither. The connection is closed at
+    once (slurmd logs the empty connection)."""
+    for _ in range(tries):
+        try:
+            with socket.create_connection((address, port), timeout=timeout):
+                return True
+        except ConnectionRefusedError:
+            return False
+        except OSError:
+            continue
+    return False
 
 
 def drained(nodes: list[str], run: Callable = commands.run, timeout: float = 20.0) -> dict[str, str]:

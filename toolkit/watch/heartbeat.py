@@ -119,8 +119,15 @@ class Sender:
                 self.reporting.start()
 
     def _judge(self, quiet: float) -> None:
-        if self.on_silence(quiet):
+        try:
+            self.judged = bool(self.on_silence(quiet))
+        except Exception as exc:  # noqa: BLE001 - judged (Slurm's own timeout is left), never asked again in a loop
             self.judged = True
+            print(f"ft-heartbeat: judging the supervisor's silence failed: {type(exc).__name__}: {exc}", flush=True)
+
+    def unanswered(self) -> bool:
+        """No fresh answer for silence.QUIET_S or more."""
+        return self.answered is None or time.monotonic() - self.answered >= QUIET_S
 
     def read_answers(self) -> None:
         for _ in range(ANSWERS_PER_BEAT):
@@ -135,6 +142,7 @@ class Sender:
                 and type(answer.get("to")) is int and self.answered_seq < answer["to"] <= self.seq
             if fresh:  # a replayed answer names a heartbeat answered before: it proves nothing
                 self.answered, self.answered_seq = time.monotonic(), answer["to"]
+                self.judged = False  # a later silence is judged afresh
                 lost = answer.get("lost")
                 if isinstance(lost, list) and lost and all(isinstance(node, str) for node in lost):
                     self.lost = lost

@@ -4,8 +4,8 @@ step advances ("save 12" while checkpointing, "eval 0" measuring the base model 
 step, "export 120" and "eval 120" at the end). Writes never block: a
 launcher that stopped reading never slows training.
 
-A rank is hung when its step is late by max(hang_factor x its median step time, LONGEST_FACTOR x
-its longest, hang_floor) seconds, over its last STEPS_KEPT steps: the bound follows the run's own
+A rank is hung when its step is late by max(hang_factor x its median step time over its last
+STEPS_KEPT steps, LONGEST_FACTOR x its longest since the start, hang_floor) seconds: the bound follows the run's own
 step times (a run whose steps now and then take long, a logging step's host synchronisation or a
 checkpoint's background write, gets room for those), and the floor only keeps a run of very short
 steps from being called hung for a pause of a few seconds. Before its first step, and during a
@@ -68,17 +68,19 @@ class RankProgress:
     phase: str = "start"
     step: int = -1
     intervals: deque = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
+    longest: float = 0.0  # of every step of this start: a slow step that comes back rarely is not forgotten
 
     def report(self, phase: str, step: int, now: float) -> None:
         """A step's time counts only between two steps (a save, or the start, is not a step)."""
         if phase == "step" and self.phase == "step" and step > self.step:
             self.intervals.append(now - self.since)
+            self.longest = max(self.longest, now - self.since)
         self.phase, self.step, self.since = phase, step, now
 
     def limit(self, rule: HangRule) -> float:
         if self.phase != "step" or not self.intervals:
             return rule.startup_timeout
-        return max(rule.hang_factor * statistics.median(self.intervals), LONGEST_FACTOR * max(self.intervals),
+        return max(rule.hang_factor * statistics.median(self.intervals), LONGEST_FACTOR * self.longest,
                    rule.hang_floor)
 
     def late_by(self, rule: HangRule, now: float) -> float:

@@ -6,8 +6,12 @@ probed, a TCP connect to SlurmdPort. A crashed node answers nothing (power lost,
 connect is refused or times out within PROBE_TIMEOUT_S), and is lost at once, within about QUIET_S
 + PROBE_TIMEOUT_S of its last heartbeat. A quiet node whose slurmd answers is alive but late (a
 launcher starved of CPU, a flood of datagrams dropping heartbeats): it is given the recipe's
-`watchdog.heartbeat_timeout` before it counts as lost. So the fast path needs two independent
+`watchdog.heartbeat_timeout` before it counts as lost. So the fast path needs two
 signs, and a loaded node never loses its place to one late datagram.
+
+Both signs travel the same network, though: where half the nodes or more (two at least) go quiet at
+once, the likelier cause is the asker's own link (a flap, a failover), not that many crashes; they
+then wait for the timeout, as does a node with nothing to probe.
 
 QUIET_S is set from the heartbeat gaps measured on the loaded lab (benchmarks/false_alarms.py,
 benchmarks/FALSE_ALARMS.md): the longest gap seen there, with room.
@@ -21,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 QUIET_S = 1.0  # a node quiet this long is asked about
-PROBE_TIMEOUT_S = 0.5  # toolkit/slurm/nodes.py's slurmd_answers: a live node answers in milliseconds
+PROBE_TIMEOUT_S = 0.8  # toolkit/slurm/nodes.py's slurmd_answers: two connects of 0.4 s at most
 PROBE_EVERY_S = 0.5  # a quiet node whose slurmd answered is asked again this often
 
 
@@ -34,20 +38,28 @@ class SilenceRule:
     quick: float = QUIET_S
     asked: dict[str, float] = field(default_factory=dict)  # node: when its slurmd last answered
 
-    def lost(self, quiet: dict[str, float]) -> dict[str, str]:
+    def lost(self, quiet: dict[str, float], nodes: int) -> dict[str, str]:
+        """`quiet`: seconds since each node's last heartbeat; `nodes`: how many are watched."""
         found = {node: f"no heartbeat for {self.timeout:.0f} s" for node, seconds in quiet.items()
                  if seconds >= self.timeout}
+        for node in [n for n in self.asked if quiet.get(n, 0.0) < self.quick]:  # heard again: asked afresh
+            del self.asked[node]
+        candidates = [node for node, seconds in quiet.items() if node not in found and seconds >= self.quick]
+        if self.many(len(candidates), nodes):
+            return found
         now = time.monotonic()
-        ask = [node for node, seconds in quiet.items() if node not in found and seconds >= self.quick
-               and now - self.asked.get(node, float("-inf")) >= PROBE_EVERY_S]
+        ask = [node for node in candidates if now - self.asked.get(node, float("-inf")) >= PROBE_EVERY_S]
         for node, answered in zip(ask, self.probe_all(ask), strict=True):
             if answered:
                 self.asked[node] = now
             else:
                 found[node] = f"no heartbeat for {quiet[node]:.1f} s and its slurmd does not answer"
-        for node in [n for n in self.asked if n not in quiet]:  # heard again: asked afresh next time
-            del self.asked[node]
         return found
+
+    @staticmethod
+    def many(quiet: int, nodes: int) -> bool:
+        """Too many quiet at once to be crashes: the asker's own network is the likelier cause."""
+        return quiet >= 2 and 2 * quiet >= nodes
 
     def probe_all(self, nodes: list[str]) -> list[bool]:
         """All at once: several nodes lost together (a rack's switch) cost one probe's time."""

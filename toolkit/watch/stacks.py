@@ -83,9 +83,23 @@ def dump(pid: int, target: Path) -> str:
     return f"stacks requested with faulthandler (in the rank's log); process state {state}"
 
 
+BLAME_LOOKS = 5  # a D state is common and brief (a read, a write): only one that lasts is blamed
+BLAME_EVERY_S = 0.2
+
+
 def blame(pid: int) -> str | None:
-    """Why a hung rank hangs by itself, from its state now; None where it may be waiting on a peer."""
-    return BLAMED_STATES.get(process_state(pid))
+    """Why a hung rank hangs by itself: stopped at any of BLAME_LOOKS looks, or in the kernel at
+    every one; None where it may be waiting on a peer."""
+    states = []
+    for look in range(BLAME_LOOKS):
+        states.append(process_state(pid))
+        if states[-1] in ("T", "t"):
+            return BLAMED_STATES[states[-1]]
+        if states[-1] != "D":
+            return None
+        if look < BLAME_LOOKS - 1:
+            time.sleep(BLAME_EVERY_S)
+    return BLAMED_STATES["D"]
 
 
 def dump_all(layout: RunLayout, pids: dict[int, int], log: Callable[[str], None]) -> None:

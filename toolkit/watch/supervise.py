@@ -156,7 +156,16 @@ class Supervisor:
         self.marks = Path(os.environ["FT_LAUNCH_MARKS"]) if os.environ.get("FT_LAUNCH_MARKS") else None
         self.silence = SilenceRule(self.watchdog.heartbeat_timeout, self.slurmd_answers)
         self.slurmd_addresses = self.ask_node_addresses()
+        self.slurmd_port = self.ask_slurmd_port()
+        self.started_at = 0.0  # time.time() of the current start (its events are the ones after it)
         self.hangs: dict[str, int] = {}  # node: hangs blamed on it in this job
+
+    def ask_slurmd_port(self) -> int | None:
+        """SlurmdPort, once (a Slurm that does not say: no probe, and no sign of loss from one)."""
+        try:
+            return self.slurm.config_number("SlurmdPort")
+        except FtError:
+            return None
 
     def ask_node_addresses(self) -> dict[str, str]:
         """Where each node's slurmd listens: Slurm's NodeAddr, else the name's address."""
@@ -171,12 +180,9 @@ class Supervisor:
         """Whether the node's slurmd takes a connection. A node with no known address, or a Slurm that
         does not say its SlurmdPort, gives no sign of loss: its silence waits for the timeout."""
         address = self.slurmd_addresses.get(node)
-        if address is None:
+        if address is None or self.slurmd_port is None:
             return True
-        try:
-            return self.slurm.slurmd_answers(address)
-        except FtError:
-            return True
+        return self.slurm.slurmd_answers(address, self.slurmd_port)
 
     def unstarted(self, nodes: list[str]) -> list[str]:
         """Nodes of the last start whose launcher never started: the step failed to launch there."""
@@ -190,6 +196,7 @@ class Supervisor:
         if self.warm and not self.warm_alive(nodes):  # a template gone (its node's step failed)
             self.start_warm(nodes)
         start = self.receiver.next_start()
+        self.started_at = time.time()
         exits.clear_exit_status(self.run_dir)
         for node in nodes:  # each launcher leaves its mark as it starts (toolkit/launch/node.py)
             with contextlib.suppress(FileNotFoundError, TypeError):
@@ -197,6 +204,7 @@ class Supervisor:
         env = dict(os.environ, MASTER_ADDR=nodes[0], MASTER_PORT=str(master_port(int(self.job_id), start)),
                    FT_WATCH_ADDR=self.address, FT_WATCH_PORT=str(self.receiver.port), FT_WATCH_START=str(start),
                    FT_WATCH_NODE=self.node, FT_WATCH_TIMEOUT=str(self.watchdog.heartbeat_timeout),
+                   FT_WATCH_SLURMD_PORT=str(self.slurmd_port or ""),
                    FT_WARM="1" if self.warm_alive(nodes) else "0")
         argv = steps.on_nodes(self.command, nodes)
         log(f"start {start}: training on {', '.join(nodes)}"
@@ -279,13 +287,28 @@ class Supervisor:
         asked about once more (flood_checked): the kernel drops real heartbeats in a flood."""
         seen = self.receiver.seen()
         quiet = {node: now - seen[node].last for node in self.silent(seen, nodes, now, 0)}
-        judged = self.silence.lost(quiet)
-        late = self.flood_checked([n for n in judged if quiet[n] >= timeout], timeout)
+        judged = self.silence.lost(quiet, len(nodes))
+        late = [n for n in judged if quiet[n] >= timeout]
+        if SilenceRule.many(len(late), len(nodes)):  # this host's own network, more likely: Slurm's word
+            late = self.slurm_confirms(late, f"{len(late)} of {len(nodes)} nodes quiet at once")
+        late = self.flood_checked(late, timeout)
         lost = {node: why for node, why in judged.items() if quiet[node] < timeout or node in late}
         lost.update({n: "never heard from since the start" for n in nodes if n not in seen and started_late})
         if not lost:
             return None
         return Lost(sorted(lost), "; ".join(sorted(set(lost.values()))))
+
+    def slurm_confirms(self, silent: list[str], why: str) -> list[str]:
+        """The nodes among these whose slurmd Slurm says does not answer it either."""
+        try:
+            unanswering = set(self.slurm.unresponsive(silent))
+        except FtError as exc:
+            log(f"{why}; could not ask Slurm about them ({exc.message}): taken as lost")
+            return silent
+        kept = [node for node in silent if node not in unanswering]
+        if kept:
+            log(f"{why}: Slurm says {', '.join(kept)} answer, so they are not taken as lost")
+        return [node for node in silent if node in unanswering]
 
     def ended(self, code: int, nodes: list[str]) -> Outcome:
         """srun is done. After a failure, a node that said no goodbye was lost where its slurmd does
@@ -305,6 +328,8 @@ class Supervisor:
         if quiet:
             return Outcome(code, Lost(quiet, f"no heartbeat for {SILENT_AT_END_S:.0f} s before the step ended"))
         unsaid = self.silent(seen, nodes, now, 0)
+        if SilenceRule.many(len(unsaid), len(nodes)):  # a step ended together: srun's own stop, not crashes
+            return Outcome(code, None)
         gone = [node for node, answered in zip(unsaid, self.silence.probe_all(unsaid), strict=True) if not answered]
         return Outcome(code, Lost(gone, "no goodbye as the step ended, and its slurmd does not answer")
                        if gone else None)
@@ -389,7 +414,7 @@ class Supervisor:
         return self.usable()[self.needed:]
 
     def exclude(self, lost: Lost) -> None:
-        fresh = [node for node in lost.nodes if node not in self.excluded]
+        fresh = [node for node in lost.nodes if node not in self.excluded and node in self.allocation]
         self.excluded += fresh
         self.stop_warm(fresh)  # a drained node's template would hold its memory for nothing
         if fresh and len(self.allocation) - len(self.excluded) < self.needed:
@@ -418,17 +443,21 @@ class Supervisor:
                 f"{lost.why}")
             record(self.run_dir, "node_lost", node=node, reason=lost.why, marked_down=marked)
 
-    def hung_too_often(self) -> Lost | None:
+    def hung_too_often(self, nodes: list[str]) -> Lost | None:
         """The nodes this start's hang is blamed on (toolkit/train/workers.py's rank_hung events),
         counted; those blamed watchdog.exclude_after_hangs times are left out. A hang that blames
-        no node (every hung rank may be waiting on another) restarts on the same nodes."""
+        no node (every hung rank may be waiting on another), or every node at once (a shared
+        filesystem that stalls everyone's I/O), restarts on the same nodes."""
         blamed: dict[str, str] = {}
-        for event in read_lines(RunLayout(self.run_dir).events, {"event": str, "node": str, "start": int}):
+        for event in read_lines(RunLayout(self.run_dir).events,
+                                {"event": str, "node": str, "start": int, "time": (int, float)}):
             if event["event"] == "rank_hung" and event.get("job") == self.job_id and event.get("blamed") \
-                    and event["start"] == self.receiver.start_number:
+                    and event["start"] == self.receiver.start_number and event["time"] >= self.started_at \
+                    and event["node"] in nodes:
                 blamed.setdefault(event["node"], f"rank {event.get('rank', '?')} {event['blamed']}")
-        if not blamed:
-            log("the hang blames no node (each hung rank may be waiting on another): the same nodes again")
+        if not blamed or (len(nodes) > 1 and set(blamed) == set(nodes)):
+            log("the hang blames no one node (" + ("each hung rank may be waiting on another" if not blamed else
+                                                   "every node's ranks hang alike") + "): the same nodes again")
             return None
         bound, over = self.watchdog.exclude_after_hangs, []
         for node, why in sorted(blamed.items()):
@@ -579,7 +608,7 @@ class Supervisor:
             outcome = self.watch(self.process, nodes)
             self.record_gaps()
             if outcome.code == exits.HUNG and outcome.lost is None and not self.stopping.is_set():
-                outcome.lost = self.hung_too_often()
+                outcome.lost = self.hung_too_often(nodes)
             if outcome.lost and not self.stopping.is_set():
                 self.exclude(outcome.lost)
             elif outcome.code == 0 or self.stopping.is_set() or self.auto_resume or outcome.code in exits.NOT_RESTARTED:
