@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,7 @@ from toolkit.watch.silence import QUIET_S  # noqa: E402
 
 RECIPE = REPO / "recipes" / "tiny-lora-sft.yaml"
 ALARMS = {"node_lost", "restart", "heartbeat_flood"}
+SUITE_SUMMARY = re.compile(r"^=*\s*\d+ (?:passed|failed)\b.* in [\d.]+s\b", re.M)
 
 
 def recipe_for(work: Path, minutes: float) -> Path:
@@ -97,8 +99,7 @@ def load_beside(stop_at: float, log: Path) -> int:
 def suite_rounds(log: Path) -> int:
     """Complete rounds of the unit suite in its log (pytest's last line: "... passed in 301.2s")."""
     try:
-        return sum(1 for line in log.read_text(errors="replace").splitlines()
-                   if line.strip().endswith("s") and " in " in line and ("passed" in line or "failed" in line))
+        return len(SUITE_SUMMARY.findall(log.read_text(errors="replace")))
     except OSError:
         return 0
 
