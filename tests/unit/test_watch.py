@@ -177,6 +177,31 @@ def test_silence_is_a_loss_at_once_where_the_slurmd_does_not_answer_and_after_th
     assert time.monotonic() - began < 1.2  # three nodes asked at once, not one after the other
 
 
+def test_a_node_slurm_takes_back_on_an_old_word_is_marked_down_again_while_it_stays_dead():
+    """ReturnToService=2 on Slurm 24.11: a node marked DOWN a second after its crash was back in
+    service 0.15 s later (on a response from before the crash), for the requeued job to land on."""
+    from toolkit.watch.silence import keep_down
+
+    class Slurm:
+        def __init__(self, takes_back: int):
+            self.takes_back, self.marks = takes_back, 0
+
+        def unresponsive(self, nodes):
+            return [] if self.takes_back > self.marks else nodes  # back in service until marked enough
+
+        def mark_node_down(self, node, reason):
+            self.marks += 1
+            return True
+
+    said = []
+    back_once = Slurm(takes_back=1)
+    keep_down(back_once, "n3", "ft: lost", lambda: True, said.append, looks=(0.05, 0.1)).join()
+    assert back_once.marks == 1 and "marked DOWN again" in said[0]
+    alive_again = Slurm(takes_back=5)  # taken back, and rightly: it answers (rebooted)
+    keep_down(alive_again, "n3", "ft: lost", lambda: False, said.append, looks=(0.05, 0.1)).join()
+    assert alive_again.marks == 0 and len(said) == 1
+
+
 def test_half_the_nodes_quiet_at_once_is_the_askers_own_network_and_waits_for_the_timeout():
     """A link flap on the batch host silences every node and fails every probe: no node is lost in
     a second for it (the supervisor asks Slurm at the timeout). One node of eight is asked at once."""
@@ -366,7 +391,9 @@ class FakeSlurm:
         return {"SlurmdPort": 6818}[name]
 
     def unresponsive(self, nodes: list[str]) -> list[str]:
-        return [node for node in nodes if node in self.not_answering]
+        """Not answering Slurm, or marked DOWN (as sinfo says either)."""
+        downed = {node for node, _ in self.downed}
+        return [node for node in nodes if node in self.not_answering or node in downed]
 
     def drained(self, nodes: list[str]) -> dict[str, str]:
         """drains: {node: seconds after the start when a health check drains it}."""

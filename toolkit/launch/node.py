@@ -166,6 +166,11 @@ def batch_host_lost(node: str, quiet: float, timeout: float = float("inf"),
         log(f"the supervisor on {batch_host} answers again: not marking it DOWN")
         return True
     marked = retried(lambda: slurm.mark_node_down(batch_host, why), f"marking {batch_host} DOWN")
+    if marked:  # the launcher stays as the job's last process a while: long enough for the looks
+        from toolkit.watch.silence import keep_down
+
+        address = os.environ.get("FT_WATCH_ADDR", batch_host)
+        keep_down(slurm, batch_host, why, lambda: not slurmd_answers(address), log)
     if not requeued and not marked:
         log(f"Slurm took neither (operator rights?): it requeues job {job} once it notices (SlurmdTimeout)")
     return True

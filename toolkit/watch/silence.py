@@ -23,10 +23,40 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from toolkit.slurm.client import SlurmClient
 
 QUIET_S = 1.0  # a node quiet this long is asked about
 PROBE_TIMEOUT_S = 0.8  # toolkit/slurm/nodes.py's slurmd_answers: two connects of 0.4 s at most
 PROBE_EVERY_S = 0.5  # a quiet node whose slurmd answered is asked again this often
+# Slurm may return a node it was just told is DOWN to service on a response it had from the node
+# before the crash (ReturnToService=2: seen on 24.11 0.15 s after ft's mark, a second after the
+# crash): looked at again after these many seconds, and marked DOWN again while it answers nothing.
+DOWN_LOOKS_S = (1.5, 3.0)
+
+
+def keep_down(slurm: SlurmClient, node: str, reason: str, still_dead: Callable[[], bool],
+              log: Callable[[str], None], looks: tuple[float, ...] = DOWN_LOOKS_S) -> threading.Thread:
+    """A node ft marked DOWN stays DOWN while it is dead: in a thread of its own (the restart does not
+    wait), Slurm's word looked at again; a node back in service that still does not answer is marked
+    DOWN again, so that no job (the requeued one first) is started on it."""
+    def watch() -> None:
+        began = time.monotonic()
+        for at in looks:
+            time.sleep(max(at - (time.monotonic() - began), 0))
+            try:
+                down = node in slurm.unresponsive([node])
+                if not down and still_dead():
+                    slurm.mark_node_down(node, reason)
+                    log(f"Slurm took {node} back on a word from before its crash: marked DOWN again")
+            except Exception:  # noqa: BLE001 - a busy controller: Slurm's own timeout is left
+                return
+
+    thread = threading.Thread(target=watch, name=f"ft-keep-down-{node}", daemon=True)
+    thread.start()
+    return thread
 
 
 @dataclass

@@ -50,7 +50,7 @@ from toolkit.slurm import steps
 from toolkit.slurm.client import CliSlurmClient, SlurmClient
 from toolkit.watch import exits
 from toolkit.watch.heartbeat import Receiver
-from toolkit.watch.silence import SilenceRule
+from toolkit.watch.silence import SilenceRule, keep_down
 
 SILENT_AT_END_S = 3.0  # a node quiet this long before srun ended was lost, whatever srun says
 WATCH_EVERY_S = 0.1  # the watch loop's beat: a loss is acted on within this of its detection
@@ -439,6 +439,8 @@ class Supervisor:
                 marked = self.slurm.mark_node_down(node, reason)
             except FtError:
                 marked = False
+            if marked:
+                keep_down(self.slurm, node, reason, lambda node=node: not self.slurmd_answers(node), log)
             log(f"node {node} {'marked DOWN' if marked else 'left out (marking it DOWN needs operator rights)'}: "
                 f"{lost.why}")
             record(self.run_dir, "node_lost", node=node, reason=lost.why, marked_down=marked)
