@@ -454,7 +454,7 @@ def test_a_lost_node_is_replaced_by_the_spare_inside_the_job(tmp_path, monkeypat
 
 def test_a_crashed_node_is_lost_within_two_seconds_and_a_quiet_one_that_answers_is_not(tmp_path, monkeypatch):
     """n2 crashes at the start (one heartbeat, then nothing; its slurmd gone): lost within QUIET_S and
-    a probe, whatever the 10 s heartbeat timeout. In the second run n3 goes quiet for 3 s (its
+    a probe, whatever the 10 s heartbeat timeout. In the second run n2 goes quiet for 3.3 s (its
     heartbeats dropped, its slurmd answering): it keeps its place."""
     code, starts, events, _, _ = supervised(tmp_path, monkeypatch, ["n1", "n2", "n3"], 2,
                                             {"1": {"lose": "n2", "seconds": 3}}, heartbeat_timeout=10)
@@ -466,7 +466,7 @@ def test_a_crashed_node_is_lost_within_two_seconds_and_a_quiet_one_that_answers_
     for used in ("srun.log", "events.jsonl"):
         (tmp_path / used).unlink()
     code, starts, events, slurm, _ = supervised(tmp_path, monkeypatch, ["n1", "n2", "n3"], 2,
-                                                {"1": {"mute": "n2", "mute_for": 3, "seconds": 4}},
+                                                {"1": {"mute": "n2", "mute_for": 3.3, "seconds": 4}},
                                                 heartbeat_timeout=10)
     assert code == 0 and len(starts) == 1 and slurm.downed == [] and "node_lost" not in [e["event"] for e in events]
     (gaps,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()
@@ -786,5 +786,5 @@ def test_junk_from_outside_the_job_is_no_flood_and_slurm_silent_is_no_word():
 
     supervisor = Supervisor.__new__(Supervisor)  # only what flood_checked reads
     supervisor.receiver = type("Flooded", (), {"flood": lambda self, window: (50_000, ["10.0.0.7"])})()
-    supervisor.slurm, supervisor.flood_said, supervisor.flood_answer = Failing(), False, (float("-inf"), {})
+    supervisor.slurm, supervisor.flood_said, supervisor.slurm_answer = Failing(), False, (float("-inf"), {})
     assert supervisor.flood_checked(["n1"], 10) == ["n1"]
