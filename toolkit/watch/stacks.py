@@ -90,12 +90,11 @@ BLAME_EVERY_S = 0.2
 def blame(pid: int) -> str | None:
     """Why a hung rank hangs by itself: stopped at any of BLAME_LOOKS looks, or in the kernel at
     every one; None where it may be waiting on a peer."""
-    states = []
     for look in range(BLAME_LOOKS):
-        states.append(process_state(pid))
-        if states[-1] in ("T", "t"):
-            return BLAMED_STATES[states[-1]]
-        if states[-1] != "D":
+        state = process_state(pid)
+        if state in ("T", "t"):
+            return BLAMED_STATES[state]
+        if state != "D":
             return None
         if look < BLAME_LOOKS - 1:
             time.sleep(BLAME_EVERY_S)

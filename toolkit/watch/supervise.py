@@ -143,7 +143,8 @@ class Supervisor:
         sources = set(self.peers.values()) | {self.address} if len(self.peers) == len(self.allocation) else None
         self.receiver = Receiver(job_secret(), sources=sources).listen()
         self.flood_said = False  # a flood is said once, not every half second
-        self.flood_answer: tuple[float, dict[str, bool]] = (float("-inf"), {})  # Slurm's word, when asked
+        self.slurm_answer: tuple[float, dict[str, bool]] = (float("-inf"), {})  # Slurm's word, when asked
+        self.quiet_said = False  # many nodes quiet at once, Slurm saying they answer: said once
         self.process: subprocess.Popen | None = None
         self.warm: dict[str, subprocess.Popen] = {}  # node: its template's step
         self.spares_warm = False  # the spares' templates are started (once training has begun)
@@ -300,15 +301,29 @@ class Supervisor:
 
     def slurm_confirms(self, silent: list[str], why: str) -> list[str]:
         """The nodes among these whose slurmd Slurm says does not answer it either."""
-        try:
-            unanswering = set(self.slurm.unresponsive(silent))
-        except FtError as exc:
-            log(f"{why}; could not ask Slurm about them ({exc.message}): taken as lost")
+        answer = self.slurm_unanswering(silent)
+        if answer is None:
             return silent
-        kept = [node for node in silent if node not in unanswering]
-        if kept:
+        kept = [node for node in silent if not answer[node]]
+        if kept and not self.quiet_said:
             log(f"{why}: Slurm says {', '.join(kept)} answer, so they are not taken as lost")
-        return [node for node in silent if node in unanswering]
+        self.quiet_said = bool(kept)
+        return [node for node in silent if answer[node]]
+
+    def slurm_unanswering(self, silent: list[str]) -> dict[str, bool] | None:
+        """Slurm's word on each node: True where its slurmd does not answer Slurm either. Asked at most
+        every DRAIN_CHECK_S (a silence that lasts must not become a flood of sinfo, one each watch
+        beat); None where Slurm cannot be asked."""
+        asked, answer = self.slurm_answer
+        if time.monotonic() - asked > DRAIN_CHECK_S or not set(silent) <= set(answer):
+            try:
+                unanswering = set(self.slurm.unresponsive(silent))
+            except FtError as exc:
+                log(f"could not ask Slurm about {', '.join(silent)} ({exc.message}): taken as lost")
+                return None
+            answer = {node: node in unanswering for node in silent}
+            self.slurm_answer = (time.monotonic(), answer)
+        return answer
 
     def ended(self, code: int, nodes: list[str]) -> Outcome:
         """srun is done. After a failure, a node that said no goodbye was lost where its slurmd does
@@ -345,15 +360,9 @@ class Supervisor:
         if refused < FLOOD_DATAGRAMS:
             self.flood_said = False
             return silent
-        asked, answer = self.flood_answer
-        if time.monotonic() - asked > DRAIN_CHECK_S or not set(silent) <= set(answer):
-            try:  # asked at most every DRAIN_CHECK_S: a flood must not become a flood of sinfo
-                unanswering = set(self.slurm.unresponsive(silent))
-            except FtError as exc:
-                log(f"could not ask Slurm about {', '.join(silent)} ({exc.message}): taken as lost")
-                return silent
-            answer = {node: node in unanswering for node in silent}
-            self.flood_answer = (time.monotonic(), answer)
+        answer = self.slurm_unanswering(silent)
+        if answer is None:
+            return silent
         confirmed = [node for node in silent if answer[node]]
         kept = sorted(set(silent) - set(confirmed))
         if kept and not self.flood_said:
