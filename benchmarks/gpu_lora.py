@@ -34,7 +34,6 @@ import gc
 import json
 import os
 import random
-import resource
 import socket
 import subprocess
 import sys
@@ -108,9 +107,11 @@ def parse_config(token: str) -> dict:
     """'mb2', 'gc+mb4', 'compile+mb1', 'gc+compile+mb2'."""
     parts = token.split("+")
     micro = [p for p in parts if p.startswith("mb")]
-    if len(micro) != 1 or not set(parts) - set(micro) <= {"gc", "compile"}:
-        raise SystemExit(f"bad configuration {token!r}: use mbN with optional gc+ and compile+ prefixes")
-    return {"name": token, "micro_batch": int(micro[0][2:]), "gc": "gc" in parts, "compile": "compile" in parts}
+    if len(micro) != 1 or not set(parts) - set(micro) <= {"gc", "compile", "eager"}:
+        raise SystemExit(f"bad configuration {token!r}: use mbN with optional gc+, compile+ or eager+ prefixes")
+    # compile: True (compile+), False (eager+), None: the worker's default (on on a GPU)
+    chosen = True if "compile" in parts else False if "eager" in parts else None
+    return {"name": token, "micro_batch": int(micro[0][2:]), "gc": "gc" in parts, "compile": chosen}
 
 
 # --- model ------------------------------------------------------------------------------------------
@@ -132,6 +133,7 @@ def build_model(shape: dict, seq: int, device: str, dtype):
     started = time.perf_counter()
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(llama_config(shape, seq), dtype=dtype, attn_implementation="sdpa")
+    model.config.use_cache = False  # as ft's worker: HF's cache is for generation (under compile it recompiled)
     print(f"model built on {device} in {dtype} in {time.perf_counter() - started:.1f} s: "
           f"{sum(p.numel() for p in model.parameters()) / 1e9:.3f} B parameters", flush=True)
     return model
@@ -199,6 +201,56 @@ def timed(step, warmup: int, steps: int, sync) -> float:
     return time.perf_counter() - started
 
 
+GEMM_KERNELS = ("gemm", "nvjet", "cutlass", "xmma", "matmul", "cublas")
+ATTENTION_KERNELS = ("flash", "fmha", "attention")
+
+
+def profile_steps(step, args, label: str) -> None:
+    """torch.profiler over `args.profile` steps: where the device's time goes (matrix products,
+    attention, the rest), how busy it is against the wall clock, the costliest kernels and host
+    calls; the timeline saved for chrome://tracing / Perfetto under $OUT (the device tool's) or --workdir."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if not args.profile:
+        return
+    args.sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        for _ in range(args.profile):
+            step()
+        args.sync()
+        wall = time.perf_counter() - started
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    share = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for event in kernels:
+        name = event.key.lower()
+        kind = ("gemm" if any(k in name for k in GEMM_KERNELS) else
+                "attention" if any(k in name for k in ATTENTION_KERNELS) else "other")
+        share[kind] += event.self_device_time_total / 1e3 / args.profile
+    busy = sum(share.values())
+    wall_ms = wall * 1e3 / args.profile
+    report({"mode": "profile", "of": label, "steps": args.profile, "wall_ms_per_step": round(wall_ms, 1),
+            "device_busy_ms_per_step": round(busy, 1), "device_idle_share": round(1 - busy / wall_ms, 3),
+            "kernels_per_step": round(sum(e.count for e in kernels) / args.profile),
+            **{f"{kind}_ms_per_step": round(ms, 1) for kind, ms in share.items()}})
+    sort = "self_device_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages()
+    print(f"--- profile {label}: by device time ---\n" + table.table(sort_by=sort, row_limit=args.profile_rows))
+    print(f"--- profile {label}: by host time ---\n" + table.table(sort_by="self_cpu_time_total",
+                                                                  row_limit=args.profile_rows), flush=True)
+    folder = os.environ.get("OUT") or args.workdir
+    if folder:
+        import gzip
+
+        trace = Path(folder) / f"trace-{label}.json"
+        prof.export_chrome_trace(str(trace))
+        with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+            packed.write(raw.read())
+        trace.unlink()
+
+
 def free(device: str) -> None:
     import torch
 
@@ -241,11 +293,15 @@ def run_peft(model, args, config: dict, compiled: bool) -> None:
         tokens = args.steps * config["micro_batch"] * args.seq
         result.update(step_s=round(seconds / args.steps, 4), **memory_fields(device),
                       **figures(tokens, seconds, args.shape, args.seq, args.rank, args.targets, args.peak_tflops))
+        report(result)
+        profile_steps(step, args, f"bare-{config['name']}")
+        result = None
     optimizer.state.clear()
     batches.clear()
     model.zero_grad(set_to_none=True)
     free(device)
-    report(result)
+    if result is not None:
+        report(result)
 
 
 # --- deepspeed: ft's runtime path in this process --------------------------------------------------
@@ -269,7 +325,8 @@ def spec_for(model_path: str, data_path: str, args, config: dict, steps: int) ->
                      "warmup_steps": 0, "micro_batch": config["micro_batch"], "global_batch": config["micro_batch"],
                      "precision": "bf16" if args.device == "cuda" else "fp32", "seed": 42,
                      "zero_stage": args.zero_stage,
-                     "gradient_checkpointing": config["gc"], "max_grad_norm": 1.0},
+                     "gradient_checkpointing": config["gc"], "max_grad_norm": 1.0}
+        | ({} if config["compile"] is None else {"compile": config["compile"]}),  # today's code has no such key
         "checkpoint": {"every_steps": None, "every_minutes": None, "keep_last": 1, "staging": None,
                        "s3_mirror": None},
         "tracking": {"wandb": {"project": None, "entity": None, "mode": "disabled", "tags": []}},
@@ -298,6 +355,7 @@ def run_deepspeed(model, args, config: dict) -> None:
     from toolkit.recipe.run_spec import RunSpec, batch_plan
     from toolkit.train.data import Example, collate
     from toolkit.train.engine import deepspeed_config
+    from toolkit.train.losses import causal_lm_loss
 
     backend = os.environ["FT_DIST_BACKEND"]
     deepspeed.init_distributed(dist_backend=backend)  # as the worker does
@@ -305,6 +363,10 @@ def run_deepspeed(model, args, config: dict) -> None:
     total = args.warmup + args.steps
     training = RunSpec.model_validate(spec_for("unused", "unused", args, config, total)).recipe.training
     ds_config = deepspeed_config(training, batch_plan(training, dist.get_world_size()), total)
+    for key, value in json.loads(args.ds_extra).items():  # e.g. {"bf16": {"enabled": true}}: today's before
+        ds_config[key] = value
+    if config["compile"]:
+        compile_layers(model)
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
     micro = ds_config["train_micro_batch_size_per_gpu"]
@@ -321,16 +383,17 @@ def run_deepspeed(model, args, config: dict) -> None:
         batch = collate(part, pad)
         state["tokens"] += int(batch["attention_mask"].sum())
         batch = {key: value.to(engine.device) for key, value in batch.items()}
-        loss = engine(**batch).loss
+        loss = causal_lm_loss(engine, batch) if args.ft_loss else engine(**batch).loss
         engine.backward(loss)
         engine.step()
 
     base_param = next(p for n, p in engine.module.named_parameters() if "lora_" not in n)
     lora_param = next(p for n, p in engine.module.named_parameters() if "lora_" in n)
     result = {"mode": "deepspeed", "config": config["name"], "micro_batch": micro, "seq": args.seq,
-              "gradient_checkpointing": config["gc"], "compile": False, "layers": args.shape["num_hidden_layers"],
-              "backend": backend, "zero_stage": ds_config["zero_optimization"]["stage"],
-              "bf16": "bf16" in ds_config, "engine_device": str(engine.device),
+              "gradient_checkpointing": config["gc"], "compile": bool(config["compile"]),
+              "layers": args.shape["num_hidden_layers"], "backend": backend,
+              "zero_stage": ds_config["zero_optimization"]["stage"], "bf16": ds_config.get("bf16"),
+              "ft_loss": args.ft_loss, "engine_device": str(engine.device),
               "local_rank_env": os.environ.get("LOCAL_RANK"), "base_param": f"{base_param.dtype}@{base_param.device}",
               "lora_param": f"{lora_param.dtype}@{lora_param.device}"}
     free(args.device)
@@ -343,6 +406,9 @@ def run_deepspeed(model, args, config: dict) -> None:
         result.update(step_s=round(seconds / args.steps, 4), **memory_fields(args.device),
                       **figures(tokens, seconds, args.shape, args.seq, args.rank, args.targets, args.peak_tflops))
     report(result)
+    profile_steps(step, args, args.label or f"deepspeed-{config['name']}")
+    if not args.probes:
+        return
 
     # The worker's own statements as they stood before the fix, on this backend.
     probes = {}
@@ -366,13 +432,16 @@ def run_deepspeed(model, args, config: dict) -> None:
 
 def write_worker_inputs(work: Path, args) -> tuple[Path, Path]:
     """A model folder (random weights saved in the training dtype, tiny tokenizer) and a JSONL of
-    prompt/completion rows longer than the sequence length (truncated to it by the recipe)."""
+    prompt/completion rows longer than the sequence length (truncated to it by the recipe). Kept in
+    `work` and reused by later runs of the same shape (--workdir): an 8B model takes 25 s to save."""
     import torch
 
     from toolkit.data.tiny_tokenizer import TINY_CORPUS
     from toolkit.train.tiny import build_tokenizer
 
-    model_dir = work / "model"
+    model_dir, data = work / "model", work / "train.jsonl"
+    if (model_dir / "config.json").exists() and data.exists():
+        return model_dir, data
     tokenizer = build_tokenizer(model_dir)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = build_model(args.shape, args.seq, args.device, dtype)
@@ -385,7 +454,7 @@ def write_worker_inputs(work: Path, args) -> tuple[Path, Path]:
 
     generator = random.Random(0)
     rows = []
-    for _ in range(max(8, 2 * args.worker_config["micro_batch"])):
+    for _ in range(max(16, 2 * args.worker_config["micro_batch"])):
         words = []
         while True:
             words.extend(generator.choice(TINY_CORPUS) for _ in range(200))
@@ -393,66 +462,107 @@ def write_worker_inputs(work: Path, args) -> tuple[Path, Path]:
             if len(tokenizer(text)["input_ids"]) > args.seq + 8:
                 break
         rows.append({"prompt": "Continue:", "completion": text})
-    data = work / "train.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return model_dir, data
 
 
-def run_worker(args) -> None:
+def inputs_folder(args) -> Path:
+    shape = "-".join(str(args.shape[k]) for k in sorted(args.shape))
+    return Path(args.workdir or tempfile.gettempdir()) / f"ft-gpu-lora-inputs-{shape}-{args.seq}"
+
+
+def new_run(work: Path, name: str, spec: dict, args) -> Path:
+    run_dir = work / "shared" / "runs" / name
+    (run_dir / "logs").mkdir(parents=True)
+    site = {"distributed_backend": "nccl" if args.device == "cuda" else "gloo"}  # as ft render writes it
+    (run_dir / "recipe.json").write_text(json.dumps(spec | {"site": site}))
+    return run_dir
+
+
+def start_worker(args, run_dir: Path, repo: Path, stop_after_step: int = 0) -> dict:
+    """One start of `python -m toolkit.train.worker` from `repo` on `run_dir`: its exit status, the
+    time each step's metrics line appeared, its peak host memory (VmHWM, polled), the GPU's memory in
+    use at its peak. With stop_after_step, SIGUSR2 (Slurm's warning before the time limit) once that
+    step's line appears: the worker checkpoints and leaves for a requeue."""
+    import signal
+
     import torch
 
-    config = args.worker_config
-    total = args.warmup + args.steps
-    with tempfile.TemporaryDirectory(prefix="ft-gpu-lora-", dir=args.workdir) as tmp:
-        work = Path(tmp)
-        model_dir, data = write_worker_inputs(work, args)
-        run_dir = work / "shared" / "runs" / "bench"
-        (run_dir / "logs").mkdir(parents=True)
-        site = {"distributed_backend": "nccl" if args.device == "cuda" else "gloo"}  # as ft render writes it
-        (run_dir / "recipe.json").write_text(json.dumps(spec_for(str(model_dir), str(data), args, config, total)
-                                                        | {"site": site}))
-        env = dict(os.environ, **distributed_env(args), FT_RUN_DIR=str(run_dir), FT_RUN_ID="bench",
-                   PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        metrics = run_dir / "metrics.jsonl"
-        seen: list[tuple[float, dict]] = []
-        device_peak = {"used": 0}
-        done = threading.Event()
+    env = dict(os.environ, **distributed_env(args), FT_RUN_DIR=str(run_dir), FT_RUN_ID=run_dir.name,
+               PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
+    metrics = run_dir / "metrics.jsonl"
+    seen: list[tuple[float, dict]] = []
+    earlier = len(metrics.read_text().splitlines()) if metrics.exists() else 0  # an earlier start's lines
+    peaks = {"device_used": 0, "host_hwm_kib": 0}
+    done = threading.Event()
+    log_path = run_dir / "logs" / f"rank-0.{len(list(run_dir.glob('logs/rank-0.*')))}.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-u", "-m", "toolkit.train.worker"], env=env, cwd=repo,
+                                   stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
-        def watch():  # the time each step's metrics line appears, and the GPU's memory in use
+        def watch():  # the time each step's metrics line appears, peak memories
+            stopped = False
             while not done.is_set():
                 if metrics.exists():
-                    lines = metrics.read_text().splitlines()
+                    lines = metrics.read_text().splitlines()[earlier:]
                     now = time.perf_counter()
                     for line in lines[len(seen):]:
                         if line.endswith("}"):
                             seen.append((now, json.loads(line)))
+                    if stop_after_step and not stopped and seen and seen[-1][1]["step"] >= stop_after_step:
+                        process.send_signal(signal.SIGUSR2)
+                        stopped = True
+                try:
+                    status = Path(f"/proc/{process.pid}/status").read_text()
+                    hwm = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM"))
+                    peaks["host_hwm_kib"] = max(peaks["host_hwm_kib"], hwm)
+                except (OSError, StopIteration, ValueError):
+                    pass
                 if args.device == "cuda":
                     free_bytes, total_bytes = torch.cuda.mem_get_info()
-                    device_peak["used"] = max(device_peak["used"], total_bytes - free_bytes)
+                    peaks["device_used"] = max(peaks["device_used"], total_bytes - free_bytes)
                 time.sleep(0.005)
 
         watcher = threading.Thread(target=watch, daemon=True)
         started = time.perf_counter()
-        log_path = run_dir / "logs" / "rank-0.log"
-        with open(log_path, "w") as log:
-            watcher.start()
-            code = subprocess.run([sys.executable, "-u", "-m", "toolkit.train.worker"], env=env, cwd=REPO,
-                                  stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  timeout=args.worker_timeout).returncode
+        watcher.start()
+        try:
+            code = process.wait(timeout=args.worker_timeout)
+        finally:
+            if process.poll() is None:
+                process.kill()
             done.set()
             watcher.join()
-        wall = time.perf_counter() - started
-        log_lines = log_path.read_text(errors="replace").splitlines()
-        print("--- worker log (rank 0), last lines ---")
-        print("\n".join(line[:300] for line in log_lines[-args.log_lines:]))
-        print("---", flush=True)
-        result = {"mode": "worker", "config": config["name"], "micro_batch": config["micro_batch"], "seq": args.seq,
-                  "gradient_checkpointing": config["gc"], "compile": False, "layers": args.shape["num_hidden_layers"],
-                  "backend": env["FT_DIST_BACKEND"], "exit": code, "wall_s": round(wall, 1),
-                  "worker_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2)}
-        if args.device == "cuda":
-            result["device_peak_used_gib"] = round(device_peak["used"] / 2**30, 2)
+    log_lines = log_path.read_text(errors="replace").splitlines()
+    print(f"--- worker log ({log_path.name}), last lines ---")
+    print("\n".join(line[:300] for line in log_lines[-args.log_lines:]))
+    print("---", flush=True)
+    return {"exit": code, "wall_s": round(time.perf_counter() - started, 1), "seen": seen,
+            "worker_peak_rss_gib": round(peaks["host_hwm_kib"] / 2**20, 2),
+            "device_peak_used_gib": round(peaks["device_used"] / 2**30, 2) if args.device == "cuda" else None}
+
+
+def run_worker(args) -> None:
+    """The worker's throughput at the shape, from the repo given (--worker-repo: today's code beside
+    the new, e.g. a `git worktree` of an older commit)."""
+    config = args.worker_config
+    total = args.warmup + args.steps
+    repo = Path(args.worker_repo).resolve()
+    inputs = inputs_folder(args)
+    inputs.mkdir(parents=True, exist_ok=True)
+    model_dir, data = write_worker_inputs(inputs, args)
+    with tempfile.TemporaryDirectory(prefix="ft-gpu-lora-", dir=args.workdir) as tmp:
+        spec = spec_for(str(model_dir), str(data), args, config, total)
+        spec["recipe"]["eval"] = {"enabled": False}
+        run_dir = new_run(Path(tmp), "bench", spec, args)
+        start = start_worker(args, run_dir, repo)
+        seen, code = start.pop("seen"), start["exit"]
+        result = {"mode": "worker", "label": args.label or repo.name, "config": config["name"],
+                  "micro_batch": config["micro_batch"], "seq": args.seq, "gradient_checkpointing": config["gc"],
+                  "compile": "default" if config["compile"] is None else config["compile"],
+                  "layers": args.shape["num_hidden_layers"], "backend": distributed_env(args)["FT_DIST_BACKEND"],
+                  **start}
         summary = run_dir / "summary.json"
         if summary.exists():
             result["summary"] = {k: v for k, v in json.loads(summary.read_text()).items() if k != "loss_curve"}
@@ -466,12 +576,67 @@ def run_worker(args) -> None:
         report(result)
 
 
+def adapter_weights(output: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(output / "adapter_model.safetensors"))
+
+
+def run_lifecycle(args) -> None:
+    """One rank's whole ft run on this device (NCCL, bf16, the defaults): trained straight through;
+    and trained again with a stop (SIGUSR2) part way, resumed from the checkpoint it wrote; the two
+    runs' adapters compared, the evaluation and the export checked."""
+    repo = Path(args.worker_repo).resolve()
+    total = args.lifecycle_steps
+    inputs = inputs_folder(args)
+    inputs.mkdir(parents=True, exist_ok=True)
+    model_dir, data = write_worker_inputs(inputs, args)
+    config = dict(args.worker_config, micro_batch=1)
+    with tempfile.TemporaryDirectory(prefix="ft-gpu-lifecycle-", dir=args.workdir) as tmp:
+        spec = spec_for(str(model_dir), str(data), args, config, total)
+        spec["recipe"]["data"]["eval_fraction"] = 0.25  # held out, evaluated before and after
+        spec["recipe"]["checkpoint"] = dict(spec["recipe"]["checkpoint"], every_steps=None, every_minutes=None)
+        spec["recipe"]["tracking"]["log_every_steps"] = 1  # a line a step: the stop lands where asked
+        straight = new_run(Path(tmp), "straight", spec, args)
+        first = start_worker(args, straight, repo)
+        resumed = new_run(Path(tmp), "resumed", spec, args)
+        stopped = start_worker(args, resumed, repo, stop_after_step=max(1, total // 3))
+        again = start_worker(args, resumed, repo)
+        result = {"mode": "lifecycle", "steps": total, "seq": args.seq, "layers": args.shape["num_hidden_layers"],
+                  "straight_exit": first["exit"], "stopped_exit": stopped["exit"], "resumed_exit": again["exit"],
+                  "stopped_at_step": stopped["seen"][-1][1]["step"] if stopped["seen"] else None,
+                  "resumed_from_step": again["seen"][0][1]["step"] - 1 if again["seen"] else None}
+        try:
+            a, b = adapter_weights(straight / "output"), adapter_weights(resumed / "output")
+            result["adapter_tensors"] = len(a)
+            result["adapters_equal"] = a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+            result["adapter_max_abs_diff"] = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+        except (OSError, KeyError, ValueError) as exc:
+            result["adapters_equal"] = f"{type(exc).__name__}: {exc}"
+        for name, run in (("straight", straight), ("resumed", resumed)):
+            summary = run / "summary.json"
+            if summary.exists():
+                values = json.loads(summary.read_text())
+                result[f"{name}_summary"] = {k: values.get(k) for k in ("steps", "final_loss", "checkpoints",
+                                                                        "peak_device_memory_gib")}
+            from toolkit.runs.layout import RunLayout
+
+            evaluation = RunLayout(run).evaluation
+            if evaluation.exists():
+                values = json.loads(evaluation.read_text())
+                result[f"{name}_evaluation"] = {k: v for k, v in values.items() if not isinstance(v, (list, dict))
+                                                or k in ("sets", "verdict")}
+            output = run / "output"
+            result[f"{name}_export"] = sorted(f.name for f in output.glob("*")) if output.is_dir() else []
+        report(result)
+
+
 # --- main -------------------------------------------------------------------------------------------
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU (smoke test)")
-    parser.add_argument("--modes", default="peft,deepspeed", help="comma list of peft, deepspeed, worker")
+    parser.add_argument("--modes", default="peft,deepspeed", help="comma list of peft, deepspeed, worker, lifecycle")
     parser.add_argument("--configs", default="mb1,mb2,gc+mb4,gc+mb8", help="peft configurations, e.g. gc+mb4")
     parser.add_argument("--ds-config", default="mb1", help="the deepspeed mode's configuration")
     parser.add_argument("--worker-config", default="mb1", help="the worker mode's configuration")
@@ -489,6 +654,15 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="where the worker mode writes its model and run")
     parser.add_argument("--worker-timeout", type=int, default=1800)
     parser.add_argument("--log-lines", type=int, default=25)
+    parser.add_argument("--worker-repo", default=str(REPO), help="the ft checkout whose worker runs (today's code "
+                                                                  "beside the new: a worktree of an older commit)")
+    parser.add_argument("--label", default="", help="names the worker/deepspeed result and its profile")
+    parser.add_argument("--ds-extra", default="{}", help="JSON merged into the deepspeed mode's configuration")
+    parser.add_argument("--ft-loss", action="store_true", help="deepspeed mode: ft's loss (losses.py), not HF's")
+    parser.add_argument("--probes", action="store_true", help="deepspeed mode: probe the worker's old statements")
+    parser.add_argument("--profile", type=int, default=0, help="profile this many steps after the timed ones")
+    parser.add_argument("--profile-rows", type=int, default=25)
+    parser.add_argument("--lifecycle-steps", type=int, default=12)
     args = parser.parse_args()
 
     import torch
@@ -532,7 +706,7 @@ def main() -> None:
             report({"mode": "attention", "flash_only_forward": flash_available(model, args.device,
                                                                                 args.shape["vocab_size"], False)})
         if "peft" in modes:
-            configs = sorted((parse_config(c) for c in args.configs.split(",")), key=lambda c: c["compile"])
+            configs = sorted((parse_config(c) for c in args.configs.split(",")), key=lambda c: bool(c["compile"]))
             compiled = False
             for config in configs:
                 if config["compile"] and not compiled:
@@ -547,6 +721,8 @@ def main() -> None:
         free(args.device)
     if "worker" in modes:
         run_worker(args)
+    if "lifecycle" in modes:
+        run_lifecycle(args)
 
 
 if __name__ == "__main__":

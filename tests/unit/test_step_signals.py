@@ -31,11 +31,12 @@ def rank_main(rank: int, port: int, out: str) -> None:
     for step in range(1, 7):
         loss = torch.tensor(float(step * 10 + rank))  # rank 0: 10, 20...; rank 1: 11, 21...
         accuracy = torch.tensor(0.5 * rank) if step != 5 else torch.tensor(1.0)
-        window.add(step, loss, accuracy, lr=1e-4, tokens=step * 100)
+        norm = torch.tensor(float(step))  # the global norm: the same on every rank
+        window.add(step, loss, accuracy, lr=1e-4, tokens=step * 100, grad_norm=norm)
         results["agreements"].append(agreement.agree(stop_requested=(rank == 1 and step == 4),
                                                      save_clock_due=(rank == 0 and step == 2)))
         if window.due(step):
-            results["flushes"].append([(r.step, r.loss, r.accuracy, r.tokens) for r in window.read(dist)])
+            results["flushes"].append([(r.step, r.loss, r.accuracy, r.tokens, r.grad_norm) for r in window.read(dist)])
     results["after"] = window.read(dist)  # nothing pending: no collective, nothing read
     dist.destroy_process_group()
     Path(out, f"rank-{rank}.json").write_text(json.dumps(results))
@@ -53,6 +54,7 @@ def test_ranks_read_their_losses_together_every_k_steps_and_agree_on_every_step(
     accuracies = [record[2] for flush in flushes for record in flush]
     assert accuracies == [0.25, 0.25, 0.25, 0.25, 1.0, 0.25]
     assert [record[3] for flush in flushes for record in flush] == [100, 200, 300, 400, 500, 600]
+    assert [record[4] for flush in flushes for record in flush] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     assert results[0]["after"] == []
     # One rank's stop request or save clock is every rank's, at the same step.
     assert results[0]["agreements"] == [[False, False], [False, True], [False, False], [True, False],

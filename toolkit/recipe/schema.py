@@ -161,12 +161,18 @@ class TrainingSpec(Strict):
     seed: int = 42
     zero_stage: Annotated[int, Field(ge=0, le=3)] | None = None
     gradient_checkpointing: bool | None = None
+    compile: bool | None = Field(None, description="regional torch.compile of the decoder layers; left open: "
+                                                    "on on GPUs, off on CPUs and under ZeRO-3")
     max_grad_norm: Annotated[float, Field(gt=0)] = 1.0
 
     @model_validator(mode="after")
     def steps_or_epochs(self) -> TrainingSpec:
         if self.steps is not None and self.epochs is not None:
             raise ValueError("give steps or epochs, not both")
+        if self.compile and self.zero_stage == 3:
+            raise ValueError("compile: true is not offered with zero_stage: 3 (ZeRO-3 gathers each layer's "
+                             "weights in hooks around it; ft has not proven them under a compiled layer): "
+                             "drop compile, or use ZeRO-2")
         return self
 
 

@@ -67,7 +67,8 @@ class Loop:
         for step in range(start + 1, steps + 1):
             losses, accuracies = self.step(step)
             self.progress.report("step", step)
-            self.window.add(step, losses, accuracies, self.engine.get_lr()[0], self.tokens * self.world)
+            self.window.add(step, losses, accuracies, self.engine.get_lr()[0], self.tokens * self.world,
+                            self.grad_norm())
             stop_now, clock_due = self.agreement.agree(self.stop_requested(),
                                                        self.checkpointer.since_last_save() >=
                                                        self.checkpointer.interval_s() > 0)
@@ -108,14 +109,29 @@ class Loop:
                                                f"{self.plan.micro_batch}: {exc}") from None
         return torch.stack(losses).mean(), torch.stack(accuracies).mean() if accuracies else None
 
+    def grad_norm(self):
+        """The step's global gradient norm (before clipping) as DeepSpeed computed it, left on the
+        device; None where it computes none (no clipping configured)."""
+        import torch
+
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            return None
+        if torch.is_tensor(norm):
+            return norm.detach().reshape(())
+        return torch.tensor(float(norm), device=self.engine.device)
+
     def read_losses(self, start: int, steps: int) -> None:
         """The pending steps' losses: NaN check, metrics, the log line every 10 steps."""
         records = self.window.read(self.dist)
         for record in records:
             loss = self.faults.loss_read(record.step, record.loss)
-            if not math.isfinite(loss):
+            # bf16 runs without DeepSpeed's overflow check (engine.py): a gradient gone NaN or
+            # infinite is caught here, before the checkpoint of that step is written.
+            if not math.isfinite(loss) or (record.grad_norm is not None and not math.isfinite(record.grad_norm)):
+                what = f"loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {record.grad_norm}"
                 self.tracker.log([r for r in records if r.step < record.step])
-                raise RunEnds(exits.USER_ERROR, f"loss is {loss} at step {record.step}: stopping. Try a lower "
+                raise RunEnds(exits.USER_ERROR, f"{what} at step {record.step}: stopping. Try a lower "
                                                 f"learning rate (now {self.recipe.training.learning_rate}), "
                                                 "gradient clipping (max_grad_norm), and `ft validate` on the data.")
             if self.rank == 0 and (record.step % 10 == 0 or record.step == start + 1):

@@ -62,36 +62,71 @@ def resolve_model(base: str, revision: str | None, shared_root: str, user_cache:
     return target
 
 
-def load_base_model(model_path: Path, method: str, precision: str):
+def load_base_model(model_path: Path, method: str, precision: str, device=None):
     """The base model in the training precision: 4-bit NF4 with double quantization for QLoRA
     (bitsandbytes, computing in that precision), else plain weights. DeepSpeed casts the module to
     bf16/fp16 anyway, so loading it so changes no value and halves the host memory and the load time
-    (an 8B rank loading fp32 peaked at 45.7 GiB: benchmarks/GPU.md)."""
+    (an 8B rank loading fp32 peaked at 45.7 GiB: benchmarks/GPU.md). Given a device (the rank's GPU,
+    ZeRO-0/1/2), the weights go from the safetensors files straight to it: no whole copy in the
+    rank's host memory. HF's KV cache is for generation: off in training (under torch.compile it
+    forced a recompilation per layer)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    placement = {"device_map": {"": device}} if device is not None else {}
     if method != "qlora":
-        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **placement)
+        model.config.use_cache = False
+        return model
     from peft import prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig
 
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                       bnb_4bit_compute_dtype=dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=quantization, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=quantization, dtype=dtype,
+                                                 **placement)
+    model.config.use_cache = False
     quantized = sum(type(module).__name__ == "Linear4bit" for module in model.modules())
     print(f"QLoRA: {quantized} linear layers in 4-bit NF4", flush=True)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
-def trainable_model(model_path: Path, method: MethodSpec, training: TrainingSpec):
-    """The model as the recipe trains it: the base model, with LoRA adapters for lora and qlora."""
-    model = load_base_model(model_path, method.kind, training.precision)
+def trainable_model(model_path: Path, method: MethodSpec, training: TrainingSpec, device=None, compile_layers=False):
+    """The model as the recipe trains it: the base model, with LoRA adapters for lora and qlora;
+    its decoder layers compiled (regional torch.compile) when asked."""
+    model = load_base_model(model_path, method.kind, training.precision, device)
     if training.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    if method.kind == "full":
-        return model
-    from peft import LoraConfig, get_peft_model
+    if method.kind != "full":
+        from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(model, LoraConfig(r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout,
-                                            target_modules=method.target_modules, task_type="CAUSAL_LM"))
+        model = get_peft_model(model, LoraConfig(r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout,
+                                                 target_modules=method.target_modules, task_type="CAUSAL_LM"))
+    if compile_layers:
+        compile_decoder_layers(model)
+    return model
+
+
+def compile_decoder_layers(model) -> int:
+    """Regional compilation: each decoder layer compiled in place (nn.Module.compile: the module and
+    its state_dict keys stay as they are, so checkpoints and exports do not change). The layers share
+    their code, so one graph serves them all (two: the first layer's input needs no gradient); a
+    whole-model compile would take minutes and break at transformers' mask and cache logic."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        print(f"warning: {type(base).__name__} has no decoder layers to compile: it runs eagerly", flush=True)
+        return 0
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
+def runs_compiled(training: TrainingSpec, device_type: str) -> bool:
+    """training.compile as the recipe gives it; left open, on for GPUs (measured to help there:
+    benchmarks/GPU.md), off on CPUs (the lab's small models pay its compile time and gain little)."""
+    if training.zero_stage == 3:  # the schema refuses compile: true with an explicit ZeRO-3
+        return False
+    return training.compile if training.compile is not None else device_type == "cuda"

@@ -7,6 +7,7 @@ from typing import Protocol
 
 from toolkit.recipe.schema import ObjectiveSpec
 from toolkit.train.data import Example
+from toolkit.train.losses import causal_lm_loss
 
 
 class Objective(Protocol):
@@ -32,7 +33,7 @@ class Sft:
         return units
 
     def loss(self, engine, batch: dict):
-        return engine(**batch).loss, None
+        return causal_lm_loss(engine, batch), None  # without the whole vocabulary's logits
 
     def unit_losses(self, engine, batch: dict):
         logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

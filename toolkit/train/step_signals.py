@@ -26,6 +26,7 @@ class StepRecord:
     tokens: int  # over all ranks, since this start
     loss: float  # mean over ranks
     accuracy: float | None  # DPO: mean reward accuracy over ranks
+    grad_norm: float | None = None  # the global gradient norm before clipping (the same on every rank)
 
 
 class LossWindow:
@@ -33,11 +34,11 @@ class LossWindow:
 
     def __init__(self, every: int, world: int):
         self.every, self.world = every, world
-        self._pending: list[tuple[int, float, float, int, object, object | None]] = []
+        self._pending: list[tuple[int, float, float, int, object, object | None, object | None]] = []
 
-    def add(self, step: int, loss, accuracy, lr: float, tokens: int) -> None:
-        """`loss` and `accuracy` are 0-d tensors on the rank's device, left there."""
-        self._pending.append((step, time.time(), lr, tokens, loss.detach(), accuracy))
+    def add(self, step: int, loss, accuracy, lr: float, tokens: int, grad_norm=None) -> None:
+        """`loss`, `accuracy` and `grad_norm` are 0-d tensors on the rank's device, left there."""
+        self._pending.append((step, time.time(), lr, tokens, loss.detach(), accuracy, grad_norm))
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -50,13 +51,17 @@ class LossWindow:
 
         losses = [entry[4] for entry in self._pending]
         accuracies = [entry[5] for entry in self._pending if entry[5] is not None]
-        values = torch.stack([value.float() for value in losses + accuracies]).to(torch.float64)
+        norms = [entry[6] for entry in self._pending if entry[6] is not None]
+        values = torch.stack([value.float() for value in losses + accuracies + norms]).to(torch.float64)
         dist.all_reduce(values)
         host = (values / self.world).tolist()  # the one host synchronisation
         count = len(losses)
+        with_accuracy, with_norm = len(accuracies) == count, len(norms) == count
+        norm_at = count + len(accuracies)
         records = [StepRecord(step, stamp, lr, tokens, host[index],
-                              host[count + index] if len(accuracies) == count else None)
-                   for index, (step, stamp, lr, tokens, _, _) in enumerate(self._pending)]
+                              host[count + index] if with_accuracy else None,
+                              host[norm_at + index] if with_norm else None)
+                   for index, (step, stamp, lr, tokens, *_) in enumerate(self._pending)]
         self._pending.clear()
         return records
 

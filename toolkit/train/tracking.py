@@ -61,7 +61,8 @@ class Tracker:
         if not self.enabled or not records:
             return
         metrics = [{"loss": r.loss, "lr": r.lr, "tokens": r.tokens}
-                   | ({"reward_accuracy": r.accuracy} if r.accuracy is not None else {}) for r in records]
+                   | ({"reward_accuracy": r.accuracy} if r.accuracy is not None else {})
+                   | ({"grad_norm": r.grad_norm} if r.grad_norm is not None else {}) for r in records]
         with open(self.layout.metrics, "a") as handle:
             planned = {"of": self.total_steps} if self.total_steps else {}
             handle.write("".join(json.dumps({"step": r.step, "time": round(r.time, 3), **m, **planned}) + "\n"

@@ -107,7 +107,7 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     from toolkit.train.evaluation import Evaluator, Ranks
     from toolkit.train.faults import Faults
     from toolkit.train.loop import Loop
-    from toolkit.train.models import resolve_model, trainable_model
+    from toolkit.train.models import resolve_model, runs_compiled, trainable_model
     from toolkit.train.objectives import objective_for
     from toolkit.train.publish import publish
     from toolkit.train.tracking import Tracker, write_summary
@@ -138,7 +138,14 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     model_path = resolve_model(recipe.model.base, recipe.model.revision, shared_root, user_cache,
                                site.s3_models, log)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = trainable_model(model_path, recipe.method, recipe.training)
+    # On a GPU under ZeRO-0/1/2 the weights load straight onto the rank's device (ZeRO-3 partitions
+    # them in DeepSpeed); the decoder layers are compiled where the recipe leaves it open (models.py).
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+    compiled = runs_compiled(recipe.training, "cuda" if device is not None else "cpu")
+    model = trainable_model(model_path, recipe.method, recipe.training,
+                            device if recipe.training.zero_stage != 3 else None, compiled)
+    if compiled:
+        log("decoder layers compiled (torch.compile): the first steps include the compilation")
     objective = objective_for(recipe.objective)
     units = objective.units(load_examples(recipe, model_path, user_cache, rank, dist, log))
     steps = total_steps(recipe, len(units))
@@ -172,6 +179,8 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     timing = {"wall_seconds": round(time.monotonic() - started, 2),
               "checkpoint_seconds": round(checkpointer.seconds, 2), "checkpoints": checkpointer.written,
               "checkpoint_write_seconds": round(checkpointer.writer.write_seconds, 2)}
+    if engine.device.type == "cuda":  # rank 0's, against the memory plan's estimate
+        timing["peak_device_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     if rank == 0:
         published = time.monotonic()
         publish(layout, recipe, evaluation, step, log)  # the registry, the receipt's last entry

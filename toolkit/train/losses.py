@@ -1,0 +1,120 @@
+"""The causal LM loss without the whole vocabulary's logits.
+
+transformers' loss makes the logits of every token (a 4096-token sequence at Llama-3's 128k vocabulary:
+1 GiB in bf16), casts them to fp32 (2 GiB), takes their log-softmax (2 GiB more) and keeps what the
+backward needs. Here the model stops at its last hidden state (`logits_to_keep=1`) and the loss runs
+over the tokens a chunk at a time: each chunk's logits live only while its loss and its gradient are
+taken, in the forward (the loss is a scalar, so its gradient is known there, as in Liger's fused
+linear cross-entropy). On a GPU with Liger installed, Liger's fused kernel does the same in Triton.
+
+Equal to transformers' own loss (`ForCausalLMLoss`, mean over the labelled tokens): the labels shift
+left by one, IGNORE (-100) labels count for nothing; a micro batch with no labelled token gives 0.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from toolkit.train.data import IGNORE
+
+CHUNK_LOGITS_BYTES = 256 * 2**20  # one chunk's fp32 logits: 523 tokens at a 128k vocabulary
+
+
+def causal_lm_loss(engine, batch: dict):
+    """The micro batch's mean loss over its labelled tokens, through the engine (DeepSpeed's hooks
+    run as for any forward)."""
+    head = engine.module.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:  # no Llama-family head has one; such a model keeps
+        return engine(**batch).loss  # transformers' own loss
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    outputs = engine(**inputs, logits_to_keep=1, output_hidden_states=True, use_cache=False)
+    hidden = outputs.hidden_states[-1]  # after the final norm: what the head reads
+    return linear_cross_entropy(hidden, head.weight, batch["labels"])
+
+
+def shifted(hidden, labels):
+    """Each position's hidden state and the label it predicts (the next token's), flattened."""
+    import torch.nn.functional as F
+
+    targets = F.pad(labels, (0, 1), value=IGNORE)[:, 1:]
+    return hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+
+
+def linear_cross_entropy(hidden, weight, labels):
+    """mean cross-entropy of softmax(hidden @ weight.T) against the shifted labels."""
+    rows, targets = shifted(hidden, labels)
+    fused = liger_loss() if rows.is_cuda else None
+    if fused is not None:
+        if not (targets != IGNORE).any():  # Liger's mean over no token is NaN; HF's too. None learnt: 0
+            return (rows.sum() + weight.sum()) * 0.0
+        return fused(weight, rows, targets)
+    return chunked_function().apply(rows, weight, targets)
+
+
+@cache
+def liger_loss():
+    """Liger's fused linear cross-entropy, where it is installed (it needs Triton, so a GPU)."""
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="mean")
+
+
+def chunk_rows(vocab: int) -> int:
+    return max(1, CHUNK_LOGITS_BYTES // (4 * vocab))
+
+
+def _chunked_forward(rows, weight, targets):
+    """(loss, d loss / d rows, d loss / d weight or None): one pass over the chunks."""
+    import torch
+
+    labelled = targets != IGNORE
+    count = labelled.sum().clamp(min=1).float()
+    total = torch.zeros((), dtype=torch.float32, device=rows.device)
+    grad_rows = torch.empty_like(rows) if rows.requires_grad else None
+    grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
+    step = chunk_rows(weight.shape[0])
+    for start in range(0, rows.shape[0], step):
+        part, wanted, mask = rows[start:start + step], targets[start:start + step], labelled[start:start + step]
+        logits = (part @ weight.T).float()  # as the model's head then transformers' loss: bf16, then fp32
+        lse = torch.logsumexp(logits, dim=-1)
+        picked = wanted.clamp(min=0)
+        chosen = logits.gather(1, picked[:, None]).squeeze(1)
+        total += ((lse - chosen) * mask).sum()
+        if grad_rows is None and grad_weight is None:
+            continue
+        # d(sum of losses)/d logits = softmax - one_hot, on labelled rows; the mean divides by count.
+        probabilities = logits.sub_(lse[:, None]).exp_()
+        probabilities[torch.arange(len(picked), device=rows.device), picked] -= 1.0
+        probabilities *= (mask.float() / count)[:, None]
+        grad_logits = probabilities.to(rows.dtype)
+        if grad_rows is not None:
+            grad_rows[start:start + step] = grad_logits @ weight
+        if grad_weight is not None:
+            grad_weight += grad_logits.T.float() @ part.float()
+    return total / count, grad_rows, grad_weight
+
+
+@cache
+def chunked_function():
+    """The torch.autograd.Function, made on first use (this module imports without torch)."""
+    import torch
+
+    class ChunkedLinearCrossEntropy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, rows, weight, targets):
+            loss, grad_rows, grad_weight = _chunked_forward(rows, weight, targets)
+            ctx.has = (grad_rows is not None, grad_weight is not None)
+            ctx.save_for_backward(*(g for g in (grad_rows, grad_weight) if g is not None))
+            ctx.weight_dtype = weight.dtype
+            return loss
+
+        @staticmethod
+        def backward(ctx, grad_loss):
+            saved = iter(ctx.saved_tensors)
+            grad_rows = next(saved) * grad_loss if ctx.has[0] else None  # a 0-d factor keeps bf16 bf16
+            grad_weight = (next(saved) * grad_loss).to(ctx.weight_dtype) if ctx.has[1] else None
+            return grad_rows, grad_weight, None
+
+    return ChunkedLinearCrossEntropy
