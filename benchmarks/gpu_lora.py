@@ -494,7 +494,7 @@ def start_worker(args, run_dir: Path, repo: Path, stop_after_step: int = 0) -> d
     metrics = run_dir / "metrics.jsonl"
     seen: list[tuple[float, dict]] = []
     earlier = len(metrics.read_text().splitlines()) if metrics.exists() else 0  # an earlier start's lines
-    peaks = {"device_used": 0, "host_hwm_kib": 0}
+    peaks = {"device_used": 0, "host_hwm_kib": 0, "RssAnon": 0, "RssFile": 0}
     done = threading.Event()
     log_path = run_dir / "logs" / f"rank-0.{len(list(run_dir.glob('logs/rank-0.*')))}.log"
     with open(log_path, "w") as log:
@@ -515,8 +515,10 @@ def start_worker(args, run_dir: Path, repo: Path, stop_after_step: int = 0) -> d
                         stopped = True
                 try:
                     status = Path(f"/proc/{process.pid}/status").read_text()
-                    hwm = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM"))
-                    peaks["host_hwm_kib"] = max(peaks["host_hwm_kib"], hwm)
+                    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+                    peaks["host_hwm_kib"] = max(peaks["host_hwm_kib"], int(fields["VmHWM"].split()[0]))
+                    for key in ("RssAnon", "RssFile"):  # the rank's own memory; mapped files (shared page cache)
+                        peaks[key] = max(peaks[key], int(fields[key].split()[0]))
                 except (OSError, StopIteration, ValueError):
                     pass
                 if args.device == "cuda":
@@ -540,6 +542,8 @@ def start_worker(args, run_dir: Path, repo: Path, stop_after_step: int = 0) -> d
     print("---", flush=True)
     return {"exit": code, "wall_s": round(time.perf_counter() - started, 1), "seen": seen,
             "worker_peak_rss_gib": round(peaks["host_hwm_kib"] / 2**20, 2),
+            "worker_peak_anon_gib": round(peaks["RssAnon"] / 2**20, 2),
+            "worker_peak_file_mapped_gib": round(peaks["RssFile"] / 2**20, 2),
             "device_peak_used_gib": round(peaks["device_used"] / 2**30, 2) if args.device == "cuda" else None}
 
 
@@ -555,6 +559,9 @@ def run_worker(args) -> None:
     with tempfile.TemporaryDirectory(prefix="ft-gpu-lora-", dir=args.workdir) as tmp:
         spec = spec_for(str(model_dir), str(data), args, config, total)
         spec["recipe"]["eval"] = {"enabled": False}
+        # A metrics line per step, each read after its step ended on the GPU (the loss read waits for
+        # it): the lines' arrival times the steps. Batched lines (the default, every 10) would not.
+        spec["recipe"]["tracking"]["log_every_steps"] = 1
         run_dir = new_run(Path(tmp), "bench", spec, args)
         start = start_worker(args, run_dir, repo)
         seen, code = start.pop("seen"), start["exit"]
