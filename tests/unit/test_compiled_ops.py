@@ -64,3 +64,16 @@ def test_a_dead_builds_lock_does_not_block_the_next_build(tmp_path):
     assert library.stat().st_size > 4096 and not (library.parent / "lock").exists()
     third = prepare(shared)  # the rebuilt op is trusted as is
     assert third.returncode == 0 and "WARN" not in third.stdout, third.stdout + third.stderr[-2000:]
+
+
+def test_compiled_layers_share_one_cache_per_user_and_stack(tmp_path, monkeypatch):
+    from toolkit.train import compiled_ops
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # monkeypatch restores what was there before
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    folder = compiled_ops.share_inductor_cache(tmp_path)
+    assert folder.parent == tmp_path / "torchinductor"
+    assert folder.name == compiled_ops.extensions_dir(tmp_path).name  # per Python, torch and DeepSpeed
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # the user's choice wins
+    assert compiled_ops.share_inductor_cache(tmp_path) == Path("/elsewhere")

@@ -30,3 +30,13 @@ def test_fp16_keeps_dynamic_loss_scaling():
     config = parsed(TrainingSpec(precision="fp16", global_batch=1, zero_stage=2))
     assert config.float16_config.enabled and not config.bfloat16_config.enabled
     assert config.float16_config.loss_scale == 0  # 0: dynamic, which skips the steps that overflow
+
+
+def test_zero_1_registers_no_hook_per_gradient():
+    """Adapters' ZeRO-1: no per-tensor gradient hook (the host cost GPU.md measured); stage 2 keeps
+    DeepSpeed's overlap of reduction and backward."""
+    one = parsed(TrainingSpec(precision="bf16", global_batch=1, zero_stage=1))
+    assert one.zero_optimization_stage == 1
+    assert not one.zero_config.contiguous_gradients and not one.zero_config.overlap_comm
+    two = parsed(TrainingSpec(precision="bf16", global_batch=1, zero_stage=2))
+    assert two.zero_config.contiguous_gradients  # DeepSpeed's default, left alone

@@ -171,9 +171,12 @@ class _Resolver:
                 r.training.learning_rate /= 4
                 self.sources["training.learning_rate"] += ", divided by 4 for DPO"
         big = (size or 0) >= 13
-        self.default("training.zero_stage", 3 if method == Method.full.value and big else 2,
-                     "ZeRO-3 shards a large full fine-tune" if method == Method.full.value and big
-                     else "ZeRO-2: optimizer state and gradients sharded")
+        if method == Method.full.value:
+            self.default("training.zero_stage", 3 if big else 2, "ZeRO-3 shards a large full fine-tune" if big
+                         else "ZeRO-2: optimizer state and gradients sharded")
+        else:  # the adapters' gradients are small: sharding them saves little and costs a hook per tensor
+            self.default("training.zero_stage", 1, "ZeRO-1 for adapters: their optimizer state sharded, their "
+                                                   "gradients reduced in one collective (GPU.md)")
         self.default("training.gradient_checkpointing", (size or 0) >= 7, "on for models of 7B and more")
         self.default("training.precision", "fp32" if p.cpu_workers_per_node else "bf16",
                      "CPU workers compute in fp32" if p.cpu_workers_per_node else "bf16 on GPUs")

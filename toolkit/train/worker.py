@@ -121,6 +121,7 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     warn = lambda message: print(f"warning: {message}", flush=True)  # noqa: E731
     user_cache = cache_root(shared_root, layout.root, warn)
     compiled_ops.prepare(user_cache, warn)
+    compiled_ops.share_inductor_cache(user_cache)
     if backend == "nccl":
         # Each rank takes the GPU its LOCAL_RANK names before the first collective (the barrier in
         # load_examples); otherwise torch guesses one from the global rank, which can hang.
