@@ -307,7 +307,7 @@ def run_peft(model, args, config: dict, compiled: bool) -> None:
 # --- deepspeed: ft's runtime path in this process --------------------------------------------------
 
 def spec_for(model_path: str, data_path: str, args, config: dict, steps: int) -> dict:
-    """A run spec as toolkit.train.worker reads it (recipe.json): LoRA, bf16 (fp32 on a CPU), ZeRO-2, one rank."""
+    """A run spec as toolkit.train.worker reads it (recipe.json): LoRA, bf16 (fp32 on a CPU), --zero-stage, one rank."""
     from toolkit.recipe.run_spec import batch_plan
     from toolkit.recipe.schema import TrainingSpec
 
@@ -606,6 +606,9 @@ def run_lifecycle(args) -> None:
         spec["recipe"]["tracking"]["log_every_steps"] = 1  # a line a step: the stop lands where asked
         straight = new_run(Path(tmp), "straight", spec, args)
         first = start_worker(args, straight, repo)
+        if args.lifecycle_twice:  # the GPU's own run-to-run spread: the floor for "equal weights"
+            again_straight = new_run(Path(tmp), "straight-again", spec, args)
+            start_worker(args, again_straight, repo)
         resumed = new_run(Path(tmp), "resumed", spec, args)
         stopped = start_worker(args, resumed, repo, stop_after_step=max(1, total // 3))
         again = start_worker(args, resumed, repo)
@@ -620,6 +623,9 @@ def run_lifecycle(args) -> None:
             result["adapter_max_abs_diff"] = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
         except (OSError, KeyError, ValueError) as exc:
             result["adapters_equal"] = f"{type(exc).__name__}: {exc}"
+        if args.lifecycle_twice:
+            a, b = adapter_weights(straight / "output"), adapter_weights(again_straight / "output")
+            result["straight_twice_max_abs_diff"] = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
         for name, run in (("straight", straight), ("resumed", resumed)):
             summary = run / "summary.json"
             if summary.exists():
@@ -654,7 +660,8 @@ def main() -> None:
     parser.add_argument("--targets", default=",".join(ALL_LINEAR), help="LoRA target modules")
     parser.add_argument("--adapter-dtype", choices=["base", "fp32"], default="base",
                         help="peft mode: adapters in the base dtype (as ft's DeepSpeed path) or fp32 (peft's default)")
-    parser.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage of the deepspeed and worker modes")
+    parser.add_argument("--zero-stage", type=int, default=1,
+                        help="ZeRO stage of the deepspeed and worker modes (1: what ft's resolver picks for adapters)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS, help="for MFU (H100 SXM bf16)")
@@ -670,6 +677,8 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, help="profile this many steps after the timed ones")
     parser.add_argument("--profile-rows", type=int, default=25)
     parser.add_argument("--lifecycle-steps", type=int, default=12)
+    parser.add_argument("--lifecycle-twice", action="store_true",
+                        help="lifecycle: train straight through twice, to show the device's run-to-run spread")
     args = parser.parse_args()
 
     import torch
