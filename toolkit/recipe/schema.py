@@ -134,6 +134,9 @@ class DataSpec(Strict):
     eval_fraction: Annotated[float, Field(ge=0, lt=0.5)] = Field(
         0.02, description="Held out for evaluation when no eval set is given")
     too_long: str = Field("reject", pattern="^(reject|truncate)$")
+    packing: bool | None = Field(None, description="Training examples packed into rows of up to max_seq_len "
+                                                   "tokens, attention kept within each example; left open: on "
+                                                   "for SFT, off for DPO (whose pairs are not packed)")
 
     @field_validator("train", "eval")
     @classmethod
@@ -381,6 +384,13 @@ class Recipe(Strict):
                 and not self.data.eval_fraction):
             raise ValueError("eval.gates.held_out_loss_drop needs held-out data: name an eval file (data.eval) "
                              "or hold some of the training data out (data.eval_fraction, e.g. 0.02)")
+        return self
+
+    @model_validator(mode="after")
+    def pairs_are_not_packed(self) -> Recipe:
+        if self.data.packing and self.objective.kind == Objective.dpo:
+            raise ValueError("data.packing: DPO compares each chosen answer with its rejected one, and ft does "
+                             "not pack those pairs: drop data.packing (or set it to false)")
         return self
 
     @model_validator(mode="after")

@@ -12,6 +12,7 @@ IGNORE = -100  # label of tokens that carry no loss (prompt, user turns, padding
 class Example:
     input_ids: list[int]
     labels: list[int]
+    position_ids: list[int] | None = None  # a packed row's (toolkit/train/packing.py): restart per example
 
 
 def batch_indices(step: int, seed: int, dataset_size: int, global_batch: int) -> list[int]:
@@ -47,4 +48,14 @@ def collate(examples: list[Example], pad_id: int):
         ids[row, : len(example.input_ids)] = torch.tensor(example.input_ids)
         labels[row, : len(example.labels)] = torch.tensor(example.labels)
         mask[row, : len(example.input_ids)] = 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    if any(example.position_ids is not None for example in examples):
+        # Packed rows: the padding after a row is one more sequence of its own (positions from 0), so
+        # it joins no example; the model gets these positions and no attention mask (losses.py).
+        positions = torch.zeros((len(examples), length), dtype=torch.long)
+        for row, example in enumerate(examples):
+            used = len(example.input_ids)
+            positions[row, :used] = torch.tensor(example.position_ids or list(range(used)))
+            positions[row, used:] = torch.arange(length - used)
+        batch["position_ids"] = positions
+    return batch

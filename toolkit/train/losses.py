@@ -25,11 +25,18 @@ def causal_lm_loss(engine, batch: dict):
     run as for any forward)."""
     head = engine.module.get_output_embeddings()
     if getattr(head, "bias", None) is not None:  # no Llama-family head has one; such a model keeps
-        return engine(**batch).loss  # transformers' own loss
-    inputs = {key: value for key, value in batch.items() if key != "labels"}
+        return engine(**model_inputs(batch), labels=batch["labels"]).loss  # transformers' own loss
+    inputs = model_inputs(batch)
     outputs = engine(**inputs, logits_to_keep=1, output_hidden_states=True, use_cache=False)
     hidden = outputs.hidden_states[-1]  # after the final norm: what the head reads
     return linear_cross_entropy(hidden, head.weight, batch["labels"])
+
+
+def model_inputs(batch: dict) -> dict:
+    """What the model is called with: a packed batch (position ids) goes without its attention mask,
+    so that transformers masks each example off from the others (toolkit/train/packing.py)."""
+    leave = {"labels", "attention_mask"} if "position_ids" in batch else {"labels"}
+    return {key: value for key, value in batch.items() if key not in leave}
 
 
 def shifted(hidden, labels):

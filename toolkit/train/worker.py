@@ -80,8 +80,8 @@ PRELOAD = ("torch", "torch.distributed", "deepspeed", "peft", "transformers",
            "transformers.models.llama.modeling_llama", "toolkit.data.encode", "toolkit.data.object_store",
            "toolkit.data.readers", "toolkit.train.checkpoint", "toolkit.train.compiled_ops",
            "toolkit.train.dataset", "toolkit.train.engine", "toolkit.train.evaluation", "toolkit.train.faults",
-           "toolkit.train.loop", "toolkit.train.models", "toolkit.train.objectives", "toolkit.train.publish",
-           "toolkit.train.snapshot", "toolkit.train.tracking")
+           "toolkit.train.loop", "toolkit.train.losses", "toolkit.train.models", "toolkit.train.objectives",
+           "toolkit.train.packing", "toolkit.train.publish", "toolkit.train.snapshot", "toolkit.train.tracking")
 
 
 def preload() -> None:
@@ -109,6 +109,7 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     from toolkit.train.loop import Loop
     from toolkit.train.models import resolve_model, runs_compiled, trainable_model
     from toolkit.train.objectives import objective_for
+    from toolkit.train.packing import fill, pack, runs_packed
     from toolkit.train.publish import publish
     from toolkit.train.tracking import Tracker, write_summary
 
@@ -149,6 +150,11 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
         log("decoder layers compiled (torch.compile): the first steps include the compilation")
     objective = objective_for(recipe.objective)
     units = objective.units(load_examples(recipe, model_path, user_cache, rank, dist, log))
+    if runs_packed(recipe):
+        examples = len(units)
+        units = pack(units, recipe.data.max_seq_len)
+        log(f"packed {examples} examples into {len(units)} rows of up to {recipe.data.max_seq_len} tokens "
+            f"({fill(units, recipe.data.max_seq_len):.0%} full)")
     steps = total_steps(recipe, len(units))
     tracker.total_steps = steps
     engine, _, _, _ = deepspeed.initialize(model=model, config=deepspeed_config(recipe.training, plan, steps),
