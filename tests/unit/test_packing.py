@@ -59,7 +59,7 @@ def test_the_loss_of_a_packed_batch_is_the_mean_over_its_examples_tokens(tmp_pat
 
 def segment_lengths(row: Example) -> list[int]:
     starts = [i for i, position in enumerate(row.position_ids) if position == 0] + [len(row.position_ids)]
-    return [b - a for a, b in zip(starts, starts[1:])]
+    return [b - a for a, b in zip(starts, starts[1:], strict=False)]
 
 
 def test_rows_hold_every_token_once_and_never_predict_across_examples():
