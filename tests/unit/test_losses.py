@@ -93,3 +93,34 @@ def test_a_micro_batch_with_nothing_labelled_learns_nothing(small_chunks):
     loss = losses.linear_cross_entropy(hidden, weight, torch.full((1, 4), IGNORE))
     loss.backward()
     assert loss.item() == 0.0 and torch.count_nonzero(hidden.grad) == 0
+
+
+def test_under_zero_3_the_loss_is_transformers_own(tmp_path):
+    """ZeRO-3 partitions the head's weight (an empty tensor outside the head's own forward): ft's loss
+    cannot read it, so the model makes its logits as before."""
+    model = lora_model(tmp_path)
+    batch = batch_of(*ROWS)
+
+    class Zero3(Engine):
+        def zero_optimization_stage(self) -> int:
+            return 3
+
+    head = model.get_output_embeddings()
+    whole = head.weight.data
+    head.weight.data = torch.empty(0)  # what a rank holds of it under ZeRO-3
+    try:
+        with torch.no_grad():
+            head.weight.data = whole
+            expected = model(**batch).loss
+            head.weight.data = torch.empty(0)
+            calls = []
+
+            def gather(module, _args):  # as ZeRO-3's hook before the head's forward
+                calls.append(module)
+                module.weight.data = whole
+
+            head.register_forward_pre_hook(gather)
+            loss = losses.causal_lm_loss(Zero3(model), batch)
+    finally:
+        head.weight.data = whole
+    assert calls and torch.allclose(loss, expected)

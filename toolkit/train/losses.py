@@ -24,8 +24,11 @@ def causal_lm_loss(engine, batch: dict):
     """The micro batch's mean loss over its labelled tokens, through the engine (DeepSpeed's hooks
     run as for any forward)."""
     head = engine.module.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:  # no Llama-family head has one; such a model keeps
-        return engine(**model_inputs(batch), labels=batch["labels"]).loss  # transformers' own loss
+    # transformers' own loss where the head is not a plain weight to read: a head with a bias (no
+    # Llama-family model has one), or ZeRO-3's partitioned weight (gathered by hooks around the head's
+    # own forward only): there the logits are made whole, as before.
+    if getattr(head, "bias", None) is not None or engine.zero_optimization_stage() == 3:
+        return engine(**model_inputs(batch), labels=batch["labels"], use_cache=False).loss
     inputs = model_inputs(batch)
     outputs = engine(**inputs, logits_to_keep=1, output_hidden_states=True, use_cache=False)
     hidden = outputs.hidden_states[-1]  # after the final norm: what the head reads
