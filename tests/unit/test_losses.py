@@ -23,7 +23,7 @@ ROWS = (([1, 2, 3, 4, 5, 6], [IGNORE, IGNORE, 3, 4, 5, 6]),  # a prompt of two, 
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of 3 rows at the tiny vocabulary (64): a micro batch spans several chunks, one partial."""
-    monkeypatch.setattr(losses, "CHUNK_LOGITS_BYTES", 3 * 4 * 64)
+    monkeypatch.setattr(losses.memory_plan, "CHUNK_LOGITS_BYTES", 3 * 4 * 64)
     assert losses.chunk_rows(64) == 3
 
 

@@ -8,7 +8,7 @@ import pytest
 from tests.support.tiny_peft import Engine, lora_model
 from toolkit.recipe.schema import Recipe
 from toolkit.train.data import IGNORE, Example, collate
-from toolkit.train.packing import fill, pack, runs_packed
+from toolkit.train.packing import fill, pack
 
 torch = pytest.importorskip("torch")
 
@@ -87,10 +87,10 @@ def recipe(**data):
 
 
 def test_packing_is_on_for_sft_off_for_dpo_and_refused_for_dpo():
-    assert runs_packed(recipe()) and not runs_packed(recipe(packing=False))
+    assert recipe().packed and not recipe(packing=False).packed
     dpo = Recipe.model_validate({"name": "r", "model": {"base": "tiny-llama"}, "data": {"train": "t.jsonl"},
                                  "objective": {"kind": "dpo"}})
-    assert not runs_packed(dpo)
+    assert not dpo.packed
     with pytest.raises(ValueError, match="DPO compares each chosen answer with its rejected one"):
         Recipe.model_validate({"name": "r", "model": {"base": "tiny-llama"},
                                "data": {"train": "t.jsonl", "packing": True}, "objective": {"kind": "dpo"}})

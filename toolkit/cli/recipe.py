@@ -30,8 +30,13 @@ def explain(recipe: Path = RECIPE, cluster: str = CLUSTER,
     node = node_request(resolved)
     derived |= {"derived.node_cpus": "whole node" if node.exclusive else node.cpus,
                 "derived.node_memory_mb": "whole node" if node.exclusive else node.memory_mb}
+    memory = None
+    if resolved.memory:
+        plan, budget = resolved.memory
+        memory = {"per_rank_bytes": dict(plan.parts()), "total_bytes": plan.total, "rank_memory_bytes": budget}
     if as_json:
-        print_json({"values": values | derived, "sources": resolved.sources, "warnings": list(node.warnings)})
+        print_json({"values": values | derived, "sources": resolved.sources, "warnings": list(node.warnings),
+                    "memory_plan": memory})
         return
     from rich.table import Table
 
@@ -45,8 +50,25 @@ def explain(recipe: Path = RECIPE, cluster: str = CLUSTER,
     for dotted, value in derived.items():
         table.add_row(plain(dotted), plain(value), "computed", style="cyan")
     console.print(table)
+    if resolved.memory:
+        print_memory_plan(*resolved.memory)
     for warning in node.warnings:
         console.print(f"[yellow]warning:[/] {plain(warning)}")
+
+
+def print_memory_plan(plan, budget: int) -> None:
+    from rich.table import Table
+
+    from toolkit.recipe.memory_plan import gib
+
+    table = Table(title="memory plan of one rank", title_justify="left")
+    table.add_column("part")
+    table.add_column("estimate", justify="right")
+    for name, value in plan.parts():
+        table.add_row(name, gib(value))
+    table.add_row("total", gib(plan.total), style="bold")
+    table.add_row("a rank has", gib(budget), style="green" if plan.total <= budget else "red")
+    console.print(table)
 
 
 def local_slurm_version(profile_name: str) -> tuple[int, int, int] | None:

@@ -97,6 +97,9 @@ class ClusterProfile(BaseModel):
     # 2 of 8 GPUs asks for a quarter). None: not known (`ft cluster add` reads them from sinfo).
     cpus_per_node: int | None = Field(None, ge=1)
     memory_per_node_mb: int | None = Field(None, ge=1)
+    # One GPU's memory, for the memory plan (toolkit/recipe/memory_plan.py): the resolver chooses
+    # activation checkpointing and the ZeRO stage from it. None: not known (size rules instead).
+    gpu_memory_gib: float | None = Field(None, gt=0, allow_inf_nan=False)
     # The site gives GPU nodes whole (HyperPod, SUNK, most GPU clouds): jobs ask --exclusive and all
     # of each node's memory.
     exclusive_nodes: bool = False

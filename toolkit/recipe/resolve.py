@@ -16,6 +16,7 @@ from toolkit.checkpoint.cadence import AutoCadence
 from toolkit.checkpoint.remote import mirror_url
 from toolkit.cluster.profile import ClusterProfile, load_profile
 from toolkit.errors import FtError
+from toolkit.recipe import memory_plan
 from toolkit.recipe.run_spec import Derived, RunSpec, batch_plan
 from toolkit.recipe.schema import DATA_FILES, Method, Objective, Recipe
 from toolkit.recipe.yaml_source import SourceMap, load_yaml
@@ -42,6 +43,7 @@ class ResolvedRecipe:
     path: Path
     derived: Derived
     sources: dict[str, str] = field(default_factory=dict)  # dotted field -> where its value came from
+    memory: tuple[memory_plan.MemoryPlan, int] | None = None  # the plan of one rank, and its memory
 
     @property
     def spec(self) -> RunSpec:
@@ -133,6 +135,7 @@ class _Resolver:
         self.recipe, self.source, self.profile = recipe, source, profile
         self.sources: dict[str, str] = {}
         self.problems: list[str] = []
+        self.memory: tuple[memory_plan.MemoryPlan, int] | None = None
         self.cluster_from = cluster_from
 
     def given(self, dotted: str) -> bool:
@@ -170,14 +173,6 @@ class _Resolver:
             if r.training.learning_rate and "training.learning_rate" in self.sources:
                 r.training.learning_rate /= 4
                 self.sources["training.learning_rate"] += ", divided by 4 for DPO"
-        big = (size or 0) >= 13
-        if method == Method.full.value:
-            self.default("training.zero_stage", 3 if big else 2, "ZeRO-3 shards a large full fine-tune" if big
-                         else "ZeRO-2: optimizer state and gradients sharded")
-        else:  # the adapters' gradients are small: sharding them saves little and costs a hook per tensor
-            self.default("training.zero_stage", 1, "ZeRO-1 for adapters: their optimizer state sharded, their "
-                                                   "gradients reduced in one collective (GPU.md)")
-        self.default("training.gradient_checkpointing", (size or 0) >= 7, "on for models of 7B and more")
         self.default("training.precision", "fp32" if p.cpu_workers_per_node else "bf16",
                      "CPU workers compute in fp32" if p.cpu_workers_per_node else "bf16 on GPUs")
         if r.training.steps is None and r.training.epochs is None:
@@ -190,6 +185,7 @@ class _Resolver:
         self.check_resources()
         world = r.resources.nodes * workers_per_node(r, p)
         self.default("training.global_batch", r.training.micro_batch * world, "one micro batch per rank")
+        self.plan_memory(size, world)
         if r.training.global_batch % (r.training.micro_batch * world):
             self.problem("training.global_batch",
                          f"{r.training.global_batch} is not divisible by micro_batch x ranks = "
@@ -200,6 +196,68 @@ class _Resolver:
         if method == Method.qlora.value and p.cpu_workers_per_node and r.resources.nodes > 1:
             self.problem("method.kind", "qlora runs on one node on CPU clusters; set resources.nodes: 1")
         return self.sources
+
+    def plan_memory(self, size: float | None, world: int) -> None:
+        """The ZeRO stage and activation checkpointing, where the recipe leaves them open: the fastest
+        choice whose memory plan fits a rank (memory_plan.py); a recipe no choice fits is refused,
+        naming what would. Without the model's shape or the rank's memory: rules by size."""
+        r, p = self.recipe, self.profile
+        budget = rank_budget(p, workers_per_node(r, p))
+        shape = memory_plan.shape_of(r.model.base, size if (size or 0) >= 0.5 else None)
+        if budget is None or shape is None:
+            self.size_rules(size, "the model's shape is not known (no config.json, no size in its name)"
+                            if budget is not None else f"the {p.name} profile gives no gpu_memory_gib")
+            return
+        plans = [(stage, checkpointing, memory_plan.estimate(shape, self.setup(stage, checkpointing, world)))
+                 for stage, checkpointing in self.choices()]
+        fitting = [choice for choice in plans if choice[2].total <= budget]
+        stage, checkpointing, plan = fitting[0] if fitting else min(plans, key=lambda choice: choice[2].total)
+        why = f"the memory plan: {memory_plan.gib(plan.total)} a rank of {memory_plan.gib(budget)}"
+        self.default("training.zero_stage", stage, why)
+        self.default("training.gradient_checkpointing", checkpointing, why)
+        self.memory = (plan, budget)
+        if not fitting:
+            self.problem("training.micro_batch",
+                         f"the memory plan needs {memory_plan.gib(plan.total)} a rank "
+                         f"({', '.join(f'{n} {memory_plan.gib(v)}' for n, v in plan.parts() if v)}), more than "
+                         f"the {memory_plan.gib(budget)} a rank has: use ZeRO-3 (training.zero_stage: 3), more "
+                         "nodes (resources.nodes), a smaller micro batch or max_seq_len, or QLoRA (method.kind: "
+                         "qlora); `ft recipe explain` shows the plan")
+
+    def choices(self) -> list[tuple[int, bool]]:
+        """(ZeRO stage, checkpointing), fastest first, as far as the recipe leaves them open."""
+        t = self.recipe.training
+        stages = [2, 3] if self.recipe.method.kind == Method.full.value else [1, 2, 3]
+        if t.zero_stage is not None:
+            stages = [t.zero_stage]
+        elif t.compile:
+            stages = [stage for stage in stages if stage != 3]
+        ordered = [(stage, checkpointing) for checkpointing in (False, True) for stage in stages[:1]] + \
+                  [(stage, checkpointing) for stage in stages[1:] for checkpointing in (False, True)]
+        if t.gradient_checkpointing is not None:
+            ordered = [choice for choice in ordered if choice[1] == t.gradient_checkpointing]
+        return ordered
+
+    def setup(self, stage: int, checkpointing: bool, world: int) -> memory_plan.Setup:
+        r = self.recipe
+        dpo = r.objective.kind == Objective.dpo.value
+        return memory_plan.Setup(
+            method=r.method.kind, lora_rank=r.method.rank or 0,
+            lora_targets=tuple(r.method.target_modules or LLAMA_TARGETS), zero_stage=stage, ranks=world,
+            micro_batch=r.training.micro_batch, seq_len=r.data.max_seq_len, precision=r.training.precision,
+            checkpointing=checkpointing, ft_loss=not dpo and stage != 3, on_gpu=not self.profile.cpu_workers_per_node,
+            rows_per_unit=2 if dpo else 1, packed=r.packed)
+
+    def size_rules(self, size: float | None, no_plan: str) -> None:
+        big = (size or 0) >= 13
+        if self.recipe.method.kind == Method.full.value:
+            self.default("training.zero_stage", 3 if big else 2, "ZeRO-3 shards a large full fine-tune" if big
+                         else "ZeRO-2: optimizer state and gradients sharded")
+        else:  # the adapters' gradients are small: sharding them saves little and costs a hook per tensor
+            self.default("training.zero_stage", 1, "ZeRO-1 for adapters: their optimizer state sharded, their "
+                                                   "gradients reduced in one collective (GPU.md)")
+        self.default("training.gradient_checkpointing", (size or 0) >= 7,
+                     f"on for models of 7B and more (no memory plan: {no_plan})")
 
     def check_resources(self) -> None:
         r, p = self.recipe.resources, self.profile
@@ -249,7 +307,7 @@ def resolve(path: Path, cluster: str | None = None) -> ResolvedRecipe:
         sources["checkpoint.every_minutes"] = f"recipe: {auto_cadence_example(derived.job_mtbf_hours, profile)}"
     for dotted, _ in _flatten(recipe.model_dump(mode="json")):
         sources.setdefault(dotted, "default: schema")
-    return ResolvedRecipe(recipe, profile, path, derived, sources)
+    return ResolvedRecipe(recipe, profile, path, derived, sources, resolver.memory)
 
 
 def auto_cadence_example(job_mtbf_hours: float, profile: ClusterProfile) -> str:
@@ -258,6 +316,19 @@ def auto_cadence_example(job_mtbf_hours: float, profile: ClusterProfile) -> str:
     examples = ", ".join(f"a {cost:g} s save -> every {cadence.interval_s(cost, 0) / 60:.0f} min" for cost in (1, 30))
     return (f"Young/Daly from the save cost measured as the run goes and a failure every {job_mtbf_hours:.0f} h "
             f"(node MTBF {profile.node_mtbf_hours:g} h over the job's nodes): {examples}")
+
+
+def rank_budget(profile: ClusterProfile, workers: int) -> int | None:
+    """What one rank may plan to hold: a GPU's memory less its CUDA context (~1 GiB, outside what
+    torch allocates) and 5% for the allocator's fragments; a CPU rank's share of its node, less 10%
+    for the node's own processes. None: not known."""
+    if profile.cpu_workers_per_node:
+        if not profile.memory_per_node_mb:
+            return None
+        return int(profile.memory_per_node_mb * 2**20 / max(1, workers) * 0.9)
+    if not profile.gpu_memory_gib:
+        return None
+    return int((profile.gpu_memory_gib - 1.0) * 0.95 * memory_plan.GIB)
 
 
 def workers_per_node(recipe: Recipe, profile: ClusterProfile) -> int:

@@ -386,6 +386,11 @@ class Recipe(Strict):
                              "or hold some of the training data out (data.eval_fraction, e.g. 0.02)")
         return self
 
+    @property
+    def packed(self) -> bool:
+        """data.packing as given; left open, on for SFT (toolkit/train/packing.py), off for DPO."""
+        return self.data.packing if self.data.packing is not None else self.objective.kind == Objective.sft
+
     @model_validator(mode="after")
     def pairs_are_not_packed(self) -> Recipe:
         if self.data.packing and self.objective.kind == Objective.dpo:

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from functools import cache
 
+from toolkit.recipe import memory_plan
 from toolkit.train.data import IGNORE
-
-CHUNK_LOGITS_BYTES = 256 * 2**20  # one chunk's fp32 logits: 523 tokens at a 128k vocabulary
 
 
 def causal_lm_loss(engine, batch: dict):
@@ -72,7 +71,8 @@ def liger_loss():
 
 
 def chunk_rows(vocab: int) -> int:
-    return max(1, CHUNK_LOGITS_BYTES // (4 * vocab))
+    """Tokens a chunk: its fp32 logits in memory_plan.CHUNK_LOGITS_BYTES (the plan counts the same)."""
+    return max(1, memory_plan.CHUNK_LOGITS_BYTES // (4 * vocab))
 
 
 def _chunked_forward(rows, weight, targets):

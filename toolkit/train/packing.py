@@ -19,13 +19,6 @@ from bisect import bisect_left, insort
 from toolkit.train.data import IGNORE, Example
 
 
-def runs_packed(recipe) -> bool:
-    """data.packing as the recipe gives it; left open, on for SFT (the schema refuses it for DPO)."""
-    if recipe.data.packing is not None:
-        return recipe.data.packing
-    return recipe.objective.kind == "sft"
-
-
 def pack(examples: list[Example], max_len: int) -> list[Example]:
     """The examples packed into rows of at most max_len tokens (an example longer than that has a
     row of its own: the data gate truncates or refuses those before)."""

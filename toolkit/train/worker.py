@@ -109,7 +109,7 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     from toolkit.train.loop import Loop
     from toolkit.train.models import resolve_model, runs_compiled, trainable_model
     from toolkit.train.objectives import objective_for
-    from toolkit.train.packing import fill, pack, runs_packed
+    from toolkit.train.packing import fill, pack
     from toolkit.train.publish import publish
     from toolkit.train.tracking import Tracker, write_summary
 
@@ -150,7 +150,7 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
         log("decoder layers compiled (torch.compile): the first steps include the compilation")
     objective = objective_for(recipe.objective)
     units = objective.units(load_examples(recipe, model_path, user_cache, rank, dist, log))
-    if runs_packed(recipe):
+    if recipe.packed:
         examples = len(units)
         units = pack(units, recipe.data.max_seq_len)
         log(f"packed {examples} examples into {len(units)} rows of up to {recipe.data.max_seq_len} tokens "
