@@ -124,3 +124,27 @@ def test_under_zero_3_the_loss_is_transformers_own(tmp_path):
     finally:
         head.weight.data = whole
     assert calls and torch.allclose(loss, expected)
+
+
+def test_only_a_plain_head_in_bf16_or_fp32_takes_the_chunked_loss(tmp_path):
+    """Anything else than logits = hidden @ weight.T gets transformers' own loss: soft-capped or
+    scaled logits, adapters on the head, fp16 (its loss scale must reach the logits' gradient)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.train.tiny import build_model
+
+    model = lora_model(tmp_path / "a")
+    head = model.get_output_embeddings()
+    assert losses.plain_head(Engine(model), head)
+    model.config.final_logit_softcapping = 30.0  # Gemma 2's
+    assert not losses.plain_head(Engine(model), head)
+    model.config.final_logit_softcapping = None
+    assert not losses.plain_head(Engine(model.half()), head)  # fp16
+
+    build_model(tmp_path / "b", vocab_size=64, hidden=32, layers=1)
+    adapted = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "b"),
+                             LoraConfig(r=4, target_modules=["q_proj", "lm_head"], task_type="CAUSAL_LM"))
+    assert not losses.plain_head(Engine(adapted), adapted.get_output_embeddings())
+    batch = batch_of(*ROWS)
+    assert torch.allclose(losses.causal_lm_loss(Engine(adapted), batch), adapted(**batch).loss)

@@ -118,13 +118,24 @@ def test_the_resolver_chooses_the_fastest_setup_that_fits(tmp_path):
 
 
 def test_a_recipe_that_cannot_fit_is_refused_naming_what_would(tmp_path):
-    with pytest.raises(RecipeError) as caught:
-        resolved(tmp_path, model__base="meta-llama/Llama-3.1-70B", method__kind="full", training__zero_stage=1,
-                 data__max_seq_len=8192)
+    with pytest.raises(RecipeError) as caught:  # 8B LoRA, 32k tokens, micro batch 2, no checkpointing asked
+        resolved(tmp_path, training__gradient_checkpointing=False, training__micro_batch=2, data__max_seq_len=32768)
     [problem] = [p for p in caught.value.problems if "memory plan" in p]
     assert "training.micro_batch" in problem and "more than the 74.2 GiB a rank has" in problem
-    for fix in ("zero_stage: 3", "resources.nodes", "smaller micro batch", "qlora"):
-        assert fix in problem
+    assert problem.endswith("Each of these would fit: training.gradient_checkpointing: true (42.3 GiB)")
+    with pytest.raises(RecipeError) as caught:  # 70B full fine-tuning on one node: nothing alone fits
+        resolved(tmp_path, model__base="meta-llama/Llama-3.1-70B", method__kind="full", data__max_seq_len=8192)
+    [problem] = [p for p in caught.value.problems if "memory plan" in p]
+    assert "combine them" in problem or "resources.nodes: 2" in problem
+
+
+def test_the_resolver_writes_packing_and_compile_down(tmp_path):
+    """Left open, they are decided at submit and recorded: a later default never changes a run."""
+    gpu = resolved(tmp_path)
+    assert gpu.recipe.data.packing is True and gpu.recipe.training.compile is True
+    dpo = resolved(tmp_path, objective__kind="dpo")
+    assert dpo.recipe.data.packing is False
+    assert resolved(tmp_path, training__zero_stage=3, method__kind="full").recipe.training.compile is False
 
 
 def test_explain_shows_the_plan(tmp_path):

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +88,13 @@ def test_ft_ls_lists_rendered_runs_when_slurm_does_not_answer(tmp_path):
     listed = subprocess.run([sys.executable, "-m", "toolkit", "ls", "--json"], env=env, capture_output=True, text=True)
     assert listed.returncode == 0, listed.stderr
     assert [(run["run_id"], run["job"]) for run in json.loads(listed.stdout)] == [("r1", None)]
+
+
+def test_a_spec_rendered_before_packing_and_compile_trains_unpacked_and_eager():
+    """A job requeued across an upgrade reruns its old script: packing would change its steps an
+    epoch (a resumed run would end early), so an old spec keeps both off."""
+    golden = Path(__file__).resolve().parents[1] / "golden" / "tiny-lora-sft__lab.sbatch"
+    spec = json.loads(golden.read_text().split("<<'FT_RECIPE_JSON'\n")[1].split("\nFT_RECIPE_JSON")[0])
+    del spec["recipe"]["data"]["packing"], spec["recipe"]["training"]["compile"]
+    old = RunSpec.model_validate(spec)
+    assert old.recipe.data.packing is False and old.recipe.training.compile is False and not old.recipe.packed

@@ -18,7 +18,8 @@ Per rank, in bytes:
                width, i the MLP's). With activation checkpointing only each layer's input (h), plus
                one layer's whole while it is recomputed. Flash attention keeps no score matrix
   logits       ft's loss a chunk at a time (toolkit/train/losses.py): two chunks of fp32 logits and
-               the hidden state's gradient; transformers' own loss (DPO, ZeRO-3): the whole
+               the hidden state's gradient (full fine-tuning: the head's gradient in fp32, held from
+               the forward to the backward); transformers' own loss (DPO, ZeRO-3, fp16): the whole
                micro batch's logits in the training precision, in fp32, and their log-softmax
   runtime      what the process holds before any of it: a CUDA context on a GPU is outside what
                `max_memory_allocated` counts (0 here); a CPU rank's Python, torch, transformers
@@ -164,6 +165,8 @@ def estimate(shape: Shape, setup: Setup) -> MemoryPlan:
         activations += shape.layers * setup.micro_batch * setup.rows_per_unit * shape.heads * setup.seq_len ** 2 * 4
     if setup.ft_loss:
         logits = min(2 * CHUNK_LOGITS_BYTES, tokens * shape.vocab * 4 * 2) + tokens * shape.hidden * width
+        if setup.method == "full":  # the head's gradient, fp32 from the forward, then scaled and cast
+            logits += shape.vocab * shape.hidden * (4 + 4 + width)
     else:
         logits = tokens * shape.vocab * (width + 4 + 4)
     runtime = 0 if setup.on_gpu else RUNTIME_CPU_BYTES

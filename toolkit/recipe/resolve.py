@@ -175,6 +175,9 @@ class _Resolver:
                 self.sources["training.learning_rate"] += ", divided by 4 for DPO"
         self.default("training.precision", "fp32" if p.cpu_workers_per_node else "bf16",
                      "CPU workers compute in fp32" if p.cpu_workers_per_node else "bf16 on GPUs")
+        self.default("data.packing", r.objective.kind == Objective.sft.value,
+                     "on for SFT (global_batch and steps then count packed rows of up to max_seq_len tokens)"
+                     if r.objective.kind == Objective.sft.value else "off for DPO (pairs are not packed)")
         if r.training.steps is None and r.training.epochs is None:
             r.training.epochs = 1.0
             self.sources["training.epochs"] = "default: one pass over the data"
@@ -186,6 +189,10 @@ class _Resolver:
         world = r.resources.nodes * workers_per_node(r, p)
         self.default("training.global_batch", r.training.micro_batch * world, "one micro batch per rank")
         self.plan_memory(size, world)
+        on_gpus = not p.cpu_workers_per_node
+        self.default("training.compile", on_gpus and r.training.zero_stage != 3,
+                     "regional torch.compile on GPUs (benchmarks/GPU.md), not under ZeRO-3" if on_gpus
+                     else "off on CPU workers (compile time, little gain)")
         if r.training.global_batch % (r.training.micro_batch * world):
             self.problem("training.global_batch",
                          f"{r.training.global_batch} is not divisible by micro_batch x ranks = "
@@ -220,14 +227,39 @@ class _Resolver:
             self.problem("training.micro_batch",
                          f"the memory plan needs {memory_plan.gib(plan.total)} a rank "
                          f"({', '.join(f'{n} {memory_plan.gib(v)}' for n, v in plan.parts() if v)}), more than "
-                         f"the {memory_plan.gib(budget)} a rank has: use ZeRO-3 (training.zero_stage: 3), more "
-                         "nodes (resources.nodes), a smaller micro batch or max_seq_len, or QLoRA (method.kind: "
-                         "qlora); `ft recipe explain` shows the plan")
+                         f"the {memory_plan.gib(budget)} a rank has. "
+                         + self.what_would_fit(shape, stage, checkpointing, world, budget))
+
+    def what_would_fit(self, shape, stage: int, checkpointing: bool, world: int, budget: int) -> str:
+        """The changes to the recipe whose plans fit, each tried alone from the smallest plan."""
+        r = self.recipe
+        base = self.setup(stage, checkpointing, world)
+        tries = []
+        if r.training.micro_batch > 1:
+            tries.append((f"training.micro_batch: {max(1, r.training.micro_batch // 2)}",
+                          replace(base, micro_batch=max(1, r.training.micro_batch // 2))))
+        if r.data.max_seq_len > 512:
+            shorter = r.data.max_seq_len // 2
+            tries.append((f"data.max_seq_len: {shorter}", replace(base, seq_len=shorter)))
+        tries.append((f"resources.nodes: {r.resources.nodes * 2}", replace(base, ranks=world * 2)))
+        if stage != 3 and not r.training.compile and r.method.kind != Method.qlora.value:
+            tries.append(("training.zero_stage: 3", replace(base, zero_stage=3, ft_loss=False)))
+        if r.method.kind == Method.lora.value:
+            tries.append(("method.kind: qlora", replace(base, method="qlora")))
+        if not checkpointing and r.training.gradient_checkpointing is False:
+            tries.append(("training.gradient_checkpointing: true", replace(base, checkpointing=True)))
+        fits = [f"{change} ({memory_plan.gib(memory_plan.estimate(shape, setup).total)})"
+                for change, setup in tries if memory_plan.estimate(shape, setup).total <= budget]
+        if not fits:
+            return "No single change of micro batch, sequence length, nodes, ZeRO stage or method fits: combine them"
+        return "Each of these would fit: " + "; ".join(fits)
 
     def choices(self) -> list[tuple[int, bool]]:
         """(ZeRO stage, checkpointing), fastest first, as far as the recipe leaves them open."""
         t = self.recipe.training
-        stages = [2, 3] if self.recipe.method.kind == Method.full.value else [1, 2, 3]
+        method = self.recipe.method.kind
+        # QLoRA under ZeRO-3 (4-bit weights partitioned) is not proven in ft: never chosen for it.
+        stages = [2, 3] if method == Method.full.value else [1, 2] if method == Method.qlora.value else [1, 2, 3]
         if t.zero_stage is not None:
             stages = [t.zero_stage]
         elif t.compile:
@@ -245,7 +277,8 @@ class _Resolver:
             method=r.method.kind, lora_rank=r.method.rank or 0,
             lora_targets=tuple(r.method.target_modules or LLAMA_TARGETS), zero_stage=stage, ranks=world,
             micro_batch=r.training.micro_batch, seq_len=r.data.max_seq_len, precision=r.training.precision,
-            checkpointing=checkpointing, ft_loss=not dpo and stage != 3, on_gpu=not self.profile.cpu_workers_per_node,
+            checkpointing=checkpointing, ft_loss=not dpo and stage != 3 and r.training.precision != "fp16",
+            on_gpu=not self.profile.cpu_workers_per_node,
             rows_per_unit=2 if dpo else 1, packed=r.packed)
 
     def size_rules(self, size: float | None, no_plan: str) -> None:

@@ -67,6 +67,21 @@ class RunSpec(Strict):
             data = {**data, "site": {field: os.environ[name] for field, name in legacy.items() if name in os.environ}}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def engine_of_an_older_script(cls, data: object) -> object:
+        """A spec rendered before data.packing and training.compile existed trains as it was planned:
+        unpacked (packing changes the steps an epoch has, so a resumed run would end early or late)
+        and eager. ft's resolver writes both as true or false since (resolve.py)."""
+        if not (isinstance(data, dict) and isinstance(data.get("recipe"), dict)):
+            return data
+        recipe = data["recipe"]
+        pinned = {}
+        for section, name in (("data", "packing"), ("training", "compile")):
+            if isinstance(recipe.get(section), dict) and name not in recipe[section]:
+                pinned[section] = {**recipe[section], **pinned.get(section, {}), name: False}
+        return {**data, "recipe": {**recipe, **pinned}} if pinned else data
+
     @model_validator(mode="after")
     def derived_from_the_recipe(self) -> RunSpec:
         """A spec edited by hand (in the job script) must still add up: the job would otherwise

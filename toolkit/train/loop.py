@@ -109,6 +109,12 @@ class Loop:
                                                f"{self.plan.micro_batch}: {exc}") from None
         return torch.stack(losses).mean(), torch.stack(accuracies).mean() if accuracies else None
 
+    @property
+    def checks_grad_norm(self) -> bool:
+        """fp16's loss scaling skips a step whose gradients overflow and reports its norm as inf: that
+        is its normal course, not the run's end. bf16 and fp32 skip nothing (engine.py)."""
+        return self.recipe.training.precision != "fp16"
+
     def grad_norm(self):
         """The step's global gradient norm (before clipping) as DeepSpeed computed it, left on the
         device; None where it computes none (no clipping configured)."""
@@ -128,7 +134,8 @@ class Loop:
             loss = self.faults.loss_read(record.step, record.loss)
             # bf16 runs without DeepSpeed's overflow check (engine.py): a gradient gone NaN or
             # infinite is caught here, before the checkpoint of that step is written.
-            if not math.isfinite(loss) or (record.grad_norm is not None and not math.isfinite(record.grad_norm)):
+            if not math.isfinite(loss) or (self.checks_grad_norm and record.grad_norm is not None
+                                           and not math.isfinite(record.grad_norm)):
                 what = f"loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {record.grad_norm}"
                 self.tracker.log([r for r in records if r.step < record.step])
                 raise RunEnds(exits.USER_ERROR, f"{what} at step {record.step}: stopping. Try a lower "

@@ -5,7 +5,7 @@ transformers' loss makes the logits of every token (a 4096-token sequence at Lla
 backward needs. Here the model stops at its last hidden state (`logits_to_keep=1`) and the loss runs
 over the tokens a chunk at a time: each chunk's logits live only while its loss and its gradient are
 taken, in the forward (the loss is a scalar, so its gradient is known there, as in Liger's fused
-linear cross-entropy). On a GPU with Liger installed, Liger's fused kernel does the same in Triton.
+linear cross-entropy; Liger's Triton kernel itself measured slower than this on an H200: GPU.md).
 
 Equal to transformers' own loss (`ForCausalLMLoss`, mean over the labelled tokens): the labels shift
 left by one, IGNORE (-100) labels count for nothing; a micro batch with no labelled token gives 0.
@@ -23,15 +23,29 @@ def causal_lm_loss(engine, batch: dict):
     """The micro batch's mean loss over its labelled tokens, through the engine (DeepSpeed's hooks
     run as for any forward)."""
     head = engine.module.get_output_embeddings()
-    # transformers' own loss where the head is not a plain weight to read: a head with a bias (no
-    # Llama-family model has one), or ZeRO-3's partitioned weight (gathered by hooks around the head's
-    # own forward only): there the logits are made whole, as before.
-    if getattr(head, "bias", None) is not None or engine.zero_optimization_stage() == 3:
+    if not plain_head(engine, head):
         return engine(**model_inputs(batch), labels=batch["labels"], use_cache=False).loss
-    inputs = model_inputs(batch)
-    outputs = engine(**inputs, logits_to_keep=1, output_hidden_states=True, use_cache=False)
+    outputs = engine(**model_inputs(batch), logits_to_keep=1, output_hidden_states=True, use_cache=False)
     hidden = outputs.hidden_states[-1]  # after the final norm: what the head reads
     return linear_cross_entropy(hidden, head.weight, batch["labels"])
+
+
+LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # Gemma 2/3, Cohere, Granite
+
+
+def plain_head(engine, head) -> bool:
+    """Whether the logits are `hidden @ head.weight.T` and nothing more, in bf16 or fp32: else
+    transformers' own loss makes them whole, as before. Not plain: a head with a bias or adapters
+    (LoRA on lm_head), logits scaled or soft-capped after the head, ZeRO-3's partitioned weight
+    (gathered by hooks around the head's own forward only), and fp16, whose loss scale must reach
+    the logits' gradient before it is rounded to fp16 (here it is computed in the forward)."""
+    kind = type(head)
+    if kind.__name__ != "Linear" or kind.__module__ != "torch.nn.modules.linear" or head.bias is not None:
+        return False
+    config = getattr(engine.module, "config", None)
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_CHANGES):
+        return False
+    return engine.zero_optimization_stage() != 3 and str(head.weight.dtype) != "torch.float16"
 
 
 def model_inputs(batch: dict) -> dict:
@@ -52,22 +66,7 @@ def shifted(hidden, labels):
 def linear_cross_entropy(hidden, weight, labels):
     """mean cross-entropy of softmax(hidden @ weight.T) against the shifted labels."""
     rows, targets = shifted(hidden, labels)
-    fused = liger_loss() if rows.is_cuda else None
-    if fused is not None:
-        if not (targets != IGNORE).any():  # Liger's mean over no token is NaN; HF's too. None learnt: 0
-            return (rows.sum() + weight.sum()) * 0.0
-        return fused(weight, rows, targets)
     return chunked_function().apply(rows, weight, targets)
-
-
-@cache
-def liger_loss():
-    """Liger's fused linear cross-entropy, where it is installed (it needs Triton, so a GPU)."""
-    try:
-        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-    except ImportError:
-        return None
-    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="mean")
 
 
 def chunk_rows(vocab: int) -> int:

@@ -153,8 +153,10 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     if recipe.packed:
         examples = len(units)
         units = pack(units, recipe.data.max_seq_len)
+        per_step = recipe.training.global_batch * fill(units, recipe.data.max_seq_len) * recipe.data.max_seq_len
         log(f"packed {examples} examples into {len(units)} rows of up to {recipe.data.max_seq_len} tokens "
-            f"({fill(units, recipe.data.max_seq_len):.0%} full)")
+            f"({fill(units, recipe.data.max_seq_len):.0%} full): a step of {recipe.training.global_batch} rows "
+            f"trains about {per_step:,.0f} tokens ({examples / max(1, len(units)):.1f} examples a row)")
     steps = total_steps(recipe, len(units))
     tracker.total_steps = steps
     engine, _, _, _ = deepspeed.initialize(model=model, config=deepspeed_config(recipe.training, plan, steps),
