@@ -219,3 +219,32 @@ def test_a_writer_whose_mark_cannot_be_written_lives_on_and_the_next_save_does_n
         assert writer.wait_marked() < 5 and writer.wait() < 5
     assert writer.thread.is_alive() and sum("quota" in line for line in logged) == 2
     writer.close()
+
+
+class ByName:
+    """Pickles as Debian 12's Python 3.11.2 pickles an enum member: getattr(cls, name)."""
+
+    def __init__(self, kind, name):
+        self.kind, self.name = kind, name
+
+    def __reduce__(self):
+        return getattr, (self.kind, self.name)
+
+
+def test_an_enum_pickled_by_name_loads_and_nothing_else_through_getattr(tmp_path):
+    import pickle
+
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from toolkit.train.snapshot import checkpoint_classes
+
+    def load(value):
+        torch.save({"zero_stage": value}, tmp_path / "state.pt")
+        with torch.serialization.safe_globals(checkpoint_classes()):
+            return torch.load(tmp_path / "state.pt", weights_only=True)
+
+    assert load(ByName(ZeroStageEnum, "optimizer_states"))["zero_stage"] is ZeroStageEnum.optimizer_states
+    with pytest.raises(pickle.UnpicklingError, match="only ZeroStageEnum's members load"):
+        load(ByName(ZeroStageEnum, "__class__"))
+    with pytest.raises(pickle.UnpicklingError):
+        load(ByName(ZeroStageEnum, "mro"))

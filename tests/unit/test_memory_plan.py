@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,12 +66,16 @@ print(json.dumps({"peak_above_imports": (resource.getrusage(resource.RUSAGE_SELF
 
 def test_the_estimate_is_within_a_fifth_of_a_cpu_ranks_peak():
     """A CPU rank in fp32 (the lab's precision), weights and activations large against the runtime:
-    the peak resident memory above what the process held once torch and transformers were imported."""
+    the peak resident memory above what the process held once torch and transformers were imported.
+    glibc's malloc keeps freed blocks, so resident memory follows its history, not what is live (the
+    same step measured 1.0 to 1.6 GB from run to run): large blocks are mmapped and returned on free
+    here, so that the peak is the live peak (1267 MB, every time, on this machine)."""
     pytest.importorskip("peft")
     shape = Shape(hidden=512, intermediate=1536, layers=8, heads=8, kv_heads=4, vocab=32000)
     seq, micro = 512, 4
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     out = subprocess.run([sys.executable, "-c", MEASURE, str(REPO), json.dumps(shape.__dict__), str(seq), str(micro)],
-                         capture_output=True, text=True, timeout=600, check=True)
+                         capture_output=True, text=True, timeout=600, check=True, env=env)
     measured = json.loads(out.stdout.strip().splitlines()[-1])["peak_above_imports"]
     plan = estimate(shape, Setup("lora", 16, ("q_proj", "v_proj"), 0, 1, micro, seq, "fp32", False, on_gpu=False))
     planned = plan.total - plan.runtime  # the imports' memory is below the measured baseline
@@ -122,7 +127,7 @@ def test_a_recipe_that_cannot_fit_is_refused_naming_what_would(tmp_path):
         resolved(tmp_path, training__gradient_checkpointing=False, training__micro_batch=2, data__max_seq_len=32768)
     [problem] = [p for p in caught.value.problems if "memory plan" in p]
     assert "training.micro_batch" in problem and "more than the 74.2 GiB a rank has" in problem
-    assert problem.endswith("Each of these would fit: training.gradient_checkpointing: true (42.3 GiB)")
+    assert problem.endswith("Each of these would fit: training.gradient_checkpointing: true (42.1 GiB)")
     with pytest.raises(RecipeError) as caught:  # 70B full fine-tuning on one node: nothing alone fits
         resolved(tmp_path, model__base="meta-llama/Llama-3.1-70B", method__kind="full", data__max_seq_len=8192)
     [problem] = [p for p in caught.value.problems if "memory plan" in p]

@@ -17,9 +17,10 @@ Per rank, in bytes:
                up and their product: (6 h + 2 kv + 4 i) values a token (h hidden, kv the key/value
                width, i the MLP's). With activation checkpointing only each layer's input (h), plus
                one layer's whole while it is recomputed. Flash attention keeps no score matrix
-  logits       ft's loss a chunk at a time (toolkit/train/losses.py): two chunks of fp32 logits and
-               the hidden state's gradient (full fine-tuning: the head's gradient in fp32, held from
-               the forward to the backward); transformers' own loss (DPO, ZeRO-3, fp16): the whole
+  logits       ft's loss a chunk at a time (toolkit/train/losses.py): a chunk of fp32 logits and its
+               copy in bf16, and the hidden state's gradient (full fine-tuning: the head's gradient in
+               fp32, held from the forward to the backward); transformers' own loss (DPO, ZeRO-3,
+               fp16): the whole
                micro batch's logits in the training precision, in fp32, and their log-softmax
   runtime      what the process holds before any of it: a CUDA context on a GPU is outside what
                `max_memory_allocated` counts (0 here); a CPU rank's Python, torch, transformers
@@ -164,7 +165,10 @@ def estimate(shape: Shape, setup: Setup) -> MemoryPlan:
     if setup.packed and not setup.on_gpu:  # a CPU's attention under a mask keeps its scores (heads x seq^2)
         activations += shape.layers * setup.micro_batch * setup.rows_per_unit * shape.heads * setup.seq_len ** 2 * 4
     if setup.ft_loss:
-        logits = min(2 * CHUNK_LOGITS_BYTES, tokens * shape.vocab * 4 * 2) + tokens * shape.hidden * width
+        # a chunk's fp32 logits, beside them its head output (bf16) or its gradient in the training
+        # precision (fp32 needs no second copy), and the hidden state's gradient
+        chunk = min(CHUNK_LOGITS_BYTES, tokens * shape.vocab * 4)
+        logits = int(chunk * (1 + (width / 4 if width < 4 else 0))) + tokens * shape.hidden * width
         if setup.method == "full":  # the head's gradient, fp32 from the forward, then scaled and cast
             logits += shape.vocab * shape.hidden * (4 + 4 + width)
     else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import pickle
 import queue
 import threading
 import time
@@ -30,15 +31,28 @@ from toolkit.checkpoint.shared import SharedTier
 PUBLISH_WAIT_S = 1800.0  # rank 0 waits this long for the other ranks' marks before abandoning a save
 
 
-def checkpoint_classes() -> list[type]:
+def checkpoint_classes() -> list:
     """What DeepSpeed's checkpoints hold besides tensors and plain data (found by loading every kind
     it writes: LoRA and full, ZeRO 0-3, fp32 and bf16). A checkpoint is unpickled with these allowed
-    and nothing else, so one from a shared folder or a bucket cannot run code as it loads."""
+    and nothing else, so one from a shared folder or a bucket cannot run code as it loads.
+
+    Some Python releases (Debian 12's 3.11.2 among them) pickle an enum member by name, as
+    `getattr(ZeroStageEnum, "optimizer_states")`: builtins.getattr is allowed only as `enum_member`,
+    which looks a name up among the members of these classes' enums and nothing else."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, (enum_member, "builtins.getattr")]
+
+
+def enum_member(kind, name: str):
+    """getattr as an unpickled checkpoint may call it: a member of an allowed enum, by its name."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    if kind is not ZeroStageEnum or name not in ZeroStageEnum.__members__:
+        raise pickle.UnpicklingError(f"a checkpoint asked for {kind!r}.{name}: only ZeroStageEnum's members load")
+    return ZeroStageEnum[name]
 
 
 class HostBuffers:
