@@ -68,6 +68,9 @@ class Engine:
     def __call__(self, **batch):
         return self.module(**batch)
 
+    def zero_optimization_stage(self) -> int:
+        return 0
+
 
 def run_arm(model, optimizer, batches: list[list[Example]], start: int, steps: int) -> tuple[float, int]:
     """(seconds, non-padding tokens) of `steps` steps from batch `start` (cycling)."""
