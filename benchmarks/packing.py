@@ -5,10 +5,12 @@ eighth of max_seq_len). Target (issue 35): packed >= 2x padded, on this machine.
 Both arms run ft's own pieces on the CPU: examples in a shuffled order, ft's collate, ft's loss
 (losses.py), backward and AdamW on a small random Llama with LoRA adapters. Padded: micro batches of
 --micro examples, padded to the longest. Packed: the same examples packed into rows of max_seq_len,
-micro batches of --micro rows. Counted: the tokens that are not padding. The arms alternate, --rounds
-times, each for --steps steps after one warm-up step; the ratio is of the medians.
+micro batches of as many rows. Counted: the tokens that are not padding. The arms alternate, --rounds
+times, each for --steps steps after one warm-up step; the ratio is of the medians. For each micro batch
+size the table also gives the most packing could gain there: padded fill -> packed fill (a padded
+micro batch of two wastes a third of its tokens, one of eight about two thirds).
 
-    python benchmarks/packing.py [--max-len 512] [--micro 4] [--steps 6] [--rounds 3]
+    python benchmarks/packing.py [--max-len 512] [--micro 2,4,8] [--steps 6] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -86,11 +88,37 @@ def run_arm(model, optimizer, batches: list[list[Example]], start: int, steps: i
     return time.perf_counter() - began, tokens
 
 
+def compare(model, optimizer, examples: list[Example], lengths: list[int], micro: int, args) -> dict:
+    """Padded against packed at one micro batch size: the median rates over the rounds, and the most
+    packing could gain here: the padded batches' share of padding (packed rows are ~full)."""
+    order = list(range(len(examples)))
+    random.Random(3).shuffle(order)  # as ft's batch_indices: a shuffled epoch
+    padded = [[examples[i] for i in order[k:k + micro]] for k in range(0, len(order), micro)]
+    rows = pack(examples, args.max_len)
+    random.Random(3).shuffle(rows)
+    packed = [rows[k:k + micro] for k in range(0, len(rows), micro)]
+    padded_fill = sum(lengths) / sum(len(b) * max(len(e.input_ids) for e in b) for b in padded)
+    rates: dict[str, list[float]] = {"padded": [], "packed": []}
+    for _, batches in (("padded", padded), ("packed", packed)):  # one warm-up step each
+        run_arm(model, optimizer, batches, 0, 1)
+    for round_index in range(args.rounds):
+        for arm, batches in (("padded", padded), ("packed", packed)):
+            seconds, tokens = run_arm(model, optimizer, batches, 1 + round_index * args.steps, args.steps)
+            rates[arm].append(tokens / seconds)
+    padded_rate, packed_rate = statistics.median(rates["padded"]), statistics.median(rates["packed"])
+    result = {"micro": micro, "padded_fill": round(padded_fill, 3), "packed_fill": round(fill(rows, args.max_len), 3),
+              "padded_tokens_per_s": round(padded_rate, 1), "packed_tokens_per_s": round(packed_rate, 1),
+              "ratio": round(packed_rate / padded_rate, 2),
+              "padding_bound": round(fill(rows, args.max_len) / padded_fill, 2)}
+    print(json.dumps(result), flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-len", type=int, default=512)
     parser.add_argument("--examples", type=int, default=2000)
-    parser.add_argument("--micro", type=int, default=4, help="examples (padded) or rows (packed) a step")
+    parser.add_argument("--micro", default="2,4,8", help="examples (padded) or rows (packed) a micro batch")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=256)
@@ -104,32 +132,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     lengths = long_tailed(args.examples, args.max_len, seed=1)
     examples = examples_of(lengths, args.vocab, seed=2)
-    order = list(range(len(examples)))
-    random.Random(3).shuffle(order)  # as ft's batch_indices: a shuffled epoch
-    padded = [[examples[i] for i in order[k:k + args.micro]] for k in range(0, len(order), args.micro)]
-    rows = pack(examples, args.max_len)
-    random.Random(3).shuffle(rows)
-    packed = [rows[k:k + args.micro] for k in range(0, len(rows), args.micro)]
-    padded_fill = sum(lengths) / sum(len(b) * max(len(e.input_ids) for e in b) for b in padded)
     print(json.dumps({"examples": len(examples), "median_length": statistics.median(lengths),
                       "mean_length": round(statistics.mean(lengths), 1), "max_len": args.max_len,
-                      "packed_rows": len(rows), "packed_fill": round(fill(rows, args.max_len), 3),
-                      "padded_fill": round(padded_fill, 3), "micro": args.micro, "threads": args.threads}))
-
+                      "hidden": args.hidden, "layers": args.layers, "threads": args.threads}))
     model = model_for(args)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    rates: dict[str, list[float]] = {"padded": [], "packed": []}
-    for _, batches in (("padded", padded), ("packed", packed)):  # one warm-up step each
-        run_arm(model, optimizer, batches, 0, 1)
-    for round_index in range(args.rounds):
-        for arm, batches in (("padded", padded), ("packed", packed)):
-            seconds, tokens = run_arm(model, optimizer, batches, 1 + round_index * args.steps, args.steps)
-            rates[arm].append(tokens / seconds)
-            print(json.dumps({"round": round_index + 1, "arm": arm, "seconds": round(seconds, 2), "tokens": tokens,
-                              "tokens_per_s": round(tokens / seconds, 1)}), flush=True)
-    padded_rate, packed_rate = statistics.median(rates["padded"]), statistics.median(rates["packed"])
-    print(f"\ntrained tokens/s (median of {args.rounds}): padded {padded_rate:,.0f}, packed {packed_rate:,.0f}")
-    print(f"ratio packed / padded: {packed_rate / padded_rate:.2f}x   (target >= 2x)")
+    results = [compare(model, optimizer, examples, lengths, int(micro), args) for micro in args.micro.split(",")]
+    print(f"\ntrained tokens/s, median of {args.rounds} rounds of {args.steps} steps (target: packed >= 2x padded)")
+    print(f"{'micro batch':>11} {'padded fill':>11} {'padded':>9} {'packed':>9} {'ratio':>6} {'padding bound':>13}")
+    for r in results:
+        print(f"{r['micro']:>11} {r['padded_fill']:>11.0%} {r['padded_tokens_per_s']:>9,.0f} "
+              f"{r['packed_tokens_per_s']:>9,.0f} {r['ratio']:>5.2f}x {r['padding_bound']:>12.2f}x")
 
 
 if __name__ == "__main__":
