@@ -26,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tests.support.tiny_peft import Engine  # noqa: E402 - the stand-in for DeepSpeed's engine the unit tests use
 from toolkit.train.data import IGNORE, Example, collate  # noqa: E402 - the checkout's own toolkit
 from toolkit.train.packing import fill, pack  # noqa: E402
 
@@ -61,17 +62,6 @@ def model_for(args):
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj",
                                                                                   "o_proj"], task_type="CAUSAL_LM"))
-
-
-class Engine:
-    def __init__(self, module):
-        self.module = module
-
-    def __call__(self, **batch):
-        return self.module(**batch)
-
-    def zero_optimization_stage(self) -> int:
-        return 0
 
 
 def run_arm(model, optimizer, batches: list[list[Example]], start: int, steps: int) -> tuple[float, int]:

@@ -8,7 +8,7 @@ import pytest
 
 from tests.support.tiny_peft import Engine
 from toolkit.recipe.schema import MethodSpec, TrainingSpec
-from toolkit.train.models import runs_compiled, trainable_model
+from toolkit.train.models import trainable_model
 
 torch = pytest.importorskip("torch")
 
@@ -46,9 +46,9 @@ def test_compiled_layers_train_as_eager_ones(tmp_path):
 
 
 def test_compile_is_on_for_gpus_by_default_and_never_under_zero_3():
-    assert runs_compiled(TrainingSpec(), "cuda") and not runs_compiled(TrainingSpec(), "cpu")
-    assert runs_compiled(TrainingSpec(compile=True), "cpu")
-    assert not runs_compiled(TrainingSpec(compile=False), "cuda")
-    assert not runs_compiled(TrainingSpec(zero_stage=3), "cuda")
+    assert TrainingSpec().compiled(on_gpu=True) and not TrainingSpec().compiled(on_gpu=False)
+    assert TrainingSpec(compile=True).compiled(on_gpu=False)
+    assert not TrainingSpec(compile=False).compiled(on_gpu=True)
+    assert not TrainingSpec(zero_stage=3).compiled(on_gpu=True)
     with pytest.raises(ValueError, match="compile: true is not offered with zero_stage: 3"):
         TrainingSpec(compile=True, zero_stage=3)

@@ -175,7 +175,7 @@ class _Resolver:
                 self.sources["training.learning_rate"] += ", divided by 4 for DPO"
         self.default("training.precision", "fp32" if p.cpu_workers_per_node else "bf16",
                      "CPU workers compute in fp32" if p.cpu_workers_per_node else "bf16 on GPUs")
-        self.default("data.packing", r.objective.kind == Objective.sft.value,
+        self.default("data.packing", r.packed,
                      "on for SFT (global_batch and steps then count packed rows of up to max_seq_len tokens)"
                      if r.objective.kind == Objective.sft.value else "off for DPO (pairs are not packed)")
         if r.training.steps is None and r.training.epochs is None:
@@ -190,7 +190,7 @@ class _Resolver:
         self.default("training.global_batch", r.training.micro_batch * world, "one micro batch per rank")
         self.plan_memory(size, world)
         on_gpus = not p.cpu_workers_per_node
-        self.default("training.compile", on_gpus and r.training.zero_stage != 3,
+        self.default("training.compile", r.training.compiled(on_gpus),
                      "regional torch.compile on GPUs (benchmarks/GPU.md), not under ZeRO-3" if on_gpus
                      else "off on CPU workers (compile time, little gain)")
         if r.training.global_batch % (r.training.micro_batch * world):
@@ -248,8 +248,8 @@ class _Resolver:
             tries.append(("method.kind: qlora", replace(base, method="qlora")))
         if not checkpointing and r.training.gradient_checkpointing is False:
             tries.append(("training.gradient_checkpointing: true", replace(base, checkpointing=True)))
-        fits = [f"{change} ({memory_plan.gib(memory_plan.estimate(shape, setup).total)})"
-                for change, setup in tries if memory_plan.estimate(shape, setup).total <= budget]
+        totals = [(change, memory_plan.estimate(shape, setup).total) for change, setup in tries]
+        fits = [f"{change} ({memory_plan.gib(total)})" for change, total in totals if total <= budget]
         if not fits:
             return "No single change of micro batch, sequence length, nodes, ZeRO stage or method fits: combine them"
         return "Each of these would fit: " + "; ".join(fits)

@@ -168,6 +168,14 @@ class TrainingSpec(Strict):
                                                     "on on GPUs, off on CPUs and under ZeRO-3")
     max_grad_norm: Annotated[float, Field(gt=0)] = 1.0
 
+    def compiled(self, on_gpu: bool) -> bool:
+        """training.compile as given; left open, on for GPUs (measured to help there:
+        benchmarks/GPU.md), off on CPUs (the lab's small models pay its compile time and gain little);
+        never under ZeRO-3 (the schema refuses compile: true with an explicit ZeRO-3)."""
+        if self.zero_stage == 3:
+            return False
+        return self.compile if self.compile is not None else on_gpu
+
     @model_validator(mode="after")
     def steps_or_epochs(self) -> TrainingSpec:
         if self.steps is not None and self.epochs is not None:

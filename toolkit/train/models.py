@@ -123,10 +123,3 @@ def compile_decoder_layers(model) -> int:
         layer.compile()
     return len(layers)
 
-
-def runs_compiled(training: TrainingSpec, device_type: str) -> bool:
-    """training.compile as the recipe gives it; left open, on for GPUs (measured to help there:
-    benchmarks/GPU.md), off on CPUs (the lab's small models pay its compile time and gain little)."""
-    if training.zero_stage == 3:  # the schema refuses compile: true with an explicit ZeRO-3
-        return False
-    return training.compile if training.compile is not None else device_type == "cuda"

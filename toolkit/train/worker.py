@@ -107,7 +107,7 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     from toolkit.train.evaluation import Evaluator, Ranks
     from toolkit.train.faults import Faults
     from toolkit.train.loop import Loop
-    from toolkit.train.models import resolve_model, runs_compiled, trainable_model
+    from toolkit.train.models import resolve_model, trainable_model
     from toolkit.train.objectives import objective_for
     from toolkit.train.packing import fill, pack
     from toolkit.train.publish import publish
@@ -143,7 +143,7 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     # On a GPU under ZeRO-0/1/2 the weights load straight onto the rank's device (ZeRO-3 partitions
     # them in DeepSpeed); the decoder layers are compiled where the recipe leaves it open (models.py).
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
-    compiled = runs_compiled(recipe.training, "cuda" if device is not None else "cpu")
+    compiled = recipe.training.compiled(on_gpu=device is not None)
     model = trainable_model(model_path, recipe.method, recipe.training,
                             device if recipe.training.zero_stage != 3 else None, compiled)
     if compiled:
@@ -153,9 +153,10 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     if recipe.packed:
         examples = len(units)
         units = pack(units, recipe.data.max_seq_len)
-        per_step = recipe.training.global_batch * fill(units, recipe.data.max_seq_len) * recipe.data.max_seq_len
+        full = fill(units, recipe.data.max_seq_len)
+        per_step = recipe.training.global_batch * full * recipe.data.max_seq_len
         log(f"packed {examples} examples into {len(units)} rows of up to {recipe.data.max_seq_len} tokens "
-            f"({fill(units, recipe.data.max_seq_len):.0%} full): a step of {recipe.training.global_batch} rows "
+            f"({full:.0%} full): a step of {recipe.training.global_batch} rows "
             f"trains about {per_step:,.0f} tokens ({examples / max(1, len(units)):.1f} examples a row)")
     steps = total_steps(recipe, len(units))
     tracker.total_steps = steps
