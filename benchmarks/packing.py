@@ -7,8 +7,9 @@ Both arms run ft's own pieces on the CPU: examples in a shuffled order, ft's col
 --micro examples, padded to the longest. Packed: the same examples packed into rows of max_seq_len,
 micro batches of as many rows. Counted: the tokens that are not padding. The arms alternate, --rounds
 times, each for --steps steps after one warm-up step; the ratio is of the medians. For each micro batch
-size the table also gives the most packing could gain there: padded fill -> packed fill (a padded
-micro batch of two wastes a third of its tokens, one of eight about two thirds).
+size the table also gives what removing the padding alone would gain there: packed fill / padded fill (a
+padded micro batch of two wastes a third of its tokens, one of eight about two thirds); measured ratios
+can pass it, since a padded batch's cost per token also varies with its length.
 
     python benchmarks/packing.py [--max-len 512] [--micro 2,4,8] [--steps 6] [--rounds 3]
 """
@@ -79,8 +80,8 @@ def run_arm(model, optimizer, batches: list[list[Example]], start: int, steps: i
 
 
 def compare(model, optimizer, examples: list[Example], lengths: list[int], micro: int, args) -> dict:
-    """Padded against packed at one micro batch size: the median rates over the rounds, and the most
-    packing could gain here: the padded batches' share of padding (packed rows are ~full)."""
+    """Padded against packed at one micro batch size: the median rates over the rounds, and what
+    removing the padding alone would gain (packed fill / padded fill)."""
     order = list(range(len(examples)))
     random.Random(3).shuffle(order)  # as ft's batch_indices: a shuffled epoch
     padded = [[examples[i] for i in order[k:k + micro]] for k in range(0, len(order), micro)]
