@@ -100,7 +100,7 @@ def compare(model, optimizer, examples: list[Example], lengths: list[int], micro
     result = {"micro": micro, "padded_fill": round(padded_fill, 3), "packed_fill": round(fill(rows, args.max_len), 3),
               "padded_tokens_per_s": round(padded_rate, 1), "packed_tokens_per_s": round(packed_rate, 1),
               "ratio": round(packed_rate / padded_rate, 2),
-              "padding_bound": round(fill(rows, args.max_len) / padded_fill, 2)}
+              "padding_ratio": round(fill(rows, args.max_len) / padded_fill, 2)}
     print(json.dumps(result), flush=True)
     return result
 
@@ -130,10 +130,10 @@ def main() -> None:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     results = [compare(model, optimizer, examples, lengths, int(micro), args) for micro in args.micro.split(",")]
     print(f"\ntrained tokens/s, median of {args.rounds} rounds of {args.steps} steps (target: packed >= 2x padded)")
-    print(f"{'micro batch':>11} {'padded fill':>11} {'padded':>9} {'packed':>9} {'ratio':>6} {'padding bound':>13}")
+    print(f"{'micro batch':>11} {'padded fill':>11} {'padded':>9} {'packed':>9} {'ratio':>6} {'padding ratio':>13}")
     for r in results:
         print(f"{r['micro']:>11} {r['padded_fill']:>11.0%} {r['padded_tokens_per_s']:>9,.0f} "
-              f"{r['packed_tokens_per_s']:>9,.0f} {r['ratio']:>5.2f}x {r['padding_bound']:>12.2f}x")
+              f"{r['packed_tokens_per_s']:>9,.0f} {r['ratio']:>5.2f}x {r['padding_ratio']:>12.2f}x")
 
 
 if __name__ == "__main__":
