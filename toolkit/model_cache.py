@@ -150,12 +150,15 @@ def copy_to_local(source: Path, local: Path, log: Callable[[str], None]) -> Path
         return source
 
 
-def fetch_from_store(name: str, models_url: str, tier: Path, log: Callable[[str], None]) -> Path | None:
+def fetch_from_store(name: str, models_url: str, tier: Path, log: Callable[[str], None],
+                     shared_root: str) -> Path | None:
     """Bring a model from the object store into a tier (the shared one: once per cluster; the first
     node to ask downloads it, verified, while the others wait on the lock and then find it whole).
-    None when the store does not have it."""
+    Its manifest must be the one its pusher's record names (toolkit/model_records.py). None when the
+    store does not have it."""
     import fsspec
 
+    from toolkit import model_records
     from toolkit.checkpoint.remote import RemoteProblem, get_folder
 
     filesystem, base = fsspec.core.url_to_fs(f"{models_url.rstrip('/')}/{name}")
@@ -168,11 +171,12 @@ def fetch_from_store(name: str, models_url: str, tier: Path, log: Callable[[str]
         started = time.monotonic()
         staging = staging_path(target, "download")
         try:
-            described = get_folder(filesystem, base, staging)
+            described = get_folder(filesystem, base, staging,
+                                   vouch=lambda raw: model_records.check(shared_root, name, raw))
         except RemoteProblem as exc:
             if "has no manifest" in str(exc):
                 return None
-            raise ModelFolderBroken(f"model {name} in {models_url} is not whole: {exc}") from None
+            raise ModelFolderBroken(f"model {name} in {models_url} cannot be used: {exc}") from None
         problems = model_folder_problems(staging)
         if problems:
             discard(staging)
@@ -202,7 +206,7 @@ def find_model(name: str, shared_root: str, models_url: str, log: Callable[[str]
         looked.append(f"{models_url.rstrip('/')}/{name}")
         # Into the shared tier (once per cluster) where this user may write there, else this node's.
         into = shared if trusted_owner_dir(shared) and writable(shared) else local if trusted_owner_dir(local) else None
-        fetched = fetch_from_store(name, models_url, into, log) if into else None
+        fetched = fetch_from_store(name, models_url, into, log, shared_root) if into else None
         if fetched is not None:
             return (copy_to_local(fetched, local, log) if into == shared else fetched), looked
     return None, looked
@@ -220,20 +224,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 TOKENIZER_WAIT_S = 30.0  # a login-side check never waits longer on the object store
 
 
-def fetch_tokenizer(name: str, models_url: str, cache: Path) -> Path | None:
+def fetch_tokenizer(name: str, models_url: str, cache: Path, shared_root: str) -> Path | None:
     """The tokenizer files of a model the object store holds (not its weights), into `cache` (the
-    user's own), each verified against the model's manifest: what validation needs on the login node
-    to count tokens. None when the store has no such model, or does not answer in time."""
+    user's own), each verified against the model's manifest, and the manifest against its pusher's
+    record: what validation needs on the login node to count tokens. None when the store has no such
+    model, or does not answer in time."""
     from toolkit.data.object_store import within
 
-    answer = within(lambda: _fetch_tokenizer(name, models_url, cache), TOKENIZER_WAIT_S)
+    answer = within(lambda: _fetch_tokenizer(name, models_url, cache, shared_root), TOKENIZER_WAIT_S)
     return answer.value if answer.in_time and not answer.error else None
 
 
-def _fetch_tokenizer(name: str, models_url: str, cache: Path) -> Path | None:
-    """The store's trouble (no such model, credentials, the endpoint) raises: `within` makes it None."""
+def _fetch_tokenizer(name: str, models_url: str, cache: Path, shared_root: str) -> Path | None:
+    """The store's trouble (no such model, no record, credentials, the endpoint) raises: `within`
+    makes it None."""
     import fsspec
 
+    from toolkit import model_records
     from toolkit.checkpoint.remote import read_manifest
     from toolkit.digests import sha256_file
 
@@ -241,7 +248,7 @@ def _fetch_tokenizer(name: str, models_url: str, cache: Path) -> Path | None:
     if (target / "tokenizer.json").is_file():
         return target
     filesystem, base = fsspec.core.url_to_fs(f"{models_url.rstrip('/')}/{name}")
-    described = read_manifest(filesystem, base)
+    described = read_manifest(filesystem, base, lambda raw: model_records.check(shared_root, name, raw))
     staging = staging_path(target, "download")
     staging.mkdir(parents=True)
     try:

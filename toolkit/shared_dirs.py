@@ -129,14 +129,26 @@ def unusable_root(root: Path) -> str | None:
 def user_cache(shared_root: str) -> Path:
     """This user's cache (tokenized data, compiled ops, the tiny model): <shared root>/cache/uid-N
     on a shared filesystem; ~/ft/cache, private, without one."""
+    return user_place(shared_root, "cache")
+
+
+def user_keys(shared_root: str) -> Path:
+    """This user's keys (the checkpoint seal): <shared root>/keys/uid-N, or ~/ft/keys; never a cache
+    (clearing one must not turn the user's own checkpoints into foreign ones)."""
+    return user_place(shared_root, "keys")
+
+
+def user_place(shared_root: str, name: str) -> Path:
+    """This user's private folder `name` on the shared root, which the login node and every compute
+    node see; ~/ft/<name> where the cluster has none."""
     if not shared_root:
-        return private_dir(private_dir(shared_root_path("")) / "cache")
+        return private_dir(private_dir(shared_root_path("")) / name)
     root = shared_root_path(shared_root)
     if not root.is_dir():
         raise SharedFolderError(f"the shared root {root} does not exist",
                                 hint="ask the cluster's admins to create it (`ft lab up` makes the lab's), or fix "
                                      "shared_root in the cluster profile")
-    return user_folder(require_trusted(root), "cache")
+    return user_folder(require_trusted(root), name)
 
 
 _said: set[Path] = set()

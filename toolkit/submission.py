@@ -147,6 +147,19 @@ def require_training_environment(resolved: ResolvedRecipe) -> None:
             raise SubmitError(f"cluster {resolved.profile.name}: {finding.detail}", hint=finding.fix)
 
 
+def require_checkpoint_key(resolved: ResolvedRecipe) -> None:
+    """The user's checkpoint key (toolkit/checkpoint/seal.py), made here where there is none: a key
+    folder another user took is refused before anything is queued, not found by rank 0 later."""
+    from toolkit.checkpoint.seal import key_path, load_or_make_key
+
+    try:
+        load_or_make_key(key_path(resolved.profile.shared_root))
+    except (OSError, ValueError) as exc:
+        raise FtError(f"your checkpoint key cannot be read or made: {exc}",
+                      hint="it proves which checkpoints are yours; ask the cluster's admins to remove what is "
+                           "in its place") from None
+
+
 def store_for(resolved: ResolvedRecipe) -> RunStore:
     return RunStore.for_shared_root(resolved.profile.shared_root)
 
@@ -170,6 +183,7 @@ def submit(recipe_path: Path, cluster: str | None = None, idempotency_key: str |
         resolved = resolved.with_tier(plan["chosen"]["tier"])
     require_training_environment(resolved)
     store = store_for(resolved)
+    require_checkpoint_key(resolved)
 
     def new_run(key: str | None) -> Submission:
         from toolkit.account import quota

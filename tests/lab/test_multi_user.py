@@ -1,21 +1,28 @@
 """Two real accounts on the lab (ftlab-alice, ftlab-bob, made by `ft lab up`), through ft as each
 would use it: bob can neither read alice's run nor put code or data in her job. Before alice's first
-run, bob makes the folders ft would keep her files in (their names are predictable) and fills them;
-her run completes without reading any of it, and says why."""
+run, bob makes the folders ft would keep her files in (their names are predictable) and fills them,
+and a checkpoint is planted in her mirror by an identity that may write there (a site's one shared
+instance role); her run completes without reading any of it, and says why. In the object store each
+account has its own identity, scoped to its own checkpoints."""
 
 from __future__ import annotations
 
 import json
 import os
 import pwd
+import shlex
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
+from tests.support.s3 import filesystem
 from tests.support.slurm import wait_for
+from tests.support.training import tiny_recipe
+from toolkit.checkpoint import manifest
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny-lora-sft.yaml"
@@ -24,11 +31,12 @@ ALICE, BOB = "ftlab-alice", "ftlab-bob"
 pytest.importorskip("deepspeed", reason="the training stack (ft[train]) is not installed")
 
 
-def as_user(user: str, *argv: str, timeout: float = 180) -> subprocess.CompletedProcess:
+def as_user(user: str, *argv: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
     account = pwd.getpwnam(user)
     env = {"PATH": os.environ["PATH"], "HOME": account.pw_dir, "USER": user, "LOGNAME": user, "LANG": "C.UTF-8",
            "AWS_ENDPOINT_URL": os.environ.get("AWS_ENDPOINT_URL", "http://127.0.0.1:8333"), "HF_HUB_OFFLINE": "1",
-           **({"FT_SITE_PROFILE": os.environ["FT_SITE_PROFILE"]} if "FT_SITE_PROFILE" in os.environ else {})}
+           **({"FT_SITE_PROFILE": os.environ["FT_SITE_PROFILE"]} if "FT_SITE_PROFILE" in os.environ else {}),
+           **(env or {})}
     return subprocess.run(["runuser", "-u", user, "--", *argv], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=REPO)
 
@@ -36,8 +44,15 @@ def as_user(user: str, *argv: str, timeout: float = 180) -> subprocess.Completed
 USERS_PYTHON: list[str] = []  # set by the accounts fixture
 
 
-def ft_as(user: str, *args: str) -> subprocess.CompletedProcess:
-    return as_user(user, *USERS_PYTHON, "-m", "toolkit", *args)
+def ft_as(user: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return as_user(user, *USERS_PYTHON, "-m", "toolkit", *args, env=env)
+
+
+def lab_env(user: str) -> dict[str, str]:
+    """What `eval "$(ft lab env)"` gives the user's shell."""
+    printed = ft_as(user, "lab", "env")
+    assert printed.returncode == 0, printed.stderr
+    return dict(shlex.split(line.removeprefix("export "))[0].split("=", 1) for line in printed.stdout.splitlines())
 
 
 def users_python(folder: Path) -> Path:
@@ -93,9 +108,36 @@ def squatted(lab, accounts):
         shutil.rmtree(place, ignore_errors=True)
 
 
+PLANTED = "step-99999999"
+
+
 @pytest.fixture(scope="module")
-def alice_run(squatted) -> dict:
-    result = ft_as(ALICE, "submit", "--json", str(TINY))
+def planted_mirror(lab, accounts) -> str:
+    """Alice's mirror (under her own place), holding a whole checkpoint at a far newer step than she
+    will ever reach, uploaded there by the lab's admin identity: what anyone holding a site's one
+    shared instance role could do. Its lineage is empty, as in the review's attack."""
+    mirror = f"s3://ft-checkpoints/users/{ALICE}/tests/{uuid.uuid4().hex[:12]}"
+    store = filesystem(lab.object_store.env)
+    weights = b"bob's weights"
+    planted = manifest.Manifest(manifest.step_of(PLANTED), {"mp_rank_00_model_states.pt": manifest.FileEntry(
+        len(weights), __import__("hashlib").sha256(weights).hexdigest())}, lineage="")
+    base = f"{mirror.removeprefix('s3://')}/{PLANTED}"
+    store.pipe_file(f"{base}/mp_rank_00_model_states.pt", weights)
+    store.pipe_file(f"{base}/{manifest.MANIFEST}", planted.to_json().encode())
+    yield mirror
+    store.rm(mirror.removeprefix("s3://"), recursive=True)
+
+
+@pytest.fixture(scope="module")
+def alice_run(lab, squatted, planted_mirror) -> dict:
+    folder = Path(lab.shared_dir) / "tests" / f"alice-recipe-{os.getpid()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    document = tiny_recipe()
+    document["checkpoint"]["s3_mirror"] = planted_mirror
+    path = folder / "tiny-lora-sft.yaml"
+    path.write_text(__import__("yaml").safe_dump(document))
+    subprocess.run(["chmod", "-R", "a+rX", str(folder)], check=True)
+    result = ft_as(ALICE, "submit", "--json", str(path), env=lab_env(ALICE))
     assert result.returncode == 0, result.stdout + result.stderr
     run = json.loads(result.stdout)
 
@@ -105,7 +147,8 @@ def alice_run(squatted) -> dict:
 
     state = wait_for(f"alice's run {run['run_id']}", finished, timeout=420, interval=3)
     assert state == "COMPLETED", ft_as(ALICE, "logs", run["run_id"], "--rank", "0").stdout[-3000:]
-    return run
+    yield run
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_alice_run_is_private_to_her(alice_run, accounts):
@@ -176,3 +219,90 @@ def test_a_user_without_root_validates_with_a_private_cache_of_their_own(lab, ac
     cache = Path(lab.shared_dir) / "cache" / f"uid-{accounts[BOB].pw_uid}"
     assert cache.stat().st_uid == accounts[BOB].pw_uid and cache.stat().st_mode & 0o777 == 0o700
     assert any((cache / "tokenized").iterdir())
+
+
+def test_a_checkpoint_planted_in_alices_mirror_is_never_resumed_from_nor_counted(alice_run, planted_mirror, lab):
+    rank0 = ft_as(ALICE, "logs", alice_run["run_id"], "--rank", "0").stdout
+    assert f"checkpoint {PLANTED} in the object store ({planted_mirror}) is unusable" in rank0, rank0[-3000:]
+    assert "names no lineage" in rank0 and "resumed from checkpoint" not in rank0
+    store = filesystem(lab.object_store.env)
+    tags = sorted(path.rsplit("/", 1)[-1] for path in store.ls(planted_mirror.removeprefix("s3://")))
+    assert tags == ["step-00000100", "step-00000120", PLANTED]  # keep_last 2 of hers; the planted one not hers to prune
+    for tag in tags[:2]:  # hers are sealed with her key, which bob cannot read
+        sealed = manifest.Manifest.from_json(store.cat_file(f"{planted_mirror.removeprefix('s3://')}/{tag}/manifest.json"))
+        assert sealed.seal and sealed.lineage
+    key = Path(lab.shared_dir) / "keys" / f"uid-{pwd.getpwnam(ALICE).pw_uid}" / "checkpoint-seal.key"
+    assert as_user(BOB, "cat", str(key)).returncode != 0
+
+
+def test_each_account_has_its_own_object_store_identity_scoped_to_its_own_checkpoints(lab, accounts):
+    alice_env, bob_env = lab_env(ALICE), lab_env(BOB)
+    assert (alice_env["AWS_ACCESS_KEY_ID"], bob_env["AWS_ACCESS_KEY_ID"]) == (ALICE, BOB)
+    assert alice_env["AWS_SECRET_ACCESS_KEY"] != bob_env["AWS_SECRET_ACCESS_KEY"]
+    stolen = as_user(BOB, "cat", str(Path(lab.object_store.credentials_dir) / f"{ALICE}.json"))
+    assert stolen.returncode != 0 and "Permission denied" in stolen.stderr
+    alice, bob = filesystem(alice_env), filesystem(bob_env)
+    hers = f"ft-checkpoints/users/{ALICE}/tests/{uuid.uuid4().hex[:12]}"
+    alice.pipe_file(f"{hers}/step-00000010/manifest.json", b"{}")
+    try:
+        attempts = {"read": lambda: bob.cat_file(f"{hers}/step-00000010/manifest.json"),
+                    "list": lambda: bob.find(f"ft-checkpoints/users/{ALICE}"),
+                    "plant": lambda: bob.pipe_file(f"{hers}/{PLANTED}/manifest.json", b"{}"),
+                    "delete": lambda: bob.call_s3("delete_object", Bucket="ft-checkpoints",
+                                                  Key=f"{hers.split('/', 1)[1]}/step-00000010/manifest.json"),
+                    "replace a model": lambda: bob.pipe_file("ft-models/tiny-llama/config.json", b"{}")}
+        for name, attempt in attempts.items():
+            with pytest.raises(PermissionError):
+                attempt()
+                pytest.fail(f"bob could {name}")
+        bob.pipe_file(f"ft-checkpoints/users/{BOB}/tests/own/x", b"his own place")  # his own place is his
+        bob.rm(f"ft-checkpoints/users/{BOB}/tests/own", recursive=True)
+        assert alice.cat_file(f"{hers}/step-00000010/manifest.json") == b"{}"
+    finally:
+        alice.rm(hers, recursive=True)
+
+
+def test_a_checkpoint_key_folder_taken_by_another_user_refuses_the_submit_with_nothing_queued(lab, accounts):
+    """bob's key folder made first by alice (names are predictable): bob's submit says so, and queues
+    nothing; his jobs never seal with a key someone else could read."""
+    place = Path(lab.shared_dir) / "keys" / f"uid-{accounts[BOB].pw_uid}"
+    shutil.rmtree(place, ignore_errors=True)
+    made = as_user(ALICE, "mkdir", "-p", "-m", "0777", str(place))
+    assert made.returncode == 0, made.stderr
+    try:
+        result = ft_as(BOB, "submit", str(TINY))
+        output = result.stdout + result.stderr
+        assert result.returncode != 0 and "Traceback" not in output
+        assert f"{place} is a folder of user {ALICE}" in output
+        queued = subprocess.run(["squeue", "--noheader", "-u", BOB, "-o", "%i"], capture_output=True, text=True)
+        assert queued.stdout.strip() == ""
+    finally:
+        shutil.rmtree(place, ignore_errors=True)
+
+
+def test_bob_cannot_push_over_a_model_another_account_pushed_and_nothing_reaches_the_store(lab, accounts):
+    """A model pushed by root (an admin) under a name: bob's push of the same name is refused by its
+    record before any upload (on a site with one shared role S3 would have taken it; the lab's own
+    per-user identities refuse bob the models bucket too)."""
+    from tests.support.training import ft
+    from toolkit.train.tiny import ensure_tiny_llama
+
+    name = f"lab-tests/owned-{uuid.uuid4().hex[:8]}"
+    folder = Path(lab.shared_dir) / "tests" / f"pushed-model-{os.getpid()}"  # where bob may read it too
+    model = ensure_tiny_llama(folder)
+    pushed = ft("model", "push", str(model), "--name", name, env=lab.object_store.env)
+    assert pushed.returncode == 0, pushed.stderr
+    entry = name.replace("/", "--")
+    store = filesystem(lab.object_store.env)
+    before = store.cat_file(f"ft-models/{entry}/manifest.json")
+    subprocess.run(["chmod", "-R", "a+rX", str(folder)], check=True)
+    try:
+        refused = ft_as(BOB, "model", "push", str(model), "--name", name, env=lab_env(BOB))
+        output = refused.stdout + refused.stderr
+        assert refused.returncode != 0 and "Traceback" not in output
+        assert f"model {entry} was pushed by user root" in output
+        assert store.cat_file(f"ft-models/{entry}/manifest.json") == before
+    finally:
+        store.rm(f"ft-models/{entry}", recursive=True)
+        (Path(lab.shared_dir) / "model-store" / f"{entry}.json").unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)

@@ -180,9 +180,11 @@ def test_a_store_that_is_down_costs_training_nothing_and_the_mirror_catches_up(t
     assert any("failed" in line and "retrying in" in line for line in logged)
 
 
-def test_the_mirror_of_a_run():
+def test_the_mirror_of_a_run_is_under_the_users_own_place():
+    import getpass
+
     assert mirror_url("s3://bucket/mine/", "s3://site/ft", "run-1") == "s3://bucket/mine"
-    assert mirror_url(None, "s3://site/ft/", "run-1") == "s3://site/ft/runs/run-1/checkpoints"
+    assert mirror_url(None, "s3://site/ft/", "run-1") == f"s3://site/ft/users/{getpass.getuser()}/runs/run-1/checkpoints"
     assert mirror_url(None, "", "run-1") is None
 
 
@@ -213,7 +215,8 @@ def test_submit_warns_when_the_mirror_will_find_no_credentials(tmp_path, monkeyp
         monkeypatch.delenv(name, raising=False)
     resolved = resolve(TINY, "lab")
     (warning,) = mirror_warnings(resolved, "run-1")
-    assert "s3://ft-checkpoints/runs/run-1/checkpoints" in warning and 'eval "$(ft lab env)"' in warning
+    own = f"s3://ft-checkpoints/users/{__import__('getpass').getuser()}"
+    assert f"{own}/runs/run-1/checkpoints" in warning and 'eval "$(ft lab env)"' in warning
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "lab-key")
     assert mirror_warnings(resolved, "run-1") == []
 

@@ -1,7 +1,8 @@
 """The object store's model tier, against a real S3 server (SeaweedFS on loopback): a model pushed
 with `ft model push` is fetched once per cluster however many nodes ask at once (real processes,
-real locks), copied once per node, verified against its manifest; a corrupt object is refused and
-leaves nothing behind."""
+real locks), copied once per node, verified against its manifest, and the manifest against the
+pusher's record on the shared filesystem; a corrupt object, or a model replaced in the bucket by
+whoever can write it, is refused and leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -42,10 +43,17 @@ def s3_env(store, monkeypatch) -> dict[str, str]:
     return server.env
 
 
+def shared_root(tmp_path: Path) -> str:
+    """The test's shared filesystem: where the model cache and the pushers' records are."""
+    (tmp_path / "shared-root").mkdir(exist_ok=True)
+    return str(tmp_path / "shared-root")
+
+
 def push(tmp_path: Path, env: dict[str, str], folder: Path, name: str) -> subprocess.CompletedProcess:
     """`ft model push`, as an admin runs it, to a profile that names the test store's bucket."""
     clusters = tmp_path / "clusters.yaml"
-    clusters.write_text(yaml.safe_dump({"site": {"extends": "lab", "s3_models": f"s3://{BUCKET}"}}))
+    clusters.write_text(yaml.safe_dump({"site": {"extends": "lab", "s3_models": f"s3://{BUCKET}",
+                                                 "shared_root": shared_root(tmp_path)}}))
     return subprocess.run([sys.executable, "-m", "toolkit", "model", "push", str(folder), "--name", name,
                            "--cluster", "site"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, **env, "FT_CLUSTERS_FILE": str(clusters)})
@@ -56,7 +64,7 @@ def test_a_pushed_model_is_fetched_once_however_many_nodes_ask_at_once(tmp_path,
     pushed = push(tmp_path, s3_env, source, "org/shared-model@v1")
     assert pushed.returncode == 0, pushed.stderr
     assert f"s3://{BUCKET}/org--shared-model@v1" in pushed.stdout and "model.base: org/shared-model" in pushed.stdout
-    shared_root = tmp_path / "shared-root"
+    shared_root = Path(globals()["shared_root"](tmp_path))
     # Four "nodes" at once, each with its own node-local disk, one shared filesystem between them.
     node = textwrap.dedent(f"""
         import sys
@@ -118,10 +126,60 @@ def test_validation_gets_the_tokenizer_alone_from_the_store_verified(tmp_path, s
     source = write_model_folder(tmp_path / "source")
     assert push(tmp_path, s3_env, source, "org/tok").returncode == 0
     cache = tmp_path / "user-cache"
-    folder = fetch_tokenizer("org--tok", f"s3://{BUCKET}", cache)
+    folder = fetch_tokenizer("org--tok", f"s3://{BUCKET}", cache, shared_root(tmp_path))
     assert folder == cache / "tokenizers" / "org--tok"
     assert (folder / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
     assert not (folder / "model.safetensors").exists()  # the weights stay in the store
     fs.pipe_file(f"{BUCKET}/org--tok/tokenizer.json", b'{"model": {"type": "planted"}}')  # changed after push
-    assert fetch_tokenizer("org--tok", f"s3://{BUCKET}", tmp_path / "other-cache") is None
-    assert fetch_tokenizer("org--absent", f"s3://{BUCKET}", tmp_path / "other-cache") is None
+    assert fetch_tokenizer("org--tok", f"s3://{BUCKET}", tmp_path / "other-cache", shared_root(tmp_path)) is None
+    assert fetch_tokenizer("org--absent", f"s3://{BUCKET}", tmp_path / "other-cache", shared_root(tmp_path)) is None
+
+
+def replace_in_bucket(fs, name: str, folder: Path) -> None:
+    """What anyone who can write the bucket (a site's one shared role) can do: a whole, self-consistent
+    model of their own under another's name, its manifest naming its own files."""
+    from toolkit.checkpoint import manifest
+    from toolkit.checkpoint.remote import put_folder
+
+    put_folder(fs, folder, manifest.describe(folder, 0, ""), f"{BUCKET}/{name}")
+
+
+def test_a_model_replaced_in_the_bucket_after_its_push_is_refused_by_jobs_and_validation(tmp_path, s3_env, store,
+                                                                                      monkeypatch):
+    from toolkit.model_cache import fetch_tokenizer
+
+    _, fs = store
+    assert push(tmp_path, s3_env, write_model_folder(tmp_path / "source"), "org/victim").returncode == 0
+    planted = write_model_folder(tmp_path / "planted")
+    (planted / "tokenizer.json").write_text('{"model": {"type": "planted"}}')
+    replace_in_bucket(fs, "org--victim", planted)
+    monkeypatch.setenv("FT_MODEL_CACHE_LOCAL", str(tmp_path / "local"))
+    with pytest.raises(ModelFolderBroken, match="is not the one user root .* pushed"):
+        find_model("org--victim", shared_root(tmp_path), f"s3://{BUCKET}", print)
+    assert not (Path(shared_root(tmp_path)) / "models" / "org--victim").exists()
+    assert fetch_tokenizer("org--victim", f"s3://{BUCKET}", tmp_path / "cache", shared_root(tmp_path)) is None
+    # Pushed again by its owner: taken again.
+    assert push(tmp_path, s3_env, write_model_folder(tmp_path / "source"), "org/victim").returncode == 0
+    path, _ = find_model("org--victim", shared_root(tmp_path), f"s3://{BUCKET}", print)
+    assert path is not None and (path / "tokenizer.json").read_text() != '{"model": {"type": "planted"}}'
+
+
+def test_a_model_in_the_bucket_that_nobody_pushed_through_ft_is_refused_naming_the_fix(tmp_path, s3_env, store,
+                                                                                     monkeypatch):
+    _, fs = store
+    replace_in_bucket(fs, "org--unrecorded", write_model_folder(tmp_path / "planted"))
+    monkeypatch.setenv("FT_MODEL_CACHE_LOCAL", str(tmp_path / "local"))
+    with pytest.raises(ModelFolderBroken, match="nobody pushed it through ft here .*`ft model push`"):
+        find_model("org--unrecorded", shared_root(tmp_path), f"s3://{BUCKET}", print)
+
+
+def test_a_record_folder_another_user_owns_is_not_trusted(tmp_path):
+    from toolkit import model_records
+
+    records = Path(shared_root(tmp_path)) / model_records.RECORDS
+    records.mkdir(mode=0o777)
+    os.chmod(records, 0o777)
+    if os.getuid() == 0:
+        os.chown(records, 65534, 65534)
+    problem = model_records.check(shared_root(tmp_path), "org--x", b"{}")
+    assert problem and "cannot be trusted" in problem

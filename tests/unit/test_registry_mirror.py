@@ -154,3 +154,22 @@ def test_the_mirror_lives_under_the_clusters_s3_prefix(tmp_path):
     (tmp_path / "shared").mkdir()
     with pytest.raises(UsageError, match="has no mirror"):
         Registry.for_shared_root(str(tmp_path / "shared")).sync()
+
+
+@pytest.mark.parametrize("altered", ["adapter/adapter_model.safetensors", "version.json", "serving.json"])
+def test_sync_repairs_a_version_changed_in_the_store_by_whoever_can_write_it(tmp_path, url, altered):
+    """Every user's jobs may write the registry's prefix: a planted adapter of the same size, or an
+    edited record, is found by the next sync and replaced by the registered one."""
+    registry, _ = make(tmp_path, url)
+    version = registry.register(write_adapter(tmp_path / "adapter"), record())
+    key = f"{url.removeprefix('memory:/')}/versions/{version.id}/{altered}"
+    memory = MemoryFileSystem()
+    original = memory.cat_file(key)
+    memory.pipe_file(key, bytes(reversed(original)))  # same size, other bytes
+    report = registry.sync()
+    assert (report.versions, report.problems) == ([version.id], [])
+    objects = mirrored(url)
+    for name, content in objects.items():
+        if name.startswith(f"versions/{version.id}/"):
+            assert content == (registry.layout.root / name).read_bytes(), name
+    assert registry.sync().versions == []  # whole again: nothing more to do

@@ -51,6 +51,7 @@ class Manifest:
     step: int
     files: dict[str, FileEntry]
     lineage: str = ""  # empty in checkpoints written before lineages were recorded
+    seal: str = ""  # the owner's HMAC over the rest (toolkit/checkpoint/seal.py); empty: not sealed
 
     @property
     def tag(self) -> str:
@@ -60,9 +61,16 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(entry.bytes for entry in self.files.values())
 
-    def to_json(self) -> str:
+    def _fields(self) -> dict:
         files = {name: {"bytes": e.bytes, "sha256": e.sha256} for name, e in sorted(self.files.items())}
-        return json.dumps({"step": self.step, "lineage": self.lineage, "files": files}, indent=1) + "\n"
+        return {"step": self.step, "lineage": self.lineage, "files": files}
+
+    def signed_bytes(self) -> bytes:
+        """What a seal covers: every field but the seal, in one canonical form."""
+        return json.dumps(self._fields(), sort_keys=True, separators=(",", ":")).encode()
+
+    def to_json(self) -> str:
+        return json.dumps(self._fields() | ({"seal": self.seal} if self.seal else {}), indent=1) + "\n"
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:
@@ -88,7 +96,10 @@ class Manifest:
         lineage = raw.get("lineage", "")
         if not isinstance(lineage, str):
             raise ValueError("the manifest's lineage is not a string")
-        return cls(raw["step"], files, lineage)
+        seal = raw.get("seal", "")
+        if not isinstance(seal, str) or (seal and not re.fullmatch(r"[0-9a-f]{64}", seal)):
+            raise ValueError("the manifest's seal is not a sha256 HMAC in lowercase hex")
+        return cls(raw["step"], files, lineage, seal)
 
 
 def safe_name(name: str) -> bool:

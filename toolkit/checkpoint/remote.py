@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.checkpoint import manifest
 from toolkit.checkpoint.manifest import MANIFEST, Manifest, is_tag, step_of
+from toolkit.checkpoint.seal import Sealer
 
 
 class RemoteProblem(Exception):
@@ -33,6 +35,8 @@ class RemoteTier:
     url: str
     keep_last: int
     filesystem: object = field(default=None, repr=False)
+    # Only checkpoints sealed with the user's key are taken, or counted when pruning (None: any).
+    sealer: Sealer | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -73,19 +77,31 @@ class RemoteTier:
         """Fetch a checkpoint into `destination` (a new folder) and verify it against its manifest."""
         if self.manifest(tag).step != step_of(tag):
             raise RemoteProblem(f"{tag}'s manifest is of another step")
-        return get_folder(self.filesystem, self._path(tag), destination, lineage)
+        return get_folder(self.filesystem, self._path(tag), destination, lineage, self.sealer)
+
+    def owned(self, tag: str) -> bool:
+        """Whether a whole checkpoint here is sealed with the user's key (always, with no sealer)."""
+        if self.sealer is None:
+            return True
+        try:
+            return self.sealer.problem(self.manifest(tag)) is None
+        except RemoteProblem:
+            return False
 
     def prune(self) -> None:
         """Keep the newest keep_last checkpoints; remove older ones, manifest first (so a reader
         never takes a checkpoint whose files are going)."""
         fs = self.filesystem
-        whole = self.tags()
+        # Only the user's own count: a planted newer tag must not push their checkpoints out, and
+        # what is not theirs is not theirs to remove either.
+        listed = self.tags()
+        whole = [tag for tag in listed if self.owned(tag)]
         if not whole:
             return
         kept, oldest_kept = set(whole[:self.keep_last]), step_of(whole[:self.keep_last][-1])
         # Older tags go, and partial ones older than what is kept (a newer partial one may be uploading).
         for tag in self._all_tags():
-            if tag in kept or step_of(tag) > oldest_kept:
+            if tag in kept or step_of(tag) > oldest_kept or (tag in listed and tag not in whole):
                 continue
             if tag in whole:
                 fs.rm(self._path(tag, MANIFEST))
@@ -102,12 +118,18 @@ class RemoteTier:
         return len(uploads)
 
 
-def read_manifest(fs, base: str) -> Manifest:
-    """The manifest of the folder at `base` (bucket/key prefix); RemoteProblem when it is not whole."""
+def read_manifest(fs, base: str, vouch: Callable[[bytes], str | None] | None = None) -> Manifest:
+    """The manifest of the folder at `base` (bucket/key prefix); RemoteProblem when it is not whole,
+    or when `vouch` says why its bytes are not to be trusted (the model store's record)."""
     try:
-        return Manifest.from_json(fs.cat_file(f"{base}/{MANIFEST}"))
+        raw = fs.cat_file(f"{base}/{MANIFEST}")
     except FileNotFoundError:
         raise RemoteProblem(f"{base} has no manifest (its upload never finished)") from None
+    trouble = vouch(raw) if vouch else None
+    if trouble:
+        raise RemoteProblem(trouble)
+    try:
+        return Manifest.from_json(raw)
     except ValueError as exc:
         raise RemoteProblem(f"{base}'s manifest is unusable: {exc}") from None
 
@@ -124,11 +146,13 @@ def put_folder(fs, folder: Path, described: Manifest, base: str, keep_going=lamb
     fs.pipe_file(f"{base}/{MANIFEST}", described.to_json().encode())
 
 
-def get_folder(fs, base: str, destination: Path, lineage: str | None = None) -> Manifest:
+def get_folder(fs, base: str, destination: Path, lineage: str | None = None,
+               sealer: Sealer | None = None, vouch: Callable[[bytes], str | None] | None = None) -> Manifest:
     """Download the folder at `base` into `destination` (a new folder), verified file by file
-    against its manifest; on any problem nothing of it is left and RemoteProblem says what."""
-    described = read_manifest(fs, base)
-    trouble = manifest.lineage_problem(described, lineage)
+    against its manifest (and, with a sealer, the manifest against its seal, before any file is
+    fetched); on any problem nothing of it is left and RemoteProblem says what."""
+    described = read_manifest(fs, base, vouch)
+    trouble = manifest.lineage_problem(described, lineage) or (sealer.problem(described) if sealer else None)
     if trouble:
         raise RemoteProblem(trouble)
     destination.mkdir(parents=True)
@@ -152,12 +176,23 @@ def get_folder(fs, base: str, destination: Path, lineage: str | None = None) -> 
     return described
 
 
+def user_prefix(s3_prefix: str) -> str:
+    """The user's own place under the cluster's s3_prefix: <prefix>/users/<login>. A site with
+    per-user credentials scopes each to it (the lab does); on one with a shared role, seals keep
+    users' checkpoints apart (toolkit/checkpoint/seal.py)."""
+    import os
+
+    from toolkit.shared_dirs import login_name
+
+    return f"{s3_prefix.rstrip('/')}/users/{login_name(os.getuid()) or f'uid-{os.getuid()}'}"
+
+
 def mirror_url(explicit: str | None, s3_prefix: str, run_id: str) -> str | None:
     """Where a run's checkpoints are mirrored: the recipe's checkpoint.s3_mirror as written (every run
-    of the recipe shares it, so a resubmission anywhere continues from it), else the cluster's
-    s3_prefix with the run's id (a run of its own), else nowhere."""
+    of the recipe shares it, so a resubmission anywhere continues from it), else under the user's own
+    place in the cluster's s3_prefix, with the run's id (a run of its own), else nowhere."""
     if explicit:
         return explicit.rstrip("/")
     if s3_prefix:
-        return f"{s3_prefix.rstrip('/')}/runs/{run_id}/checkpoints"
+        return f"{user_prefix(s3_prefix)}/runs/{run_id}/checkpoints"
     return None

@@ -18,6 +18,7 @@ from pathlib import Path
 from toolkit.cache_entries import discard
 from toolkit.checkpoint import manifest
 from toolkit.checkpoint.manifest import FileEntry, Manifest, is_tag, step_of
+from toolkit.checkpoint.seal import Sealer
 
 LATEST = "latest"
 STAGING = ".staging"
@@ -51,6 +52,8 @@ class SharedTier:
     pinned: set[str] = field(default_factory=set)
     # Tags the last look found unusable: a checkpoint brought back from another tier replaces them.
     unusable: list[str] = field(default_factory=list)
+    # Seals what is published, and refuses what another user's key sealed (None: no seals).
+    sealer: Sealer | None = None
 
     def __str__(self) -> str:
         return f"the shared filesystem ({self.root})"
@@ -79,12 +82,23 @@ class SharedTier:
         """The newest checkpoint that verifies."""
         self.unusable = []
         for tag in self.tags():
-            trouble = manifest.verify(self.root / tag, lineage, step_of(tag))
+            trouble = manifest.verify(self.root / tag, lineage, step_of(tag)) or self.seal_problem(tag)
             if trouble is None:
                 return tag
             warn(f"checkpoint {tag} on {self} is unusable ({trouble}); trying the one before")
             self.unusable.append(tag)
         return None
+
+    def seal_problem(self, tag: str) -> str | None:
+        """Why a verified checkpoint here is not the user's (None: it is). A manifest with no seal is
+        taken where the user owns it: this folder is the run's own, and ft before seals wrote it."""
+        if self.sealer is None:
+            return None
+        path = self.root / tag / manifest.MANIFEST
+        described = manifest.read(self.root / tag)
+        if not described.seal and os.stat(path).st_uid == os.getuid():
+            return None
+        return self.sealer.problem(described)
 
     def prepare(self) -> None:
         """Clear what an interrupted save left behind (rank 0, before every save)."""
@@ -125,6 +139,8 @@ class SharedTier:
             size = (staged / name).stat().st_size
             if size != entry.bytes:
                 raise OSError(f"{staged / name} is {size} bytes, its writer wrote {entry.bytes}")
+        if self.sealer:
+            described = self.sealer.sealed(described)
         (staged / manifest.MANIFEST).write_text(described.to_json())
         fsync_tree(staged)
         self._install(staged, tag)

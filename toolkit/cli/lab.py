@@ -122,8 +122,8 @@ def status(as_json: bool = typer.Option(False, "--json", help="Machine-readable 
 @app.command()
 def env() -> None:
     """Print the exports that let this shell (and the jobs it submits) use the lab's object store:
-    eval "$(ft lab env)". The credentials are the lab's own, not a cloud's. W&B is offline: the
-    lab's nodes reach nothing off this machine."""
+    eval "$(ft lab env)". The credentials are the calling account's own lab identity (root's: the
+    admin), never a cloud's. W&B is offline: the lab's nodes reach nothing off this machine."""
     import shlex
 
     from toolkit.lab.manifest import LabManifest

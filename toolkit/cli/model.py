@@ -21,7 +21,9 @@ def push(
     cluster: str = typer.Option(None, "--cluster", "-c", help="Cluster profile (default: this site's)."),
 ) -> None:
     """Upload a model to the cluster's object store, files first and its manifest (sha256 of each
-    file) last: until the manifest is there no job takes it."""
+    file) last: until the manifest is there no job takes it. Then record on the shared filesystem who
+    pushed which manifest (toolkit/model_records.py): jobs take only that one, and nobody else may
+    push the same name."""
     from toolkit.checkpoint import manifest
     from toolkit.checkpoint.remote import put_folder
     from toolkit.cluster.profile import load_profile
@@ -52,7 +54,11 @@ def push(
     object_store.configure(profile.s3_endpoint)
     import fsspec
 
-    url = f"{profile.s3_models.rstrip('/')}/{entry_name(base, revision or None)}"
+    from toolkit import model_records
+
+    entry = entry_name(base, revision or None)
+    record = model_records.claim(profile.shared_root, entry)  # another user's name: refused before any upload
+    url = f"{profile.s3_models.rstrip('/')}/{entry}"
     filesystem, key = fsspec.core.url_to_fs(url)
     with task_spinner("model push") as on_task:
         on_task("hashing the files")
@@ -63,6 +69,7 @@ def push(
         except Exception as exc:  # the store's trouble: named, with where it was going
             raise FtError(f"uploading to {url} failed: {type(exc).__name__}: {exc}",
                           hint="check the object store and its credentials (AWS_* in the environment)") from None
+        model_records.write(record, entry, described.to_json().encode())  # what put_folder uploaded last
     console.print(f"pushed {len(described.files)} files, {described.total_bytes / 1e6:.0f} MB, to {plain(url)}; "
                   f"recipes use it as model.base: {plain(base)}" + (f", model.revision: {plain(revision)}"
                                                                     if revision else ""), soft_wrap=True)

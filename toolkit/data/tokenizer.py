@@ -96,17 +96,17 @@ def load_length_counter(spec: str, shared_root: str = "", models_url: str = "",
     from toolkit.model_cache import cache_dirs
 
     name = spec.replace("/", "--")
-    for cache in cache_dirs(shared_root or "/nonexistent"):
+    for tier in cache_dirs(shared_root or "/nonexistent"):
         # The model's own entry, or one of its revisions (name@revision): never another model whose
         # name merely starts the same way.
-        candidates = [cache / name, *sorted(cache.glob(f"{glob.escape(name)}@*"))] if cache.is_dir() else []
+        candidates = [tier / name, *sorted(tier.glob(f"{glob.escape(name)}@*"))] if tier.is_dir() else []
         for candidate in candidates:
             if (candidate / "tokenizer.json").is_file():
                 return _from_dir(candidate)
     if models_url and cache is not None:
         from toolkit.model_cache import fetch_tokenizer
 
-        fetched = fetch_tokenizer(name, models_url, cache)
+        fetched = fetch_tokenizer(name, models_url, cache, shared_root)
         if fetched is not None:
             return _from_dir(fetched)
     raise TokenizerNotFound(f"no tokenizer for {spec!r}: not a folder or tokenizer.json, and not in the cluster's "

@@ -8,6 +8,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from toolkit.errors import FtError
+from toolkit.shared_dirs import login_name, open_regular
+
 
 def state_dir() -> Path:
     return Path(os.environ.get("FT_LAB_STATE_DIR", "/var/lib/ft-lab"))
@@ -33,18 +36,33 @@ class LabDaemon:
 
 @dataclass(frozen=True)
 class LabObjectStore:
-    """The lab's S3 (SeaweedFS on the bridge address) and its lab-only credentials."""
+    """The lab's S3 (SeaweedFS on the bridge address). Each account has its own identity (as a site
+    with per-user credentials would): its credentials are <credentials_dir>/<login>.json, readable by
+    that account alone; root's is the lab's admin."""
 
     url: str
     buckets: dict[str, str]
-    access_key: str
-    secret_key: str
+    credentials_dir: str
 
     @property
     def env(self) -> dict[str, str]:
-        """What a shell (or a test) exports to use it; jobs inherit it from sbatch."""
-        return {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": self.access_key,
-                "AWS_SECRET_ACCESS_KEY": self.secret_key, "AWS_DEFAULT_REGION": "us-east-1"}
+        """What a shell (or a test) exports to use it as the calling account; jobs inherit it from
+        sbatch. FtError where this account has no identity in the lab."""
+        login = login_name(os.getuid()) or str(os.getuid())
+        path = Path(self.credentials_dir) / f"{login}.json"
+        try:
+            with open_regular(path) as handle:
+                credentials = json.loads(handle.read(4096))
+            access_key, secret_key = str(credentials["access_key"]), str(credentials["secret_key"])
+        except FileNotFoundError:
+            raise FtError(f"the lab's object store has no identity for {login}",
+                          hint="the lab's accounts (ft lab status) and root have one; run ft as one of them, or "
+                               "`ft lab up` again if this is one") from None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise FtError(f"cannot read your lab object-store credentials {path}: {exc}",
+                          hint="`ft lab up` writes them again") from None
+        return {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": access_key,
+                "AWS_SECRET_ACCESS_KEY": secret_key, "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 @dataclass(frozen=True)
@@ -109,8 +127,8 @@ class LabManifest:
                 for d in raw["daemons"]
             ),
             users=tuple(raw.get("users", ())),
-            object_store=LabObjectStore(store["url"], dict(store["buckets"]), store["access_key"],
-                                        store["secret_key"]) if (store := raw.get("object_store")) else None,
+            object_store=LabObjectStore(store["url"], dict(store["buckets"]), store.get("credentials_dir", ""))
+            if (store := raw.get("object_store")) else None,
             prometheus=raw.get("prometheus"),
             slices=tuple(LabSlice(int(s["index"]), tuple(s["nodes"]), dict(s["tiers"]), s["profile"])
                          for s in raw.get("slices", ())),

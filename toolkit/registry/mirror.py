@@ -3,14 +3,16 @@ filesystem (toolkit/registry/layout.py), reached the way checkpoints are (fsspec
 from AWS_ENDPOINT_URL, else the profile's s3_endpoint; credentials from the environment).
 
 The shared filesystem is the truth: the mirror is written after it, and a failed upload loses nothing
-there (`ft adapters sync` uploads what is missing). A version goes up files first and version.json
-last: a version in the mirror is whole once its record is there, and is never uploaded again (it is
-immutable). Each file is checked against the record as it goes up. A name's log and promoted.json go
-up whenever they differ from the mirror's.
+there (`ft adapters sync` uploads what is missing, and repairs what was changed in the store: every
+user's jobs may write the registry's prefix, so its copy is checked against the registry, never
+trusted). A version goes up files first and version.json last: a version in the mirror is whole once
+its record is there. Each file is checked against the record as it goes up, and on each sync as it
+is read back. A name's log and promoted.json go up whenever they differ from the mirror's.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from toolkit.registry.adapter import digest_of, read_bounded
@@ -20,6 +22,7 @@ from toolkit.registry.states import MAX_LOG_BYTES
 from toolkit.shared_dirs import open_regular
 
 MAX_RECORD_BYTES = 4 << 20  # version.json (the evaluation's result is at most 256 KiB) and serving.json
+CHUNK_BYTES = 8 << 20
 
 
 class MirrorProblem(Exception):
@@ -61,11 +64,15 @@ class RegistryMirror:
         return f"{self.filesystem._strip_protocol(self.url)}/{relative}"
 
     def push_version(self, layout: RegistryLayout, record: VersionRecord) -> bool:
-        """Upload a version unless the mirror has it whole; True when it went up now. A file of it
-        missing or unreadable here is a MirrorProblem of this version alone."""
-        done = layout.relative(layout.version_record(record.id))
-        if self.filesystem.exists(self._key(done)):
-            return False
+        """Upload a version unless the mirror has it whole and as registered; True when it went up now
+        (a version whose copy was changed in the store, by whoever can write it, goes up again: its
+        record first removed, so no reader takes it half-repaired). A file of it missing or unreadable
+        here is a MirrorProblem of this version alone."""
+        done = self._key(layout.relative(layout.version_record(record.id)))
+        if self.filesystem.exists(done):
+            if self.matches(layout, record):
+                return False
+            self.filesystem.rm(done)
         for path in [*(layout.adapter(record.id) / name for name in record.files), layout.serving(record.id),
                      layout.version_record(record.id)]:
             try:
@@ -78,6 +85,31 @@ class RegistryMirror:
             self._put(layout, layout.adapter(record.id) / name, digest)
         self._put(layout, layout.serving(record.id))
         self._put(layout, layout.version_record(record.id))
+        return True
+
+    def matches(self, layout: RegistryLayout, record: VersionRecord) -> bool:
+        """Whether the mirror's copy of a version is the registered one: its records byte for byte,
+        each adapter file by size and sha256 (read back whole: adapters are small, and a changed file
+        of the same size is found only so)."""
+        for path in (layout.version_record(record.id), layout.serving(record.id)):
+            try:
+                if self.filesystem.cat_file(self._key(layout.relative(path))) != read_bounded(path, MAX_RECORD_BYTES):
+                    return False
+            except FileNotFoundError:
+                return False
+        for name, expected in record.files.items():
+            key = self._key(layout.relative(layout.adapter(record.id) / name))
+            try:
+                if self.filesystem.info(key).get("size") != expected.bytes:
+                    return False
+                digest = hashlib.sha256()
+                with self.filesystem.open(key, "rb") as remote:
+                    while chunk := remote.read(CHUNK_BYTES):
+                        digest.update(chunk)
+            except FileNotFoundError:
+                return False
+            if digest.hexdigest() != expected.sha256:
+                return False
         return True
 
     def _put(self, layout: RegistryLayout, path: Path, expected: FileDigest | None = None) -> None:

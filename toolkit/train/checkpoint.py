@@ -17,6 +17,7 @@ from toolkit.checkpoint.cadence import DEFAULT_NODE_MTBF_HOURS, AutoCadence
 from toolkit.checkpoint.manifest import lineage_of, step_of, tag_for
 from toolkit.checkpoint.mirror import Mirror
 from toolkit.checkpoint.remote import RemoteProblem, RemoteTier, mirror_url
+from toolkit.checkpoint.seal import Sealer
 from toolkit.checkpoint.shared import SharedTier
 from toolkit.checkpoint.status import StatusBoard
 from toolkit.data.object_store import within
@@ -208,16 +209,32 @@ class Checkpointer:
             self.mirror.close(upload_wait)
 
 
+def owners_sealer(shared_root: str) -> Sealer:
+    """The run's owner's seal (toolkit/checkpoint/seal.py), from their key on the cluster's shared root.
+    A run that cannot seal stops before training: it could not tell its checkpoints from planted ones."""
+    from toolkit.errors import FtError
+    from toolkit.train.loop import RunEnds
+    from toolkit.watch import exits
+
+    try:
+        return Sealer.for_shared_root(shared_root)
+    except (OSError, ValueError, FtError) as exc:
+        raise RunEnds(exits.USER_ERROR, f"cannot read or make your checkpoint key ({exc}): it proves which "
+                      f"checkpoints are yours (toolkit/checkpoint/seal.py)") from None
+
+
 def checkpointer_for(layout, spec, engine, dist, progress, log: Callable[[str], None],
                      before_file: Callable[[], None] = lambda: None) -> Checkpointer:
     """A rank's checkpointer, from the run spec (the recipe's mirror, or the cluster's s3_prefix) and
     the job's environment (AWS_ENDPOINT_URL and credentials: the object store's)."""
     recipe = spec.recipe
     rank, world = dist.get_rank(), dist.get_world_size()
-    shared = SharedTier(Path(recipe.checkpoint.staging or layout.checkpoints), recipe.checkpoint.keep_last)
+    sealer = owners_sealer(spec.site.shared_root) if rank == 0 else None  # rank 0 publishes, mirrors, chooses
+    shared = SharedTier(Path(recipe.checkpoint.staging or layout.checkpoints), recipe.checkpoint.keep_last,
+                        sealer=sealer)
     url = mirror_url(recipe.checkpoint.s3_mirror, spec.site.s3_prefix,
                      os.environ.get("FT_RUN_ID") or layout.root.name)
-    remote = RemoteTier(url, recipe.checkpoint.keep_last) if url else None
+    remote = RemoteTier(url, recipe.checkpoint.keep_last, sealer=sealer) if url else None
     board = StatusBoard(layout.checkpoint_status if rank == 0 else None, url)
     every = recipe.checkpoint.every_minutes
     history = (0, 0.0)

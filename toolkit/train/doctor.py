@@ -132,8 +132,11 @@ def check_object_store(args: dict) -> list[Finding]:
     def list_bucket() -> object:
         import fsspec
 
-        filesystem, path = fsspec.core.url_to_fs(args["s3_prefix"])
-        return filesystem.ls(path.split("/")[0])
+        from toolkit.checkpoint.remote import user_prefix
+
+        # The user's own place: a site with per-user credentials may let them list nothing else.
+        filesystem, path = fsspec.core.url_to_fs(user_prefix(args["s3_prefix"]))
+        return filesystem.find(path, maxdepth=1)
 
     try:
         import s3fs  # noqa: F401 - what the checkpoint mirror uploads with
