@@ -1,6 +1,7 @@
 """What the receipts' tests share: the site's key, a signer on a temporary socket, and a run that
-records what a LoRA run records. The lab is not used: a fake squeue stands in for Slurm's answer
-(the signer's Slurm query takes a runner), so these tests never touch a running cluster."""
+records what a LoRA run records. The lab is not used: a fake Slurm (squeue, and scontrol's batch
+script) stands in for Slurm's answers (the signer's Slurm queries take a runner), so these tests never
+touch a running cluster; tests/lab/test_receipts_lab.py asks the lab's real Slurm."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from toolkit.cluster.profile import ReceiptSigning
 from toolkit.receipts import keys, signer
-from toolkit.receipts.chain import Receipt
+from toolkit.receipts.chain import GENESIS, Receipt, entry_hash
 from toolkit.shared_dirs import login_name
 from toolkit.slurm.commands import CommandResult
 
@@ -26,16 +27,34 @@ def squeue_answer(*jobs: dict) -> str:
                                 for index, job in enumerate(jobs)]})
 
 
+# What every fake job runs, as Slurm holds it: the job script the test receipts record.
+JOB_SCRIPT = "#!/bin/bash\n# ft job script: a test's run\nexec python3 -m toolkit.launch\n"
+
+
 class FakeSqueue:
-    """Stands in for squeue: the lab is busy with other tests and is not this suite's to ask."""
+    """Stands in for squeue and `scontrol write batch_script` (each job's script: JOB_SCRIPT unless
+    `scripts` names another): the lab is busy with other tests and is not this suite's to ask."""
 
-    def __init__(self, *jobs: dict):
-        self.text, self.calls = squeue_answer(*jobs), 0
+    def __init__(self, *jobs: dict, scripts: dict[str, str] | None = None):
+        self.text, self.calls, self.scripts = squeue_answer(*jobs), 0, scripts or {}
 
-    def __call__(self, argv, timeout):
+    def __call__(self, argv, timeout, check=True):
+        if list(argv[:3]) == ["scontrol", "write", "batch_script"]:
+            return CommandResult(tuple(argv), 0, self.scripts.get(argv[3], JOB_SCRIPT), "")
         assert list(argv) == ["squeue", "--all", "--json"]
         self.calls += 1
         return CommandResult(tuple(argv), 0, self.text, "")
+
+
+def submit_entry(run_id: str = "run-1", script: str = JOB_SCRIPT) -> dict:
+    """A receipt's first entry as `ft submit` writes it: the run, and the job script it recorded."""
+    import hashlib
+
+    entry = {"seq": 1, "kind": "submit", "time": 0, "body": {"run_id": run_id},
+             "artifacts": {"job_script": {"path": "job.sbatch", "bytes": len(script.encode()),
+                                          "sha256": hashlib.sha256(script.encode()).hexdigest()}},
+             "prev": GENESIS}
+    return entry | {"hash": entry_hash(entry)}
 
 
 def site_key(folder: Path):
@@ -53,7 +72,7 @@ def running_signer(private_key, socket_path: Path, squeue: Callable, ledger: Pat
     """A signer serving on `socket_path` in this process, asking `squeue` (a FakeSqueue, or a runner
     that fails), remembering what it signed in `ledger` (a folder) where one is given."""
     server = signer.SignerServer(socket_path, signer.Signer(private_key, signer.RunningJobs(squeue),
-                                                            ledger=signer.Ledger(ledger)))
+                                                            ledger=signer.Ledger(ledger), run=squeue))
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
@@ -75,9 +94,10 @@ def record_a_run(run_dir: Path, data: Path) -> Receipt:
     (run_dir / "output" / "adapter_model.safetensors").write_bytes(os.urandom(4096))
     (run_dir / "output" / "adapter_config.json").write_text('{"r": 16}')
     (run_dir / "eval.json").write_text('{"loss": 1.5}')
+    (run_dir / "job.sbatch").write_text(JOB_SCRIPT)
     receipt = Receipt(run_dir)
-    receipt.append("submit", {"ft_version": "0.1.0", "commit": "abc"},
-                   {"data": data, "recipe": run_dir / "recipe.resolved.yaml"})
+    receipt.append("submit", {"ft_version": "0.1.0", "commit": "abc", "run_id": run_dir.name},
+                   {"data": data, "recipe": run_dir / "recipe.resolved.yaml", "job_script": run_dir / "job.sbatch"})
     receipt.append("attempt", {"job": "100", "nodes": ["node1", "node2"]})
     receipt.append("attempt", {"job": "100", "exit_class": "node_lost"})
     for step in (10, 20):

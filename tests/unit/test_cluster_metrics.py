@@ -121,15 +121,23 @@ def test_the_exporter_serves_prometheus_text_over_http(tmp_path):
 
 
 def squeue_json(*jobs: tuple) -> str:
-    """`squeue --all --json` as the lab's Slurm 22.05 answers (the fields the publisher reads)."""
+    """`squeue --all --json` as the lab's Slurm 22.05 answers (the fields the publisher reads); a
+    job's nodes are its batch host unless a sixth item names them."""
     return json.dumps({"meta": {}, "errors": [], "jobs": [
-        {"job_id": job_id, "user_name": user, "batch_host": host, "comment": comment, "job_state": state}
-        for job_id, user, host, comment, state in jobs]})
+        {"job_id": job_id, "user_name": user, "batch_host": host, "comment": comment, "job_state": state,
+         "nodes": nodes[0] if nodes else host}
+        for job_id, user, host, comment, state, *nodes in jobs]})
+
+
+def ft_script(run: str) -> str:
+    """A job script of ft's for `run`, in the shape the cluster exporter checks."""
+    return (f"#!/bin/bash\n# ft job script: run {run} of recipe tiny on cluster lab.\n#SBATCH --nodes=2\n"
+            "set -euo pipefail\nexec /opt/ft/bin/python -m toolkit.job\n")
 
 
 # A run of ft's, a job that is not ft's (no ft-run= comment), a run whose comment names something no
 # run is called, one pending, and a comment that tries to forge a second job (a newline in it).
-RUNNING = squeue_json((42, "alice", "node3", "ft-run=alice-llama,ft-key=k1", "RUNNING"),
+RUNNING = squeue_json((42, "alice", "node3", "ft-run=alice-llama,ft-key=k1", "RUNNING", "node[3-4]"),
                       (43, "bob", "node5", "ft-run=bob-qwen", "RUNNING"),
                       (44, "bob", "node6", "hand-written job", "RUNNING"),
                       (45, "bob", "node6", "ft-run=../../etc", "RUNNING"),
@@ -171,8 +179,11 @@ def test_only_claims_slurm_vouches_for_are_published_with_slurms_labels(tmp_path
     jobs = run_targets.ft_running(parse_queue(RUNNING))
     assert set(jobs) == {"42", "43"}  # 44 is not ft's, 45 names no run, 46 waits, 47's comment is no run
     groups, refusals = run_targets.verified_targets(claims, jobs)
-    assert groups == [{"targets": ["node3:40001"],
-                       "labels": {"run": "alice-llama", "user": "alice", "slurm_job": "42"}}]
+    who = {"run": "alice-llama", "user": "alice", "slurm_job": "42"}
+    assert groups == [  # the run's own series, then each node Slurm gave the job (its node label Slurm's)
+        {"targets": ["node3:40001"], "labels": who | {"scope": "job", "__param_scope": "job"}},
+        *({"targets": ["node3:40001"], "labels": who | {"scope": "node", "node": node, "__param_scope": "node",
+                                                       "__param_node": node}} for node in ("node3", "node4"))]
     why = {refusal.claim: refusal.why for refusal in refusals}
     assert set(why) == {"bob-qwen.43.json", "alice-llama.42-0badc0de.json", "other-run.42.json"} | {
         f"alice-llama.42-0000000{n}.json" for n in range(1, 6)}
@@ -204,6 +215,8 @@ def test_the_publisher_asks_slurm_when_claims_change_and_keeps_its_word_while_sl
     answer = {"text": squeue_json((42, "root", os.uname().nodename, "ft-run=r1", "RUNNING")), "fail": False}
 
     def run(argv, timeout=None):
+        if argv[0] == "scontrol":  # the job's batch script: ft's for run r1
+            return CommandResult(tuple(argv), 0, ft_script("r1"), "")
         asked.append(argv)
         if answer["fail"]:
             raise SlurmUnavailable("the Slurm controller is unreachable")
@@ -218,7 +231,8 @@ def test_the_publisher_asks_slurm_when_claims_change_and_keeps_its_word_while_sl
     publisher.once()
     assert len(asked) == 2
     assert json.loads((published / "runs.json").read_text())[0]["labels"] == {"run": "r1", "user": "root",
-                                                                              "slurm_job": "42"}
+                                                                              "slurm_job": "42", "scope": "job",
+                                                                              "__param_scope": "job"}
     answer["fail"] = True
     (claims / "r1.42.json").unlink()
     publisher.once()  # Slurm silent: what was published stays
@@ -254,3 +268,72 @@ def test_a_folder_flooded_with_claims_costs_a_bounded_turn_and_hides_no_ones_cla
     assert groups[0]["targets"] == ["node3:40039"] and groups[0]["labels"]["user"] == "alice"
     assert len(opened) == run_targets.MAX_CLAIMS_READ and all(name.startswith("alice-llama.42-a") for name in opened)
     assert len(refusals) == run_targets.MAX_REFUSALS + 1 and refusals[-1].why == "refused"
+
+
+@pytest.mark.parametrize("script, why", [
+    ("#!/bin/bash\nsleep 600\n", "is not ft's job script of run r1"),  # the review's plain job
+    (ft_script("another-run"), "is not ft's job script of run r1"),  # ft's, of a run the comment does not name
+    (ft_script("r1") + "sleep 600\n", "does not end by handing over to ft's job controller"),
+])
+def test_a_job_whose_batch_script_is_not_fts_is_not_published(tmp_path, script, why):
+    """Slurm's copy of the batch script decides, asked once a job: a job with ft's comment and claim but
+    another script is refused, named in the exporter's log."""
+    import os
+
+    from toolkit.watch.cluster_metrics import RunPublisher
+
+    claims, published = tmp_path / "claims", tmp_path / "published"
+    claims.mkdir()
+    published.mkdir()
+    scripts_asked = []
+
+    def run(argv, timeout=None):
+        if argv[0] == "scontrol":
+            scripts_asked.append(argv[3])
+            return CommandResult(tuple(argv), 0, script, "")
+        return CommandResult(tuple(argv), 0, squeue_json((42, "root", os.uname().nodename, "ft-run=r1", "RUNNING")), "")
+
+    (claims / "r1.42.json").write_text(json.dumps([{"targets": [f"{os.uname().nodename}:9100"]}]))
+    publisher = RunPublisher(claims, published, run)
+    publisher.once()
+    assert json.loads((published / "runs.json").read_text()) == []
+    assert why in publisher.refused["job 42's claim"]
+    (claims / "r1.42.json").touch()
+    os.utime(claims, (0, 0))  # the folder changed: another turn
+    publisher.once()
+    assert scripts_asked == ["42"]  # a job's script never changes: asked once
+
+
+def test_the_run_exporter_serves_each_scope_apart(tmp_path):
+    """?scope=job: the run's own series, none naming a node; ?scope=node&node=N: node N's alone."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import GaugeMetricFamily
+
+    from toolkit.watch.metrics import scoped_app
+
+    class Served:
+        def collect(self):
+            loss = GaugeMetricFamily("ft_run_loss", "loss")
+            loss.add_metric([], 1.5)
+            temperature = GaugeMetricFamily("ft_gpu_temperature_celsius", "t", labels=["node", "gpu"])
+            for node in ("node1", "node2", "node9"):
+                temperature.add_metric([node, "0"], 60.0)
+            yield from (loss, temperature)
+
+    registry = CollectorRegistry()
+    registry.register(Served())
+    app = scoped_app(registry)
+
+    def scrape(query: str) -> str:
+        answered = []
+        body = app({"REQUEST_METHOD": "GET", "PATH_INFO": "/metrics", "QUERY_STRING": query},
+                   lambda status, headers: answered.append(status))
+        assert answered[0].startswith("200")
+        return b"".join(body).decode()
+
+    job = scrape("scope=job")
+    assert "ft_run_loss 1.5" in job and "ft_gpu_temperature_celsius" not in job
+    node = scrape("scope=node&node=node2")
+    assert 'node="node2"' in node and "node1" not in node and "node9" not in node and "ft_run_loss" not in node
+    everything = scrape("")
+    assert "ft_run_loss" in everything and 'node="node9"' in everything

@@ -372,3 +372,27 @@ def test_the_profile_s_receipts_section_is_checked(site, tmp_path, monkeypatch):
         profile.write_text(json.dumps({"name": "lab", "receipts": site.model_dump() | change}))
         with pytest.raises(ProfileError, match=error):
             load_profile("lab")
+
+
+def test_verify_says_which_entries_the_signer_checked_and_which_are_the_users_word(run, site):
+    verdict = verify(run.layout.root, site)
+    assert verdict.verified and verdict.vouched["checked"] == [1] and verdict.vouched["users_word"] == "entries 2-7"
+    assert "its batch script is entry 1's job script" in verdict.vouched["says"]
+    assert verdict.to_dict()["vouched"] == verdict.vouched  # `ft receipt verify --json` prints it
+
+
+def test_a_first_entry_rewritten_after_signing_is_named(run, site, tmp_path):
+    """Entry 1 replaced by one recording another job script, the chain rebuilt from it: the signature's
+    first entry is not it."""
+    entries = [json.loads(line) for line in lines(run)]
+    entries[0]["artifacts"]["job_script"]["sha256"] = "0" * 64
+    previous = "0" * 64
+    for entry in entries:
+        entry["prev"] = previous
+        entry["hash"] = entry_hash(entry)
+        previous = entry["hash"]
+    run.path.write_bytes(b"".join(canonical(entry) + b"\n" for entry in entries))
+    found = findings(run, site)
+    assert "entry 1 (submit): is not the first entry the signer checked: it was changed or replaced after signing" \
+        in found
+    assert "entry 1 (submit): does not record the job script the signer checked" in found

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.receipts import FakeSqueue, running_signer, site_key
+from tests.support.receipts import FakeSqueue, running_signer, site_key, submit_entry
 from toolkit.receipts import signer
 from toolkit.receipts.chain import ReceiptError
 from toolkit.receipts.keys import key_id, public_key_bytes, verify_signature
@@ -25,8 +25,9 @@ from toolkit.shared_dirs import login_name
 HEAD = "ab" * 32
 
 
-def ask(socket_path: Path, run_id: str = "run-1", entries: int = 3, head: str = HEAD) -> dict:
-    return signer.request_signature(socket_path, run_id, entries, head, timeout=10)
+def ask(socket_path: Path, run_id: str = "run-1", entries: int = 3, head: str = HEAD,
+        first: dict | None = None) -> dict:
+    return signer.request_signature(socket_path, run_id, entries, head, first or submit_entry(run_id), timeout=10)
 
 
 def raw_reply(socket_path: Path, data: bytes) -> bytes:
@@ -48,9 +49,11 @@ def test_it_signs_for_the_user_slurm_runs_the_run_s_job_for(key, tmp_path):
     with running_signer(private, tmp_path / "s.sock", FakeSqueue({"job_id": 41})):
         signed = ask(tmp_path / "s.sock")
     payload = signed["payload"]
+    first = submit_entry()
     assert payload | {"signed_at": 0} == {"run_id": "run-1", "entries": 3, "head": HEAD, "uid": os.getuid(),
                                           "user": login_name(os.getuid()), "job_id": "41", "signed_at": 0,
-                                          "key_id": signing.key_id, "history": []}
+                                          "key_id": signing.key_id, "history": [], "first": first["hash"],
+                                          "job_script": first["artifacts"]["job_script"]["sha256"], "checked": [1]}
     assert abs(payload["signed_at"] - time.time()) < 60
     assert verify_signature(public_key_bytes(signing.public_key), payload, signed["signature"])
     assert signing.key_id == key_id(public_key_bytes(signing.public_key))
@@ -73,7 +76,7 @@ def test_what_the_client_says_of_itself_counts_for_nothing(key, tmp_path):
     with running_signer(key[0], tmp_path / "s.sock", FakeSqueue({})):
         reply = raw_reply(tmp_path / "s.sock", json.dumps({"run_id": "run-1", "entries": 1, "head": HEAD,
                                                            "user": "root", "uid": 0}).encode() + b"\n")
-    assert json.loads(reply) == {"error": "the request is not {run_id, entries, head}"}
+    assert json.loads(reply) == {"error": "the request is not {run_id, entries, head, first}"}
 
 
 def test_it_asks_slurm_afresh_after_each_request_arrives(key, tmp_path):
@@ -100,10 +103,19 @@ def test_it_signs_nothing_when_slurm_does_not_answer(key, tmp_path):
 @pytest.mark.parametrize("request_bytes, error", [
     (b"\x00\xff garbage \n", "the request is not one JSON line"),
     (b"[" * 3000 + b"\n", "the request is not one JSON line"),
-    (b"x" * 10_000, "the request is over 4096 bytes"),
-    (json.dumps({"run_id": "../etc", "entries": 1, "head": HEAD}).encode(), "run_id is not a run id"),
-    (json.dumps({"run_id": "run-1", "entries": 0, "head": HEAD}).encode(), "entries is not a count of entries"),
-    (json.dumps({"run_id": "run-1", "entries": 1, "head": HEAD.upper()}).encode(), "head is not a sha256"),
+    (b"x" * 100_000, f"the request is over {64 << 10} bytes"),
+    (json.dumps({"run_id": "../etc", "entries": 1, "head": HEAD, "first": {}}).encode(), "run_id is not a run id"),
+    (json.dumps({"run_id": "run-1", "entries": 0, "head": HEAD, "first": {}}).encode(),
+     "entries is not a count of entries"),
+    (json.dumps({"run_id": "run-1", "entries": 1, "head": HEAD.upper(), "first": {}}).encode(), "head is not a sha256"),
+    (json.dumps({"run_id": "run-1", "entries": 1, "head": HEAD, "first": {"seq": 1}}).encode(),
+     "first is not a receipt entry"),
+    (json.dumps({"run_id": "run-1", "entries": 1, "head": HEAD,
+                 "first": submit_entry() | {"kind": "attempt"}}).encode(), "first is not the receipt's first entry"),
+    (json.dumps({"run_id": "run-1", "entries": 1, "head": HEAD,
+                 "first": submit_entry() | {"time": 5}}).encode(), "first's hash is not its own"),
+    (json.dumps({"run_id": "run-1", "entries": 1, "head": HEAD,
+                 "first": submit_entry("run-2")}).encode(), "first records another run than run-1"),
 ])
 def test_it_answers_a_bad_request_and_serves_the_next_client(key, tmp_path, request_bytes, error):
     with running_signer(key[0], tmp_path / "s.sock", FakeSqueue({})):
@@ -199,8 +211,9 @@ def test_a_user_holding_connections_open_turns_away_only_their_own(key, tmp_path
                 [sys.executable, "-c",
                  "import os, sys; sys.path.insert(0, sys.argv[2])\n"
                  "from toolkit.receipts import signer\n"
+                 "from tests.support.receipts import submit_entry\n"
                  "os.setuid(65534)  # after the imports: ft's Python is root's to read here\n"
-                 "try:\n    signer.request_signature(sys.argv[1], 'run-1', 3, 'ab' * 32, timeout=10)\n"
+                 "try:\n    signer.request_signature(sys.argv[1], 'run-1', 3, 'ab' * 32, submit_entry(), timeout=10)\n"
                  "except Exception as exc:\n    print(exc)",
                  str(sock), str(Path(__file__).resolve().parents[2])], capture_output=True, text=True, timeout=60)
             assert "refused" in other.stdout and "did not answer" not in other.stdout, other.stdout + other.stderr
@@ -210,3 +223,42 @@ def test_a_user_holding_connections_open_turns_away_only_their_own(key, tmp_path
         time.sleep(0.2)
         assert ask(sock)["payload"]["job_id"] == "41"  # its slots back once it let go
     shutil.rmtree(folder)
+
+
+def test_a_job_whose_batch_script_is_not_the_receipts_job_script_gets_nothing_signed(key, tmp_path):
+    """The review's attack: a plain `sleep` job, its comment naming the run, asking for a made-up
+    receipt. Slurm's copy of its batch script is the `sleep`, not the script the receipt records."""
+    squeue = FakeSqueue({"job_id": 41}, scripts={"41": "#!/bin/bash\nsleep 600\n"})
+    with running_signer(key[0], tmp_path / "s.sock", squeue), \
+            pytest.raises(ReceiptError, match="batch script, as Slurm holds it, is not the job script the receipt"):
+        ask(tmp_path / "s.sock")
+
+
+def test_slurm_refusing_the_batch_script_signs_nothing_and_names_the_fix(key, tmp_path):
+    from toolkit.slurm.commands import SlurmCommandError
+
+    squeue = FakeSqueue({"job_id": 41})
+
+    def no_operator(argv, timeout, check=True):
+        if argv[0] == "scontrol":
+            raise SlurmCommandError("`scontrol write batch_script 100 -` failed: Invalid user id")
+        return squeue(argv, timeout)
+
+    with running_signer(key[0], tmp_path / "s.sock", no_operator), \
+            pytest.raises(ReceiptError, match="would not show job 41's batch script .* Slurm operator"):
+        ask(tmp_path / "s.sock")
+
+
+def test_one_job_signs_one_run_however_its_comment_changes(key, tmp_path):
+    """The review's burst: one job changing its comment to name run after run. The first run signed
+    for the job pins it; each other is refused (and leaves no ledger file)."""
+    ledger = tmp_path / "ledger"
+    ledger.mkdir()
+    squeue = FakeSqueue({"job_id": 41})
+    with running_signer(key[0], tmp_path / "s.sock", squeue, ledger=ledger):
+        assert ask(tmp_path / "s.sock")["payload"]["run_id"] == "run-1"
+        squeue.text = squeue.text.replace("ft-run=run-1", "ft-run=run-2")
+        with pytest.raises(ReceiptError, match="job 41 had run run-1 signed: a job signs one run"):
+            ask(tmp_path / "s.sock", run_id="run-2")
+    runs = sorted(path.name for path in (ledger / str(os.getuid())).glob("*.jsonl"))
+    assert runs == ["run-1.jsonl"]

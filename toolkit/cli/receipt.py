@@ -50,6 +50,8 @@ def verify(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
                       soft_wrap=True)
         for finding in verdict.findings:
             console.print(f"  {plain(finding)}", soft_wrap=True)
+        if verdict.vouched:
+            console.print(f"  {plain(verdict.vouched['says'])}", soft_wrap=True)
         pruned = [note for note in verdict.notes if "may be pruned" in note]
         if pruned:  # keep_last at work: said once, not a line per checkpoint
             console.print(f"  [dim]note: {len(pruned)} recorded checkpoint manifest(s) since pruned, as "

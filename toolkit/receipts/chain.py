@@ -220,6 +220,19 @@ class Receipt:
             raise ReceiptError(f"{self.path}'s last entry has no usable hash", hint=f"ft receipt verify {self.run_id}")
         return entry
 
+    def first(self) -> dict:
+        """The first entry (`ft submit`'s: it records the job script); ReceiptError where it is not one."""
+        try:
+            with open_regular(self.path) as handle:
+                line = handle.readline(MAX_ENTRY_BYTES + 1)
+        except OSError as exc:
+            raise ReceiptError(f"{self.path} cannot be read: {exc}") from None
+        try:
+            return parse_entry(line.rstrip(b"\n"))
+        except ValueError as exc:
+            raise ReceiptError(f"{self.path}'s first line is damaged: {exc}",
+                               hint=f"ft receipt verify {self.run_id}") from None
+
     def write(self, line: bytes) -> None:
         """One line at the end, fsynced: a reader sees it whole or not at all."""
         descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
@@ -236,8 +249,9 @@ class Receipt:
     def seal(self, socket_path: str | Path, timeout: float = SEAL_TIMEOUT_S) -> dict:
         """Have the site's signer sign the receipt as it stands (its entry count and last hash) and
         write the signature to receipt.sig. The signer signs only while Slurm runs a job of this
-        run for this user. Returns what was signed with its signature; ReceiptError when the signer
-        refuses or does not answer (the receipt stays as it was)."""
+        run for this user, whose batch script is the job script the first entry records. Returns
+        what was signed with its signature; ReceiptError when the signer refuses or does not answer
+        (the receipt stays as it was)."""
         from toolkit.receipts.signer import request_signature
 
         try:
@@ -245,7 +259,8 @@ class Receipt:
                 last = self.last()
                 if last is None:
                     raise ReceiptError(f"{self.path} has no entry to sign")
-                signed = request_signature(Path(socket_path), self.run_id, last["seq"], last["hash"], timeout)
+                signed = request_signature(Path(socket_path), self.run_id, last["seq"], last["hash"], self.first(),
+                                           timeout)
                 write_atomically(self.layout.receipt_signature, canonical(signed).decode() + "\n")
         except OSError as exc:
             raise ReceiptError(f"could not seal {self.path}: {exc}") from None

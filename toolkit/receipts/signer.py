@@ -5,16 +5,24 @@ that signs a run's receipt for the run's own job, and for nobody else.
         --socket /run/ft-signer/receipt.sock --user ft-signer
 
 It starts as root, loads the key (only its user reads it), binds a Unix socket every user may
-connect to, and becomes --user for good. A client sends one JSON line, {run_id, entries, head} (its
-receipt's entry count and last hash), and gets one back: {payload, signature}, or {error}. It signs
+connect to, and becomes --user for good. A client sends one JSON line, {run_id, entries, head, first}
+(its receipt's entry count, last hash, and first entry: `ft submit`'s, which records the job script),
+and gets one back: {payload, signature}, or {error}. It signs
 
-    {run_id, entries, head, uid, user, job_id, signed_at, key_id, history}
+    {run_id, entries, head, uid, user, job_id, signed_at, key_id, history, first, job_script, checked}
 
 for the client the kernel names (SO_PEERCRED: its uid, not anything it says) only while Slurm runs a
 job of that user whose comment names that run (`squeue --all --json`; the job's user is Slurm's
-word). `history` is every (entries, head) it signed for that user's run before, from its ledger
-(--ledger: a folder on the shared filesystem only the signer writes, one file per user and run, so
-every node's signer knows them): a receipt whose entries were changed after they were signed fails
+word), and only when that job's batch script, as Slurm holds it (`scontrol write batch_script`: the
+signer's account is a Slurm operator), is the job script the first entry records: a job that runs
+anything else (a `sleep` with a made-up receipt) gets nothing signed. `first` is that entry's hash,
+`job_script` the script's sha256, and `checked` the entries the signer could check ([1]); every later
+entry is written by the job's own processes, the user's word, which `ft receipt verify` says. One
+job signs one run: the first run signed for a job pins it (a job whose comment is changed to name
+other runs gets none of them signed).
+`history` is every (entries, head) it signed for that user's run before, from its ledger (--ledger:
+a folder on the shared filesystem only the signer writes, one file per user and run, so every
+node's signer knows them): a receipt whose entries were changed after they were signed fails
 `ft receipt verify` whichever job asked for the new signature (a later job of the same user may
 carry the run's name in its comment: Slurm lets anyone set their job's comment). A request for fewer
 entries than were signed before is refused.
@@ -46,13 +54,13 @@ from pathlib import Path
 from toolkit.errors import FtError
 from toolkit.privileges import drop_privileges
 from toolkit.receipts import keys
-from toolkit.receipts.chain import SHA256_PATTERN, ReceiptError, canonical
+from toolkit.receipts.chain import ENTRY_KEYS, GENESIS, SHA256_PATTERN, ReceiptError, canonical, entry_hash
 from toolkit.runs.layout import RUN_ID_PATTERN
-from toolkit.shared_dirs import login_name
-from toolkit.slurm import commands
+from toolkit.shared_dirs import login_name, open_regular
+from toolkit.slurm import commands, jobs
 from toolkit.watch import run_targets
 
-REQUEST_MAX_BYTES = 4096
+REQUEST_MAX_BYTES = 64 << 10  # the first entry: the submit's recipe, job script and data digests
 LEDGER_MAX_BYTES = 4 << 20
 REPLY_MAX_BYTES = 64 << 10
 CLIENT_TIMEOUT_S = 5.0  # for the whole request: a client that trickles bytes is cut off
@@ -71,6 +79,8 @@ class Request:
     run_id: str
     entries: int
     head: str
+    first: str  # the first entry's hash
+    job_script: str  # the sha256 of the job script it records
 
 
 def parse_request(data: bytes) -> Request:
@@ -78,8 +88,8 @@ def parse_request(data: bytes) -> Request:
         raw = json.loads(data)
     except (ValueError, RecursionError):
         raise Refused("the request is not one JSON line") from None
-    if not isinstance(raw, dict) or set(raw) != {"run_id", "entries", "head"}:
-        raise Refused("the request is not {run_id, entries, head}")
+    if not isinstance(raw, dict) or set(raw) != {"run_id", "entries", "head", "first"}:
+        raise Refused("the request is not {run_id, entries, head, first}")
     run_id, entries, head = raw["run_id"], raw["entries"], raw["head"]
     if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id):
         raise Refused("run_id is not a run id")
@@ -87,7 +97,31 @@ def parse_request(data: bytes) -> Request:
         raise Refused("entries is not a count of entries")
     if not isinstance(head, str) or not SHA256_PATTERN.fullmatch(head):
         raise Refused("head is not a sha256 in lowercase hex")
-    return Request(run_id, entries, head)
+    first, job_script = submit_entry(raw["first"], run_id)
+    return Request(run_id, entries, head, first, job_script)
+
+
+def submit_entry(entry: object, run_id: str) -> tuple[str, str]:
+    """The first entry's hash and the job script's sha256 it records; Refused unless it is the entry
+    `ft submit` writes for this run (its hash its own: it is checked as it is linked, by verify)."""
+    if not isinstance(entry, dict) or set(entry) != ENTRY_KEYS:
+        raise Refused("first is not a receipt entry")
+    if entry["seq"] != 1 or entry["kind"] != "submit" or entry["prev"] != GENESIS:
+        raise Refused("first is not the receipt's first entry (seq 1, kind submit)")
+    try:
+        own_hash = entry_hash(entry)
+    except (TypeError, ValueError):
+        raise Refused("first is not plain JSON") from None
+    if entry["hash"] != own_hash:
+        raise Refused("first's hash is not its own")
+    body, artifacts = entry["body"], entry["artifacts"]
+    if not isinstance(body, dict) or body.get("run_id") != run_id:
+        raise Refused(f"first records another run than {run_id}")
+    script = artifacts.get("job_script") if isinstance(artifacts, dict) else None
+    if not isinstance(script, dict) or not isinstance(script.get("sha256"), str) \
+            or not SHA256_PATTERN.fullmatch(script["sha256"]):
+        raise Refused("first records no job script")
+    return own_hash, script["sha256"]
 
 
 def read_line(connection: socket.socket, limit: int, deadline: float) -> bytes:
@@ -147,6 +181,42 @@ class Ledger:
     def path(self, uid: int, run_id: str) -> Path:
         return self.root / str(uid) / f"{run_id}.jsonl"
 
+    def bound_run(self, uid: int, job_id: str) -> str | None:
+        """The run a job was bound to when it first signed one; None before (or with no root)."""
+        if self.root is None:
+            return None
+        try:
+            with open_regular(self.root / str(uid) / "jobs" / job_id) as handle:
+                return handle.read(256).decode(errors="replace").strip() or "?"
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return "?"
+
+    def bind_job(self, uid: int, job_id: str, run_id: str) -> None:
+        """One job signs one run: the first run signed for a job is its own for good (a file made
+        once, <root>/<uid>/jobs/<job>); Refused for any other. No root: no memory."""
+        if self.root is None:
+            return
+        folder = self.root / str(uid) / "jobs"
+        folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+        path = folder / job_id
+        try:
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            try:
+                with open_regular(path) as handle:
+                    bound = handle.read(256).decode(errors="replace").strip()
+            except OSError:
+                bound = "?"
+            if bound != run_id:
+                raise Refused(f"job {job_id} had run {bound[:128]} signed: a job signs one run") from None
+            return
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(run_id + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
     @staticmethod
     def point(line: bytes) -> tuple[int, str, str]:
         """One line's (entries, head, job); ValueError (or TypeError, KeyError, RecursionError) for
@@ -192,10 +262,11 @@ class Ledger:
 
 class Signer:
     def __init__(self, private_key, jobs: RunningJobs, now: Callable[[], float] = time.time,
-                 ledger: Ledger | None = None):
+                 ledger: Ledger | None = None, run: Callable = commands.run):
         self.key, self.jobs, self.now = private_key, jobs, now
         self.key_id = keys.key_id(keys.raw_public(private_key))
         self.ledger = ledger or Ledger(None)
+        self.run = run  # Slurm's commands (scontrol write batch_script); a fake in unit tests
 
     def sign(self, request: Request, uid: int, arrived: float) -> dict:
         """The signed payload and its signature, for a client of this uid; Refused saying why not."""
@@ -206,6 +277,8 @@ class Signer:
         if not running:
             raise Refused(f"Slurm runs no job of run {request.run_id} for {user}: a receipt is signed only while "
                           "its run's job runs")
+        # Checked before the run's ledger is opened: a refused request leaves nothing behind.
+        running = self.running_the_script(running, uid, request)
         with self.ledger.points(uid, request.run_id) as (history, first_job, add):
             # A run is one job's (a requeue keeps its id): once signed for it, the receipt is signed for
             # that job alone. A later job of the same user whose comment names the run signs nothing.
@@ -213,7 +286,8 @@ class Signer:
             if not pinned:
                 raise Refused(f"run {request.run_id} is job {first_job}'s, which Slurm no longer runs: its receipt "
                               "is signed only while that job runs")
-            job = min(pinned, key=lambda job: int(job.job_id))
+            job, script = min(pinned, key=lambda job: int(job.job_id)), request.job_script
+            self.ledger.bind_job(uid, job.job_id, request.run_id)
             if history and request.entries < max(entries for entries, _ in history):
                 raise Refused(f"run {request.run_id} had {max(e for e, _ in history)} entries signed before: "
                               f"a receipt of {request.entries} is one with entries removed")
@@ -224,11 +298,36 @@ class Signer:
                 raise Refused(f"run {request.run_id} was signed {len(history)} times already")
             payload = {"run_id": request.run_id, "entries": request.entries, "head": request.head, "uid": uid,
                        "user": job.user, "job_id": job.job_id, "signed_at": self.now(), "key_id": self.key_id,
-                       "history": [point for point in history if point != [request.entries, request.head]]}
+                       "history": [point for point in history if point != [request.entries, request.head]],
+                       "first": request.first, "job_script": script, "checked": [1]}
             signature = base64.b64encode(self.key.sign(keys.signed_message(payload))).decode()
             if [request.entries, request.head] not in history:
                 add(request.entries, request.head, job.job_id, payload["signed_at"])
         return {"payload": payload, "signature": signature}
+
+    def running_the_script(self, running: list, uid: int, request: Request) -> list:
+        """The jobs among `running` that may sign this run: not bound to another run (a job signs one),
+        and running, as Slurm holds it, the job script the receipt's first entry records."""
+        free = [job for job in running if self.ledger.bound_run(uid, job.job_id) in (None, request.run_id)]
+        if not free:
+            job = running[0]
+            raise Refused(f"job {job.job_id} had run {self.ledger.bound_run(uid, job.job_id)} signed: a job signs "
+                          "one run")
+        matching = []
+        for job in free:
+            try:
+                script = jobs.batch_script_sha256(job.job_id, self.run, timeout=SQUEUE_TIMEOUT_S)
+            except commands.SlurmCommandError as exc:
+                raise Refused(f"Slurm would not show job {job.job_id}'s batch script ({exc.message}): ask the "
+                              "admins (the signer's account is a Slurm operator: ansible/roles/ft_signer)") from None
+            if script == request.job_script:
+                matching.append(job)
+        if not matching:
+            job = free[0]
+            raise Refused(f"job {job.job_id}'s batch script, as Slurm holds it, is not the job script the receipt's "
+                          f"first entry records (sha256 {request.job_script[:12]}): a receipt is signed only for the "
+                          "job that runs it")
+        return matching
 
 
 class Handler(socketserver.BaseRequestHandler):
@@ -314,9 +413,10 @@ def remove_stale_socket(path: Path) -> None:
     os.unlink(path)
 
 
-def request_signature(socket_path: Path, run_id: str, entries: int, head: str, timeout: float) -> dict:
-    """Ask the signer at `socket_path` to sign a receipt of `entries` entries ending in `head`:
-    {payload, signature}, or ReceiptError saying why not."""
+def request_signature(socket_path: Path, run_id: str, entries: int, head: str, first: dict,
+                      timeout: float) -> dict:
+    """Ask the signer at `socket_path` to sign a receipt of `entries` entries ending in `head`, whose
+    first entry is `first`: {payload, signature}, or ReceiptError saying why not."""
     deadline = time.monotonic() + timeout
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
@@ -329,7 +429,7 @@ def request_signature(socket_path: Path, run_id: str, entries: int, head: str, t
                     if time.monotonic() >= deadline:
                         raise
                     time.sleep(0.05)
-            connection.sendall(canonical({"run_id": run_id, "entries": entries, "head": head}) + b"\n")
+            connection.sendall(canonical({"run_id": run_id, "entries": entries, "head": head, "first": first}) + b"\n")
             reply = json.loads(read_line(connection, REPLY_MAX_BYTES, deadline))
     except (OSError, ValueError, RecursionError) as exc:
         raise ReceiptError(f"the receipt signer at {socket_path} did not answer: {exc}",

@@ -36,7 +36,10 @@ from toolkit.shared_dirs import open_regular, user_name
 FAILED_EXIT = 3  # `ft receipt verify`'s exit when the receipt does not verify (2: usage, 1: ft could not check)
 MAX_SIGNATURE_BYTES = REPLY_MAX_BYTES + 1  # the signer's reply as it came, and its newline
 MAX_FILES_ADDED = 100  # files found in a recorded folder beyond its record, named one by one
-PAYLOAD_KEYS = {"run_id", "entries", "head", "uid", "user", "job_id", "signed_at", "key_id", "history"}
+PAYLOAD_KEYS = {"run_id", "entries", "head", "uid", "user", "job_id", "signed_at", "key_id", "history",
+                "first", "job_script", "checked"}
+# What signers wrote before they checked the job's batch script: still read, said to vouch for less.
+PAYLOAD_KEYS_UNCHECKED = PAYLOAD_KEYS - {"first", "job_script", "checked"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class Verdict:
     run_dir: Path
     entries: int = 0
     signed: dict | None = None  # the payload, once its signature holds with the site's key
+    vouched: dict | None = None  # which entries the signer checked, which are the user's word
     findings: list[Finding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -62,7 +66,7 @@ class Verdict:
 
     def to_dict(self) -> dict:
         return {"run_id": self.run_dir.name, "run_dir": str(self.run_dir), "verified": self.verified,
-                "entries": self.entries, "signed": self.signed,
+                "entries": self.entries, "signed": self.signed, "vouched": self.vouched,
                 "findings": [asdict(finding) for finding in self.findings], "notes": self.notes}
 
 
@@ -190,6 +194,32 @@ def check_signature(layout: RunLayout, count: int, entries: list[tuple[int, dict
         return
     verdict.signed = payload
     check_signed_chain(layout, payload, count, entries, verdict, ledger_points(signing, layout))
+    check_vouched(payload, count, entries, verdict)
+
+
+def check_vouched(payload: dict, count: int, entries: list[tuple[int, dict]], verdict: Verdict) -> None:
+    """What the signer checked against Slurm (the job, and entry 1's job script: the batch script
+    Slurm ran), and what is the user's own word (every later entry: written by the job's processes,
+    which run as the user): said in the verdict, and the first entry must be the one checked."""
+    if "first" not in payload:
+        verdict.vouched = {"checked": [], "users_word": f"entries 1-{count}" if count else "none",
+                           "says": "signed before the signer checked job scripts: Slurm ran a job of this run for "
+                                   "its user; what the receipt records is the job's own word"}
+        return
+    by_seq = {entry["seq"]: entry for _, entry in entries}
+    first = by_seq.get(1)
+    if first is None or first["hash"] != payload["first"]:
+        verdict.findings.append(Finding("entry 1 (submit)", "is not the first entry the signer checked: it was "
+                                                            "changed or replaced after signing"))
+    recorded = ((first or {}).get("artifacts") or {}).get("job_script") if isinstance(first, dict) else None
+    if not isinstance(recorded, dict) or recorded.get("sha256") != payload["job_script"]:
+        verdict.findings.append(Finding("entry 1 (submit)", "does not record the job script the signer checked"))
+    later = f"entries 2-{count}" if count > 2 else "entry 2" if count == 2 else "none"
+    verdict.vouched = {"checked": [1], "users_word": later,
+                       "says": f"checked by the site's signer against Slurm: job {payload['job_id']} ran for "
+                               f"{payload['user']}, and its batch script is entry 1's job script (sha256 "
+                               f"{str(payload['job_script'])[:12]}); {later}: written by the job's processes, "
+                               "the user's own word"}
 
 
 def parse_signature(raw: bytes) -> tuple[dict | None, str]:
@@ -200,7 +230,8 @@ def parse_signature(raw: bytes) -> tuple[dict | None, str]:
     if not isinstance(document, dict) or not isinstance(document.get("signature"), str):
         return None, ""
     payload = document.get("payload")
-    if not isinstance(payload, dict) or set(payload) != PAYLOAD_KEYS or not history_points(payload["history"]):
+    if not isinstance(payload, dict) or set(payload) not in (PAYLOAD_KEYS, PAYLOAD_KEYS_UNCHECKED) \
+            or not history_points(payload["history"]):
         return None, ""
     return payload, document["signature"]
 

@@ -10,6 +10,7 @@ as JSON: a comment can hold a newline, which would forge a line of squeue's text
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -143,6 +144,22 @@ def batch_host(job_id: str, run: Callable = commands.run) -> str | None:
     result = run(["squeue", "--noheader", "--jobs", job_id, "--format", "%B"], check=False)
     host = result.stdout.strip() if result.returncode == 0 else ""
     return None if not host or host.startswith("(") or host == "n/a" else host
+
+
+def batch_script(job_id: str, run: Callable = commands.run, timeout: float = 10.0) -> str:
+    """A job's batch script as Slurm holds it (`scontrol write batch_script JOB -`): what the job
+    runs, whatever files were changed since. Only the job's owner, a Slurm operator or an admin may
+    read it (the receipt signer's and the cluster exporter's accounts are operators). The text as
+    Slurm prints it (a script with CR LF line ends reads as LF: ft's scripts have none).
+    SlurmCommandError where Slurm refuses."""
+    if not job_id.isdigit():
+        raise SlurmCommandError(f"{job_id!r} is not a job id")
+    return run(["scontrol", "write", "batch_script", job_id, "-"], timeout=timeout).stdout
+
+
+def batch_script_sha256(job_id: str, run: Callable = commands.run, timeout: float = 10.0) -> str:
+    """The sha256 of a job's batch script as Slurm holds it (batch_script)."""
+    return hashlib.sha256(batch_script(job_id, run, timeout).encode()).hexdigest()
 
 
 def submit(script: Path, run: Callable = commands.run) -> str:

@@ -115,6 +115,7 @@ class RunPublisher:
         self.seen: int | None = None  # the claims folder's change time at the last turn
         self.asked = float("-inf")
         self.refused: dict[str, str] = {}  # claim -> why, said once (forgotten once the claim is gone)
+        self.scripts: dict[str, str | None] = {}  # job -> why its batch script is not ft's (a job's never changes)
 
     def once(self) -> None:
         # Watchdogs write claims whole under a new name and rename them: the folder's own change time
@@ -130,13 +131,21 @@ class RunPublisher:
         except FtError:
             return  # Slurm silent: what was published stays until it answers again
         self.seen, self.asked = listing, time.monotonic()
-        groups, refusals = run_targets.verified_targets(self.claims, jobs)
+        self.scripts = {job_id: why for job_id, why in self.scripts.items() if job_id in jobs}
+        groups, refusals = run_targets.verified_targets(self.claims, jobs, self.script_problem)
         refused = {refusal.claim: refusal.why for refusal in refusals}
         for claim, why in refused.items():
             if self.refused.get(claim) != why:  # names and reasons are the claim maker's: repr, one line
                 print(f"not published: {str(self.claims / claim)!r}: {why!r}", flush=True)
         self.refused = refused
         run_targets.publish(self.published, groups)
+
+    def script_problem(self, job: run_targets.RunningJob) -> str | None:
+        """Why the job's batch script is not ft's for its run (None: it is), asked of Slurm once a job."""
+        if job.job_id not in self.scripts:
+            script = slurm_jobs.batch_script(job.job_id, self.run, timeout=COMMAND_TIMEOUT_S)
+            self.scripts[job.job_id] = run_targets.script_problem(script, job.run)
+        return self.scripts[job.job_id]
 
     def forever(self, stopped: threading.Event) -> None:
         while True:

@@ -15,6 +15,8 @@ compute node and a shared clock for freshness).
 
 Every series below also carries the target's labels run, user and slurm_job, which Prometheus adds:
 the exporter serves none of them itself (what a user's process serves is not proof of who it is).
+Prometheus scrapes each scope apart (scoped_app): the run's own series, and each node's, whose
+`node` label is then Slurm's name for a node the job holds (toolkit/watch/run_targets.py).
 
     ft_run_info{recipe, method, tier, cluster}  1
     ft_run_step, ft_run_loss, ft_run_learning_rate                 the newest step's
@@ -270,6 +272,45 @@ def run_labels(run_dir: Path) -> dict[str, str]:
             "cluster": spec.site.cluster}
 
 
+class Scoped:
+    """The series of one scope of a registry's: the run's own (none with a node label), or one node's."""
+
+    def __init__(self, registry, node: str | None):
+        self.registry, self.node = registry, node
+
+    def collect(self) -> Iterator:
+        from prometheus_client.metrics_core import Metric
+
+        for family in self.registry.collect():
+            kept = [sample for sample in family.samples if sample.labels.get("node") == self.node]
+            if kept:
+                scoped = Metric(family.name, family.documentation, family.type, family.unit)
+                scoped.samples = kept
+                yield scoped
+
+
+def scoped_app(registry):
+    """prometheus_client's WSGI app, serving the scope Prometheus asks for (toolkit/watch/run_targets.py):
+    ?scope=job the run's own series, ?scope=node&node=N node N's alone, nothing: all of them (a
+    person's curl). Prometheus labels a node's series with Slurm's node name, whatever is served."""
+    from urllib.parse import parse_qs
+
+    from prometheus_client import CollectorRegistry, make_wsgi_app
+
+    whole = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        query = parse_qs(environ.get("QUERY_STRING", ""))
+        scope, node = (query.get("scope") or [""])[0], (query.get("node") or [""])[0]
+        if scope not in ("job", "node") or (scope == "node" and not node):
+            return whole(environ, start_response)
+        scoped = CollectorRegistry(auto_describe=False)
+        scoped.register(Scoped(registry, node if scope == "node" else None))
+        return make_wsgi_app(scoped)(environ, start_response)
+
+    return app
+
+
 class ScrapeCounter:
     """A WSGI app around prometheus_client's: counts the scrapes answered (the body written and
     closed, not merely begun), so the exporter's end can wait for one whole last scrape."""
@@ -341,13 +382,13 @@ class RunExporter:
     def __init__(self, run_dir: Path, heartbeats: Callable[[], dict[str, float]], host: str | None = None,
                  targets: str | None = None, listen: str = "0.0.0.0",
                  messages: Callable[[], dict[str, dict]] = dict):
-        from prometheus_client import CollectorRegistry, make_wsgi_app
+        from prometheus_client import CollectorRegistry
 
         self.labels = run_labels(run_dir)
         self.registry = CollectorRegistry()
         self.collector = RunCollector(run_dir, self.labels, heartbeats, messages)
         self.registry.register(self.collector)
-        self.scrapes = ScrapeCounter(make_wsgi_app(self.registry))
+        self.scrapes = ScrapeCounter(scoped_app(self.registry))
         folder = targets if targets is not None else RunLayout(run_dir).read_spec().site.monitoring_targets
         # Named for its run and job: the cluster exporter publishes it if Slurm runs that job for the
         # file's owner (toolkit/watch/run_targets.py). Outside a Slurm job nothing could vouch for it.

@@ -11,9 +11,21 @@ exporter (toolkit/watch/cluster_metrics, as its own unprivileged user) publishes
   - the file's owner is the job's user (a file is owned by whoever made it; nobody can give theirs away),
   - the address is the job's batch host (where its watchdog runs) and a port,
 
+  - the job's batch script, as Slurm holds it (`scontrol write batch_script`: the exporter's account
+    is a Slurm operator), is ft's for that run: its header names the run, and it ends by handing
+    over to ft's job controller (`exec ... -m toolkit.job`). A plain `sleep` job whose comment and
+    claim name a run is not published. (A user can still write such a script by hand: the shape is
+    checked, not who rendered it; what follows keeps that to their own job's nodes and names.)
+
 and labels it with Slurm's word: run (the job's comment), user, slurm_job. Prometheus reads only the
 published file, in a folder only the exporter writes. A run's own metrics carry none of these labels:
 a user's process may serve anything, but only ever under its own user, job and run.
+
+Each job is published as one target per scope: the run's own series (`scope: job`: Prometheus
+drops any series there that names a node) and one per node Slurm gave the job (`scope: node`,
+`node: <Slurm's name>`, asking the exporter for that node's series alone: `?scope=node&node=N`). A
+node's series are labelled with Slurm's node, whatever the process served: a run serves series for
+its own nodes only, and a GPU alert can fire only for a node the run holds.
 
 A claim whose job has ended is not published (a watchdog lost with its batch host leaves its file).
 The run's name is the job's own word (its comment): alerts and dashboards know a run by its run
@@ -49,6 +61,23 @@ class RunningJob:
     user: str
     batch_host: str
     run: str  # from the job's comment: ft-run=<run>
+    nodes: tuple[str, ...] = ()  # Slurm's, expanded
+
+
+SCRIPT_HEADER = "# ft job script: run {run} of recipe "
+SCRIPT_HANDOVER = re.compile(r"exec \S+ -m toolkit\.job")
+
+
+def script_problem(script: str, run: str) -> str | None:
+    """Why a job's batch script is not ft's for `run` (None: it is): ft's header naming the run as its
+    second line, and its last command the hand-over to ft's job controller."""
+    lines = script.splitlines()
+    if len(lines) < 2 or lines[0] != "#!/bin/bash" or not lines[1].startswith(SCRIPT_HEADER.format(run=run)):
+        return f"its batch script is not ft's job script of run {run}"
+    commands_left = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not commands_left or not SCRIPT_HANDOVER.fullmatch(commands_left[-1]):
+        return "its batch script does not end by handing over to ft's job controller"
+    return None
 
 
 @dataclass(frozen=True)
@@ -77,7 +106,8 @@ def ft_running(listed: list[jobs.QueuedJob]) -> dict[str, RunningJob]:
             continue
         if job.job_id in found:
             doubled.add(job.job_id)
-        found[job.job_id] = RunningJob(job.job_id, job.user, job.batch_host, run)
+        found[job.job_id] = RunningJob(job.job_id, job.user, job.batch_host, run,
+                                       tuple(commands.expand_hostlist(job.nodes)) if job.nodes else ())
     return {job_id: job for job_id, job in found.items() if job_id not in doubled}
 
 
@@ -106,11 +136,14 @@ def read_claim(path: Path, job: RunningJob) -> tuple[str, float]:
     return f"{host}:{port}", info.st_mtime
 
 
-def verified_targets(claims: Path, jobs: dict[str, RunningJob]) -> tuple[list[dict], list[Refusal]]:
-    """file_sd groups for the claims Slurm vouches for (one per job: its user's newest), and why each
-    other claim of a running job is not published (a claim of a job that is not running is ignored:
-    it is the normal end of a lost run). The cost is bounded whatever the folder holds: a name and an
-    lstat per file, and at most MAX_CLAIMS_READ files opened per running job (a watchdog writes one)."""
+def verified_targets(claims: Path, jobs: dict[str, RunningJob],
+                     script: Callable[[RunningJob], str | None] = lambda job: None) -> tuple[list[dict], list[Refusal]]:
+    """file_sd groups for the claims Slurm vouches for (one per job: its user's newest; a group per
+    scope, see above), and why each other claim of a running job is not published (a claim of a job
+    that is not running is ignored: it is the normal end of a lost run). `script(job)` says why the
+    job's batch script is not ft's (None: it is), asked only for a job with a claim to publish. The
+    cost is bounded whatever the folder holds: a name and an lstat per file, and at most
+    MAX_CLAIMS_READ files opened per running job (a watchdog writes one)."""
     refusals: list[Refusal] = []
     owners: dict[int, str] = {}
     candidates: dict[str, list[tuple[float, str]]] = {}
@@ -150,11 +183,27 @@ def verified_targets(claims: Path, jobs: dict[str, RunningJob]) -> tuple[list[di
         if len(found) > MAX_CLAIMS_READ:
             refusals.append(Refusal(f"{len(found) - MAX_CLAIMS_READ} older claims of job {job_id}",
                                     f"not read: a job's newest {MAX_CLAIMS_READ} are"))
-    groups = [{"targets": [address], "labels": {"run": jobs[job_id].run, "user": jobs[job_id].user,
-                                                "slurm_job": job_id}}
-              for job_id, (_, address) in sorted(newest.items())]
+    groups = []
+    for job_id, (_, address) in sorted(newest.items()):
+        job = jobs[job_id]
+        try:
+            why = script(job)
+        except Exception as error:  # noqa: BLE001 - Slurm refusing the script: this job is not published
+            why = f"its batch script could not be read ({str(error) or type(error).__name__})"
+        if why:
+            refusals.append(Refusal(f"job {job_id}'s claim", why[:WHY_MAX]))
+            continue
+        groups += scoped_groups(address, job)
     return groups, refusals[:MAX_REFUSALS] + ([Refusal(f"{len(refusals) - MAX_REFUSALS} more claims", "refused")]
                                               if len(refusals) > MAX_REFUSALS else [])
+
+
+def scoped_groups(address: str, job: RunningJob) -> list[dict]:
+    """The job's targets: its run's own series, then each of its nodes' (Slurm's names)."""
+    who = {"run": job.run, "user": job.user, "slurm_job": job.job_id}
+    return [{"targets": [address], "labels": who | {"scope": "job", "__param_scope": "job"}},
+            *({"targets": [address], "labels": who | {"scope": "node", "node": node, "__param_scope": "node",
+                                                       "__param_node": node}} for node in job.nodes)]
 
 
 def publish(folder: Path, groups: list[dict]) -> bool:
