@@ -6,6 +6,7 @@ beat its base stays a draft; and any byte changed in what the receipt records is
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shutil
 from pathlib import Path
@@ -63,6 +64,10 @@ def test_the_tiny_run_is_evaluated_promoted_and_its_receipt_verifies(lab, tiny_b
     kinds = [json.loads(line)["kind"] for line in (run_dir / "receipt.jsonl").read_text().splitlines()]
     assert kinds[0] == "submit" and "attempt" in kinds and "checkpoint" in kinds and "adapter" in kinds, kinds
     assert receipt["signed"]["user"] == "root" and receipt["signed"]["job_id"] == tiny_baseline["job_id"]
+    # The signer read the job's batch script from Slurm: it is the script entry 1 records.
+    submitted = json.loads((run_dir / "receipt.jsonl").read_text().splitlines()[0])
+    assert receipt["signed"]["job_script"] == submitted["artifacts"]["job_script"]["sha256"]
+    assert receipt["vouched"]["checked"] == [1] and "the user's own word" in receipt["vouched"]["says"]
 
     # Prometheus's last scrape of the run (the watchdog waits for it) carried the evaluation.
     promoted = query(lab.prometheus, f'last_over_time(ft_run_eval_promoted{{run="{run_id}"}}[1h])')
@@ -158,3 +163,38 @@ def test_any_changed_byte_of_an_entry_or_an_artifact_fails_verify_and_is_named(l
         shown = ft("receipt", "verify", run_dir.name, runs_dir=copy.parent)
         assert shown.returncode == FAILED_EXIT, f"{case}: {shown.stdout}{shown.stderr}"
         assert named[case] in shown.stdout, f"{case}: {shown.stdout}"
+
+
+def test_a_plain_job_naming_a_run_gets_no_made_up_receipt_signed(lab, tmp_path):
+    """The review's attack on the lab's real signer and Slurm: a `sleep` job whose comment names a run,
+    and a receipt made up for it (a 70B base model, an evaluation of 0.99) recording ft's job script.
+    Slurm's copy of the job's batch script is the `sleep`: nothing is signed, and no ledger file left."""
+    import subprocess
+    import uuid
+
+    from tests.support.slurm import cancel, job_fields, wait_for
+    from toolkit.cluster.profile import load_profile
+    from toolkit.receipts.chain import Receipt, ReceiptError
+
+    signing = load_profile("lab").receipts
+    run_id = f"made-up-{uuid.uuid4().hex[:8]}"
+    run_dir = lab_runs(lab, "receipts") / run_id
+    run_dir.mkdir()
+    (run_dir / "job.sbatch").write_text(f"#!/bin/bash\n# ft job script: run {run_id} of recipe x on cluster lab.\n"
+                                        "exec python3 -m toolkit.job\n")
+    receipt = Receipt(run_dir)
+    receipt.append("submit", {"run_id": run_id, "model": "llama-70b"}, {"job_script": run_dir / "job.sbatch"})
+    receipt.append("adapter", {"evaluation": 0.99})
+    partition = os.environ.get("FT_TEST_PARTITION", "standard")
+    job = subprocess.run(["sbatch", "--parsable", f"--partition={partition}", f"--comment=ft-run={run_id}",
+                          "--output=/dev/null", "--wrap=sleep 300"], capture_output=True, text=True, cwd="/tmp",
+                         timeout=60, check=True).stdout.strip().split(";")[0]
+    try:
+        wait_for(f"job {job} to start", lambda: job_fields(job).get("JobState") == "RUNNING", timeout=60)
+        with pytest.raises(ReceiptError, match="is not the job script the receipt's first entry records"):
+            receipt.seal(signing.socket)
+    finally:
+        cancel(job)
+    assert not (run_dir / "receipt.sig").exists()
+    if signing.ledger:
+        assert not (Path(signing.ledger) / str(os.getuid()) / f"{run_id}.jsonl").exists()

@@ -146,14 +146,16 @@ def test_prometheus_scrapes_a_run_only_under_slurms_word_of_who_it_is(lab, prome
     """The claims folder is every user's (like runs/). A claim is scraped only when Slurm runs its job
     for the file's owner at the address's host, for the run the file names, and labelled with Slurm's
     word: a file naming another user's job, another host, another run, a job that does not run, or
-    with labels of its own, changes nothing. The exporter that checks them runs as its own
-    unprivileged user."""
+    with labels of its own, changes nothing; nor does a job whose batch script, as Slurm holds it,
+    is not ft's (a plain `sleep` whose comment names a run). A published job is scraped per scope:
+    its run's own series, and each of its nodes' under Slurm's node name. The exporter that checks
+    them runs as its own unprivileged user, a Slurm operator (it reads other users' batch scripts)."""
     import os
     import pwd
     import uuid
 
     from tests.support.prometheus import active_targets
-    from tests.support.slurm import cancel, job_fields
+    from tests.support.slurm import cancel, hostnames, job_fields
 
     bob = "ftlab-bob"
     if bob not in lab.users:
@@ -161,11 +163,21 @@ def test_prometheus_scrapes_a_run_only_under_slurms_word_of_who_it_is(lab, prome
     account = pwd.getpwnam(bob)
     tag = uuid.uuid4().hex[:8]
     partition = os.environ.get("FT_TEST_PARTITION", "standard")
-    submitted = subprocess.run(["runuser", "-u", bob, "--", "sbatch", "--parsable", f"--partition={partition}",
-                                f"--comment=ft-run=bobs-{tag}", "--output=/dev/null", "--wrap=sleep 300"],
-                               capture_output=True, text=True, cwd="/tmp", timeout=60)
-    assert submitted.returncode == 0, submitted.stderr
-    job = submitted.stdout.strip().split(";")[0]
+    # A script of ft's shape (header naming his run, ending by handing over to ft's job controller);
+    # and a plain `sleep` whose comment names a run too.
+    script = tmp_path / "bobs.sbatch"
+    script.write_text(f"#!/bin/bash\n# ft job script: run bobs-{tag} of recipe tiny on cluster lab.\nsleep 300\n"
+                      "exec python3 -m toolkit.job\n")
+    os.chmod(tmp_path, 0o755)
+    script.chmod(0o644)
+    jobs = []
+    for argv in ([str(script)], ["--wrap=sleep 300"]):
+        submitted = subprocess.run(["runuser", "-u", bob, "--", "sbatch", "--parsable", f"--partition={partition}",
+                                    f"--comment=ft-run=bobs-{tag}", "--output=/dev/null", *argv],
+                                   capture_output=True, text=True, cwd="/tmp", timeout=60)
+        assert submitted.returncode == 0, submitted.stderr
+        jobs.append(submitted.stdout.strip().split(";")[0])
+    job, plain = jobs
     claims = Path(lab.shared_dir) / "monitoring" / "targets"
     made: list[Path] = []
 
@@ -185,21 +197,27 @@ def test_prometheus_scrapes_a_run_only_under_slurms_word_of_who_it_is(lab, prome
         claim(f"bobs-{tag}.{job}-0000000c.json", f"{host}:14", account.pw_uid, labels={  # labels of its own
             "run": "alices-run", "user": "ftlab-alice", "__metrics_path__": "/admin/steal"})
         claim(f"nojob-{tag}.999999.json", f"{host}:12", account.pw_uid)  # no such job
+        plain_host = wait_for(f"bob's plain job {plain} to start", lambda: job_fields(plain).get("BatchHost")
+                              if job_fields(plain).get("JobState") == "RUNNING" else None, timeout=60)
+        claim(f"bobs-{tag}.{plain}.json", f"{plain_host}:15", account.pw_uid)  # his, but his job is not ft's
 
         def bobs_target():
-            return next((t for t in active_targets(prometheus) if t["labels"].get("slurm_job") == job), None)
+            return next((t for t in active_targets(prometheus) if t["labels"].get("slurm_job") == job
+                         and t["labels"].get("scope") == "job"), None)
 
         target = wait_for("Prometheus to scrape bob's claim", bobs_target, timeout=60, interval=1)
-        ours = [t for t in active_targets(prometheus) if t["labels"]["job"] == "ft-runs"
-                and t["discoveredLabels"]["__address__"].rsplit(":", 1)[-1] in {"9", "10", "11", "12", "13", "14"}]
+        ours = [t for t in active_targets(prometheus) if t["labels"]["job"] == "ft-runs" and
+                t["discoveredLabels"]["__address__"].rsplit(":", 1)[-1] in {"9", "10", "11", "12", "13", "14", "15"}]
+        nodes = hostnames(job_fields(job)["NodeList"])
     finally:
-        cancel(job)
+        cancel(job, plain)
         for path in made:
             path.unlink(missing_ok=True)
-    assert [t["discoveredLabels"]["__address__"] for t in ours] == [f"{host}:9"]
-    assert target["scrapeUrl"] == f"http://{host}:9/metrics"
+    assert {t["discoveredLabels"]["__address__"] for t in ours} == {f"{host}:9"}
+    assert sorted(t["labels"].get("node", "") for t in ours) == sorted(["", *nodes])  # the run's, each node's
+    assert target["scrapeUrl"] == f"http://{host}:9/metrics?scope=job"
     assert target["labels"] == {"instance": f"{host}:9", "job": "ft-runs", "run": f"bobs-{tag}", "user": bob,
-                                "slurm_job": job}
+                                "slurm_job": job, "scope": "job"}
     published = published_targets(prometheus)
     exporter = pwd.getpwuid(published.stat().st_uid).pw_name
     assert exporter not in {"root", bob} and published.parent.stat().st_uid == published.stat().st_uid
@@ -210,3 +228,4 @@ def test_prometheus_scrapes_a_run_only_under_slurms_word_of_who_it_is(lab, prome
     assert "names host '127.0.0.1'" in said[f"bobs-{tag}.{job}-0000000b.json"]
     assert f"names run alices-run; job {job} runs bobs-{tag}" in said[f"alices-run.{job}.json"]
     assert "the one shape a claim has" in said[f"bobs-{tag}.{job}-0000000c.json"]
+    assert f"is not ft's job script of run bobs-{tag}" in said[f"bobs-{tag}.{plain}.json"]

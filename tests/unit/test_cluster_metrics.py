@@ -297,7 +297,7 @@ def test_a_job_whose_batch_script_is_not_fts_is_not_published(tmp_path, script, 
     publisher = RunPublisher(claims, published, run)
     publisher.once()
     assert json.loads((published / "runs.json").read_text()) == []
-    assert why in publisher.refused["job 42's claim"]
+    assert why in publisher.refused["r1.42.json"]
     (claims / "r1.42.json").touch()
     os.utime(claims, (0, 0))  # the folder changed: another turn
     publisher.once()

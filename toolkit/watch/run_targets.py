@@ -169,7 +169,7 @@ def verified_targets(claims: Path, jobs: dict[str, RunningJob],
                 refusals.append(Refusal(entry.name, (str(error) or type(error).__name__)[:WHY_MAX]))
                 continue
             candidates.setdefault(job.job_id, []).append((info.st_mtime, entry.name))
-    newest: dict[str, tuple[float, str]] = {}
+    newest: dict[str, tuple[float, str, str]] = {}
     for job_id, found in candidates.items():
         found.sort(reverse=True)
         for _, name in found[:MAX_CLAIMS_READ]:
@@ -178,20 +178,20 @@ def verified_targets(claims: Path, jobs: dict[str, RunningJob],
             except Exception as error:  # noqa: BLE001
                 refusals.append(Refusal(name, (str(error) or type(error).__name__)[:WHY_MAX]))
                 continue
-            if made >= newest.get(job_id, (float("-inf"), ""))[0]:
-                newest[job_id] = (made, address)
+            if made >= newest.get(job_id, (float("-inf"), "", ""))[0]:
+                newest[job_id] = (made, address, name)
         if len(found) > MAX_CLAIMS_READ:
             refusals.append(Refusal(f"{len(found) - MAX_CLAIMS_READ} older claims of job {job_id}",
                                     f"not read: a job's newest {MAX_CLAIMS_READ} are"))
     groups = []
-    for job_id, (_, address) in sorted(newest.items()):
+    for job_id, (_, address, name) in sorted(newest.items()):
         job = jobs[job_id]
         try:
             why = script(job)
         except Exception as error:  # noqa: BLE001 - Slurm refusing the script: this job is not published
             why = f"its batch script could not be read ({str(error) or type(error).__name__})"
         if why:
-            refusals.append(Refusal(f"job {job_id}'s claim", why[:WHY_MAX]))
+            refusals.append(Refusal(name, why[:WHY_MAX]))
             continue
         groups += scoped_groups(address, job)
     return groups, refusals[:MAX_REFUSALS] + ([Refusal(f"{len(refusals) - MAX_REFUSALS} more claims", "refused")]
