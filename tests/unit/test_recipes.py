@@ -77,6 +77,13 @@ def test_lora_rank_follows_model_size(name, size, rank):
     assert lora_rank_for(size) == rank
 
 
+@pytest.mark.parametrize("name", ["lab-tests/tiny-5b15a4c7", "org/model-ab12b", "gpt2", "bert-base-uncased"])
+def test_a_name_without_a_size_of_its_own_has_no_size(name):
+    """Digits and a "b" inside a longer token are no size (a pushed model named with a hex suffix was
+    taken for 5B, and refused by the memory plan)."""
+    assert model_size_b(Recipe.model_validate(MINIMAL | {"model": {"base": name}})) is None
+
+
 def test_gradient_accumulation_is_derived(tmp_path):
     path = write(tmp_path, yaml.safe_dump(MINIMAL | {"training": {"micro_batch": 2, "global_batch": 128}}))
     resolved = resolve(path, "hyperpod")

@@ -120,7 +120,9 @@ def model_size_b(recipe: Recipe) -> float | None:
         return recipe.model.params_b
     if recipe.model.base == TINY_MODEL:
         return 0.002
-    match = re.search(r"(?<![\d.])(\d+(?:\.\d+)?)\s*[bB](?![a-zA-Z])", Path(recipe.model.base).name)
+    # A size is a part of the name of its own (Llama-3.1-8B, qwen2.5-7b-instruct, llama-70b): never digits
+    # and a "b" inside a longer token (a revision's or a test's hex, "tiny-5b15a4c7").
+    match = re.search(r"(?:^|[-_./ ])(\d+(?:\.\d+)?)[bB](?=$|[-_. ])", Path(recipe.model.base).name)
     return float(match[1]) if match else None
 
 
