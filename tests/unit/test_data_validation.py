@@ -258,3 +258,27 @@ def test_s3_files_are_validated_through_fsspec(s3, tmp_path, monkeypatch):
     assert validate_file("s3://ft-data/clean.jsonl").ok
     kind, examples = only_error(validate_file("s3://ft-data/broken.jsonl"))
     assert kind == "unparseable" and examples[0].location == "s3://ft-data/broken.jsonl:77"
+
+
+def test_an_overlong_csv_line_is_one_located_error_read_in_bounded_pieces(tmp_path, monkeypatch):
+    """A CSV line past the row bound is named at its line and skipped; the rows after it are read. The
+    csv module never sees it whole: no read returns more than the bound (here 1 MiB)."""
+    from toolkit.data import readers
+
+    monkeypatch.setattr(readers, "MAX_ROW_BYTES", 1 << 20)
+    path = tmp_path / "long.csv"
+    body = ["prompt,completion"] + [f"p{i},c{i}" for i in range(150)]
+    body[61] = "p60," + "x" * (5 << 20)  # 5 MiB on one line
+    path.write_text("\n".join(body) + "\n")
+    longest = []
+    real = readers.BoundedTextLines.__next__
+
+    def watched(self):
+        line = real(self)
+        longest.append(len(line))
+        return line
+
+    monkeypatch.setattr(readers.BoundedTextLines, "__next__", watched)
+    report = validate_file(str(path))
+    assert report.errors["too_large"].examples[0].location == f"{path}:62"
+    assert report.rows == 150 and list(report.errors) == ["too_large"] and max(longest) <= 1 << 20

@@ -137,19 +137,51 @@ def read_jsonl(stream) -> Iterator[Row]:
         yield Row(number, value)
 
 
+class LineTooLong(Exception):
+    """A CSV line longer than MAX_ROW_BYTES (its rest is skipped: the reader goes on at the next)."""
+
+
+class BoundedTextLines:
+    """A text file's lines for the csv module, each read with a bound: an overlong one raises
+    LineTooLong once, its rest skipped in pieces, and the lines after it still come (the csv reader
+    starts each record afresh). Memory stays bounded whatever the file holds: csv would read a 1.6 GiB
+    line whole before its field limit could say no."""
+
+    def __init__(self, text, limit: int | None = None):
+        self.text, self.limit, self.count = text, limit or MAX_ROW_BYTES, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        line = self.text.readline(self.limit + 1)
+        if not line:
+            raise StopIteration
+        self.count += 1
+        if len(line) > self.limit and not line.endswith("\n"):
+            while line and not line.endswith("\n"):
+                line = self.text.readline(1 << 20)
+            raise LineTooLong(self.count)
+        return line
+
+
 def read_csv(stream) -> Iterator[Row]:
     head = stream.peek(3)[:3] if hasattr(stream, "peek") else b""
     if head == codecs.BOM_UTF8:
         yield Row(1, None, Problem("bom", "the file starts with a UTF-8 byte-order mark; save it without one"))
         stream.read(3)
-    text = io.TextIOWrapper(stream, encoding="utf-8", errors="strict", newline="")
-    reader = csv.DictReader(text)
+    lines = BoundedTextLines(io.TextIOWrapper(stream, encoding="utf-8", errors="strict", newline=""))
+    reader = csv.DictReader(lines)
     start = 2  # line 1 is the header
     while True:
         try:
             record = next(reader)
         except StopIteration:
             return
+        except LineTooLong as exc:
+            yield Row(exc.args[0], None, Problem("too_large", f"the line is longer than {MAX_ROW_BYTES >> 20} MiB"))
+            start = lines.count + 1
+            continue
         except UnicodeDecodeError as exc:
             problem = Problem("encoding", f"invalid UTF-8 ({exc.reason}); reading stops here")
             yield Row(reader.line_num + 1, None, problem)
