@@ -282,3 +282,29 @@ def test_an_overlong_csv_line_is_one_located_error_read_in_bounded_pieces(tmp_pa
     report = validate_file(str(path))
     assert report.errors["too_large"].examples[0].location == f"{path}:62"
     assert report.rows == 150 and list(report.errors) == ["too_large"] and max(longest) <= 1 << 20
+
+
+def test_a_parquet_of_dictionary_strings_is_read_a_few_rows_at_a_time_with_rows_bounded(tmp_path, monkeypatch):
+    """A small file whose dictionary page holds one long string used by 64 rows: rows become Python
+    objects a few at a time (the whole batch at once made gigabytes in the review; 64 MiB here), and
+    each row past the bound is one located error."""
+    import tracemalloc
+
+    from toolkit.data import readers
+
+    monkeypatch.setattr(readers, "MAX_ROW_BYTES", 512 << 10)
+    long = "y" * (1 << 20)
+    path = tmp_path / "dictionary.parquet"
+    table = pa.table({"prompt": pa.array([long] * 64 + [f"p{i}" for i in range(120)]).dictionary_encode(),
+                      "completion": [f"c{i}" for i in range(184)]})
+    pq.write_table(table, path, compression="zstd")
+    del table
+    assert path.stat().st_size < 64 << 10  # the long string is stored once, compressed
+    tracemalloc.start()
+    try:
+        report = validate_file(str(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert report.errors["too_large"].count == 64 and report.errors["too_large"].examples[0].location == f"{path}:1"
+    assert peak < 32 << 20, f"{peak / 2**20:.0f} MiB of Python objects at once"
