@@ -165,10 +165,10 @@ def test_prometheus_scrapes_a_run_only_under_slurms_word_of_who_it_is(lab, prome
     partition = os.environ.get("FT_TEST_PARTITION", "standard")
     # A script of ft's shape (header naming his run, ending by handing over to ft's job controller);
     # and a plain `sleep` whose comment names a run too.
-    script = tmp_path / "bobs.sbatch"
+    script = Path(lab.shared_dir) / "tests" / f"bobs-{tag}.sbatch"  # where bob may read it
+    script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(f"#!/bin/bash\n# ft job script: run bobs-{tag} of recipe tiny on cluster lab.\nsleep 300\n"
                       "exec python3 -m toolkit.job\n")
-    os.chmod(tmp_path, 0o755)
     script.chmod(0o644)
     jobs = []
     for argv in ([str(script)], ["--wrap=sleep 300"]):
@@ -211,6 +211,7 @@ def test_prometheus_scrapes_a_run_only_under_slurms_word_of_who_it_is(lab, prome
         nodes = hostnames(job_fields(job)["NodeList"])
     finally:
         cancel(job, plain)
+        script.unlink(missing_ok=True)
         for path in made:
             path.unlink(missing_ok=True)
     assert {t["discoveredLabels"]["__address__"] for t in ours} == {f"{host}:9"}

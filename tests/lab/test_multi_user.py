@@ -23,6 +23,7 @@ from tests.support.s3 import filesystem
 from tests.support.slurm import wait_for
 from tests.support.training import tiny_recipe
 from toolkit.checkpoint import manifest
+from toolkit.checkpoint.remote import RemoteTier
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny-lora-sft.yaml"
@@ -226,10 +227,10 @@ def test_a_checkpoint_planted_in_alices_mirror_is_never_resumed_from_nor_counted
     assert f"checkpoint {PLANTED} in the object store ({planted_mirror}) is unusable" in rank0, rank0[-3000:]
     assert "names no lineage" in rank0 and "resumed from checkpoint" not in rank0
     store = filesystem(lab.object_store.env)
-    tags = sorted(path.rsplit("/", 1)[-1] for path in store.ls(planted_mirror.removeprefix("s3://")))
-    assert tags == ["step-00000100", "step-00000120", PLANTED]  # keep_last 2 of hers; the planted one not hers to prune
-    for tag in tags[:2]:  # hers are sealed with her key, which bob cannot read
-        sealed = manifest.Manifest.from_json(store.cat_file(f"{planted_mirror.removeprefix('s3://')}/{tag}/manifest.json"))
+    mirror = RemoteTier(planted_mirror, keep_last=2, filesystem=store)  # what the root identity sees there
+    assert mirror.tags() == [PLANTED, "step-00000120", "step-00000100"]  # keep_last 2 of hers; not hers to prune
+    for tag in mirror.tags()[1:]:  # hers are sealed with her key, which bob cannot read
+        sealed = mirror.manifest(tag)
         assert sealed.seal and sealed.lineage
     key = Path(lab.shared_dir) / "keys" / f"uid-{pwd.getpwnam(ALICE).pw_uid}" / "checkpoint-seal.key"
     assert as_user(BOB, "cat", str(key)).returncode != 0

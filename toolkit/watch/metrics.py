@@ -312,8 +312,9 @@ def scoped_app(registry):
 
 
 class ScrapeCounter:
-    """A WSGI app around prometheus_client's: counts the scrapes answered (the body written and
-    closed, not merely begun), so the exporter's end can wait for one whole last scrape."""
+    """A WSGI app around prometheus_client's: counts the scrapes of the run's own series answered (the
+    body written and closed, not merely begun), so the exporter's end can wait for one whole last
+    scrape of them (a node's scrape is not counted: it carries none of the run's last state)."""
 
     def __init__(self, app):
         self.app = app
@@ -324,12 +325,14 @@ class ScrapeCounter:
     def __call__(self, environ, start_response):
         with self.changed:
             self.active += 1
+        # Only a scrape of the run's own series counts (a node's scope carries no loss, no evaluation).
+        own = "scope=node" not in environ.get("QUERY_STRING", "")
         try:
             body = self.app(environ, start_response)
         except BaseException:
             self.done(answered=False)
             raise
-        return Answer(body, self.done)
+        return Answer(body, lambda: self.done(answered=own))
 
     def done(self, answered: bool = True) -> None:
         with self.changed:
