@@ -6,8 +6,11 @@ the models bucket, so the store alone cannot say a model is the one that was pus
 the folder is sticky (as /tmp: nobody renames or deletes another's file in it) and made by root (the
 ft_profile role) or the user who owns the shared root, and the record holds the sha256 of the
 manifest `ft model push` uploaded, which names every file's sha256. A reader takes a model only when
-the manifest it fetches is the one its record names. The first pusher of a name owns it: a later
-push of the same name by someone else is refused (an admin, as root, may replace it).
+the manifest it fetches is the one its record names, and the record is an admin's (root's) or the
+reader's own: a record of another user's proves only that they pushed something, and with one
+shared identity they could push anything under a name a colleague will use. The first pusher of a
+name owns it: a later push of the same name by someone else is refused (an admin, as root, may
+replace it).
 
     {"model": entry, "manifest_sha256": hex, "pushed_by": login, "pushed_at": unix time}
 """
@@ -28,6 +31,7 @@ from toolkit.shared_dirs import (
     open_regular,
     require_trusted,
     shared_root_path,
+    trusted_owners,
     user_name,
 )
 
@@ -73,6 +77,10 @@ def check(shared_root: str, entry: str, raw_manifest: bytes) -> str | None:
         return (f"nobody pushed it through ft here (no record {path}): push it again with `ft model push`, "
                 "which records who pushed which files")
     record, owner = found
+    if owner not in trusted_owners():
+        return (f"it was pushed by {user_name(owner)}, not by an admin or you: on a site whose jobs share one "
+                "object-store identity anyone could have replaced it, so models others pushed are taken from "
+                "admins alone (ask the admins to push it, or push your own copy under another name)")
     if record["manifest_sha256"] != manifest_sha256(raw_manifest):
         return (f"its manifest in the store is not the one {user_name(owner)} pushed (changed since, by whoever "
                 f"can write the bucket): ask them to push it again")

@@ -27,8 +27,8 @@ def squeue_answer(*jobs: dict) -> str:
                                 for index, job in enumerate(jobs)]})
 
 
-# What every fake job runs, as Slurm holds it: the job script the test receipts record.
-JOB_SCRIPT = "#!/bin/bash\n# ft job script: a test's run\nexec python3 -m toolkit.launch\n"
+# What every fake job runs, as Slurm holds it: the job script the test receipts record (ft's, of run-1).
+JOB_SCRIPT = "#!/bin/bash\n# ft job script: run run-1 of recipe tiny on cluster lab.\nexec python3 -m toolkit.job\n"
 
 
 class FakeSqueue:

@@ -172,3 +172,30 @@ def test_without_a_sealer_the_tier_takes_any_whole_checkpoint(tmp_path, store, s
     plant(store, sealed_remote, LINEAGE)
     plain = RemoteTier(sealed_remote.url, keep_last=2, filesystem=store)
     assert plain.download(PLANTED, tmp_path / "landing", LINEAGE).step == manifest.step_of(PLANTED)
+
+
+def test_her_own_sealed_manifest_copied_under_newer_tags_counts_for_nothing(tmp_path, store, sealer):
+    """The second review's attack: a sealed manifest of hers, copied alone under newer tags, made prune
+    keep those and remove every real checkpoint. A checkpoint counts as hers only at its own step."""
+    _, remote = mirrored(tmp_path, store, sealer, steps=(10, 20, 30))
+    remote.lineage = LINEAGE
+    hers = store.cat_file(remote._path(tag_for(30), manifest.MANIFEST))
+    for copied in ("step-99999998", PLANTED):
+        store.pipe_file(remote._path(copied, manifest.MANIFEST), hers)
+    assert not remote.owned(PLANTED) and remote.owned(tag_for(30))
+    remote.prune()
+    assert remote.tags() == [PLANTED, "step-99999998", tag_for(30), tag_for(20)]  # hers kept, theirs left alone
+
+
+def test_a_staging_folder_another_user_made_first_stops_the_run_before_training(tmp_path):
+    from toolkit.train.checkpoint import staging_folder
+    from toolkit.train.loop import RunEnds
+
+    mine = staging_folder(str(tmp_path / "fast" / "mine"))
+    assert mine.is_dir() and oct(mine.stat().st_mode & 0o777) == "0o700"
+    if os.getuid() == 0:
+        taken = tmp_path / "fast" / "taken"
+        taken.mkdir(mode=0o777)
+        os.chown(taken, 65534, 65534)
+        with pytest.raises(RunEnds, match="checkpoint.staging .* cannot hold this run's checkpoints"):
+            staging_folder(str(taken))

@@ -183,3 +183,16 @@ def test_a_record_folder_another_user_owns_is_not_trusted(tmp_path):
         os.chown(records, 65534, 65534)
     problem = model_records.check(shared_root(tmp_path), "org--x", b"{}")
     assert problem and "cannot be trusted" in problem
+
+
+def test_a_record_another_user_made_is_not_taken_by_anyone_elses_jobs(tmp_path, s3_env, store, monkeypatch):
+    """With one shared identity, whoever pushes a name first could have pushed anything: a model whose
+    record is not an admin's (root's) or the reader's own is refused, naming who pushed it."""
+    from toolkit import model_records
+
+    assert push(tmp_path, s3_env, write_model_folder(tmp_path / "source"), "org/by-bob").returncode == 0
+    os.chown(model_records.record_path(shared_root(tmp_path), "org--by-bob"), 65534, 65534)
+    monkeypatch.setenv("FT_MODEL_CACHE_LOCAL", str(tmp_path / "local"))
+    if os.getuid() == 0:  # root reads: a record of uid 65534's is not root's
+        with pytest.raises(ModelFolderBroken, match="pushed by .* not by an admin or you"):
+            find_model("org--by-bob", shared_root(tmp_path), f"s3://{BUCKET}", print)

@@ -262,3 +262,13 @@ def test_one_job_signs_one_run_however_its_comment_changes(key, tmp_path):
             ask(tmp_path / "s.sock", run_id="run-2")
     runs = sorted(path.name for path in (ledger / str(os.getuid())).glob("*.jsonl"))
     assert runs == ["run-1.jsonl"]
+
+
+def test_a_receipt_whose_first_entry_records_a_plain_script_is_not_signed(key, tmp_path):
+    """The second review's attack: entry 1 made up to record the `sleep` script the job really runs.
+    The digests match; the script is not ft's, and nothing is signed."""
+    sleep = "#!/bin/bash\nsleep 600\n"
+    squeue = FakeSqueue({"job_id": 41}, scripts={"41": sleep})
+    with running_signer(key[0], tmp_path / "s.sock", squeue), \
+            pytest.raises(ReceiptError, match="job 41's batch script is not ft's"):
+        ask(tmp_path / "s.sock", first=submit_entry(script=sleep))

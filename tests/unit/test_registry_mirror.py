@@ -173,3 +173,15 @@ def test_sync_repairs_a_version_changed_in_the_store_by_whoever_can_write_it(tmp
         if name.startswith(f"versions/{version.id}/"):
             assert content == (registry.layout.root / name).read_bytes(), name
     assert registry.sync().versions == []  # whole again: nothing more to do
+
+
+def test_sync_removes_files_planted_beside_a_mirrored_adapter(tmp_path, url):
+    """A file added to the version's adapter folder in the store (a server would load it beside the
+    adapter): the copy is not the registered one, and sync puts back exactly the registered files."""
+    registry, _ = make(tmp_path, url)
+    version = registry.register(write_adapter(tmp_path / "adapter"), record())
+    planted = f"{url.removeprefix('memory:/')}/versions/{version.id}/adapter/new_embeddings.safetensors"
+    MemoryFileSystem().pipe_file(planted, b"planted")
+    assert registry.sync().versions == [version.id]
+    assert f"versions/{version.id}/adapter/new_embeddings.safetensors" not in mirrored(url)
+    assert registry.sync().versions == []

@@ -62,9 +62,11 @@ def test_a_running_ft_job_is_scraped_and_signed_on_every_release(release):
     """What the run targets and the signer trust: Slurm's running jobs of ft's (the defect of 23.11
     on: job_state became a list, and no run was ever published or signed)."""
     running = run_targets.running_ft_jobs(answering(release, {"squeue": "squeue-all.json"}))
-    job_id = next(job.job_id for job in jobs.parse_queue(recorded(release, "squeue-all.json"))
+    queued = next(job for job in jobs.parse_queue(recorded(release, "squeue-all.json"))
                   if job.comment == "ft-run=recorded")
-    assert list(running.values()) == [run_targets.RunningJob(job_id, "root", "node1", "recorded")]
+    (found,) = running.values()
+    assert found == run_targets.RunningJob(queued.job_id, "root", "node1", "recorded", found.nodes)
+    assert found.nodes and found.nodes[0] == "node1"  # Slurm's nodes, expanded: each is a target of its own
 
 
 def test_a_requeued_job_waits_with_its_reason(release):

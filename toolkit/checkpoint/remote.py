@@ -37,6 +37,7 @@ class RemoteTier:
     filesystem: object = field(default=None, repr=False)
     # Only checkpoints sealed with the user's key are taken, or counted when pruning (None: any).
     sealer: Sealer | None = field(default=None, repr=False)
+    lineage: str | None = None  # the run's: a checkpoint counted as the user's is of it
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -80,13 +81,17 @@ class RemoteTier:
         return get_folder(self.filesystem, self._path(tag), destination, lineage, self.sealer)
 
     def owned(self, tag: str) -> bool:
-        """Whether a whole checkpoint here is sealed with the user's key (always, with no sealer)."""
+        """Whether a whole checkpoint here is the user's own, of this tag and this run's lineage (always,
+        with no sealer). The step and lineage too: a sealed manifest of theirs copied under newer tags
+        would otherwise count as their newest, and have prune remove their real checkpoints."""
         if self.sealer is None:
             return True
         try:
-            return self.sealer.problem(self.manifest(tag)) is None
+            described = self.manifest(tag)
         except RemoteProblem:
             return False
+        return (described.step == step_of(tag) and (not self.lineage or described.lineage == self.lineage)
+                and self.sealer.problem(described) is None)
 
     def prune(self) -> None:
         """Keep the newest keep_last checkpoints; remove older ones, manifest first (so a reader

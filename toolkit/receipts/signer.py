@@ -14,8 +14,10 @@ and gets one back: {payload, signature}, or {error}. It signs
 for the client the kernel names (SO_PEERCRED: its uid, not anything it says) only while Slurm runs a
 job of that user whose comment names that run (`squeue --all --json`; the job's user is Slurm's
 word), and only when that job's batch script, as Slurm holds it (`scontrol write batch_script`: the
-signer's account is a Slurm operator), is the job script the first entry records: a job that runs
-anything else (a `sleep` with a made-up receipt) gets nothing signed. `first` is that entry's hash,
+signer's account is a Slurm operator), is the job script the first entry records, and has ft's
+shape for that run (toolkit/watch/run_targets.script_problem): a job that runs anything else (a
+`sleep` with a made-up receipt) gets nothing signed. (A script of ft's shape written by hand still
+passes: the signer vouches for what Slurm ran, not for who rendered it.) `first` is that entry's hash,
 `job_script` the script's sha256, and `checked` the entries the signer could check ([1]); every later
 entry is written by the job's own processes, the user's word, which `ft receipt verify` says. One
 job signs one run: the first run signed for a job pins it (a job whose comment is changed to name
@@ -37,6 +39,7 @@ import argparse
 import base64
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import signal
@@ -313,20 +316,23 @@ class Signer:
             job = running[0]
             raise Refused(f"job {job.job_id} had run {self.ledger.bound_run(uid, job.job_id)} signed: a job signs "
                           "one run")
-        matching = []
+        matching, why = [], ""
         for job in free:
             try:
-                script = jobs.batch_script_sha256(job.job_id, self.run, timeout=SQUEUE_TIMEOUT_S)
+                script = jobs.batch_script(job.job_id, self.run, timeout=SQUEUE_TIMEOUT_S)
             except commands.SlurmCommandError as exc:
                 raise Refused(f"Slurm would not show job {job.job_id}'s batch script ({exc.message}): ask the "
                               "admins (the signer's account is a Slurm operator: ansible/roles/ft_signer)") from None
-            if script == request.job_script:
+            if hashlib.sha256(script.encode()).hexdigest() != request.job_script:
+                why = why or (f"job {job.job_id}'s batch script, as Slurm holds it, is not the job script the "
+                              f"receipt's first entry records (sha256 {request.job_script[:12]}): a receipt is "
+                              "signed only for the job that runs it")
+            elif problem := run_targets.script_problem(script, request.run_id):
+                why = why or f"job {job.job_id}'s batch script is not ft's: {problem}"
+            else:
                 matching.append(job)
         if not matching:
-            job = free[0]
-            raise Refused(f"job {job.job_id}'s batch script, as Slurm holds it, is not the job script the receipt's "
-                          f"first entry records (sha256 {request.job_script[:12]}): a receipt is signed only for the "
-                          "job that runs it")
+            raise Refused(why)
         return matching
 
 

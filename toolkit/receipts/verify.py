@@ -217,9 +217,9 @@ def check_vouched(payload: dict, count: int, entries: list[tuple[int, dict]], ve
     later = f"entries 2-{count}" if count > 2 else "entry 2" if count == 2 else "none"
     verdict.vouched = {"checked": [1], "users_word": later,
                        "says": f"checked by the site's signer against Slurm: job {payload['job_id']} ran for "
-                               f"{payload['user']}, and its batch script is entry 1's job script (sha256 "
-                               f"{str(payload['job_script'])[:12]}); {later}: written by the job's processes, "
-                               "the user's own word"}
+                               f"{payload['user']}, and its batch script is entry 1's job script, of ft's shape "
+                               f"(sha256 {str(payload['job_script'])[:12]}); {later}: written by the job's "
+                               "processes, the user's own word"}
 
 
 def parse_signature(raw: bytes) -> tuple[dict | None, str]:

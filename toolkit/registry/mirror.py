@@ -72,7 +72,8 @@ class RegistryMirror:
         if self.filesystem.exists(done):
             if self.matches(layout, record):
                 return False
-            self.filesystem.rm(done)
+            self.filesystem.rm(done)  # first: no reader takes the version while it is repaired
+            self.filesystem.rm(self._key(layout.relative(layout.version(record.id))), recursive=True)
         for path in [*(layout.adapter(record.id) / name for name in record.files), layout.serving(record.id),
                      layout.version_record(record.id)]:
             try:
@@ -89,14 +90,19 @@ class RegistryMirror:
 
     def matches(self, layout: RegistryLayout, record: VersionRecord) -> bool:
         """Whether the mirror's copy of a version is the registered one: its records byte for byte,
-        each adapter file by size and sha256 (read back whole: adapters are small, and a changed file
-        of the same size is found only so)."""
+        the adapter's files exactly the recorded ones, each by size and sha256 (read back whole:
+        adapters are small, and a changed file of the same size is found only so)."""
         for path in (layout.version_record(record.id), layout.serving(record.id)):
             try:
                 if self.filesystem.cat_file(self._key(layout.relative(path))) != read_bounded(path, MAX_RECORD_BYTES):
                     return False
             except FileNotFoundError:
                 return False
+        folder = self._key(layout.relative(layout.adapter(record.id)))
+        self.filesystem.invalidate_cache(folder)
+        present = {key.removeprefix(folder + "/") for key in self.filesystem.find(folder)}
+        if present != set(record.files):  # a file added beside the adapter (a server would read it too)
+            return False
         for name, expected in record.files.items():
             key = self._key(layout.relative(layout.adapter(record.id) / name))
             try:

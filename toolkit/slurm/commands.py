@@ -101,7 +101,9 @@ def run(argv: list[str], timeout: float = DEFAULT_TIMEOUT_S, check: bool = True)
         raise SlurmUnavailable(f"{argv[0]} is not installed on this host",
                                hint="install Slurm's client tools, or run `ft lab up` for the local lab")
     try:
-        completed = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+        # errors="replace": a job's comment is any bytes its user set; one that is not UTF-8 must not
+        # make every user's `squeue --json` unreadable (the signer, the run targets).
+        completed = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=timeout,
                                    env=slurm_env(), stdin=subprocess.DEVNULL, check=False)
     except subprocess.TimeoutExpired as exc:
         raise SlurmUnavailable(f"`{' '.join(argv)}` did not answer within {timeout:.0f} s",

@@ -209,6 +209,25 @@ class Checkpointer:
             self.mirror.close(upload_wait)
 
 
+def staging_folder(staging: str | None) -> Path | None:
+    """The recipe's checkpoint.staging, made the user's alone (0700) or found theirs: a folder another
+    user made there first would read and move the run's checkpoints. None: the run's own folder."""
+    if not staging:
+        return None
+    from toolkit.errors import FtError
+    from toolkit.shared_dirs import private_dir
+    from toolkit.train.loop import RunEnds
+    from toolkit.watch import exits
+
+    path = Path(staging)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return private_dir(path)
+    except (OSError, FtError) as exc:
+        raise RunEnds(exits.USER_ERROR, f"checkpoint.staging {path} cannot hold this run's checkpoints: {exc}") \
+            from None
+
+
 def owners_sealer(shared_root: str) -> Sealer:
     """The run's owner's seal (toolkit/checkpoint/seal.py), from their key on the cluster's shared root.
     A run that cannot seal stops before training: it could not tell its checkpoints from planted ones."""
@@ -230,11 +249,11 @@ def checkpointer_for(layout, spec, engine, dist, progress, log: Callable[[str], 
     recipe = spec.recipe
     rank, world = dist.get_rank(), dist.get_world_size()
     sealer = owners_sealer(spec.site.shared_root) if rank == 0 else None  # rank 0 publishes, mirrors, chooses
-    shared = SharedTier(Path(recipe.checkpoint.staging or layout.checkpoints), recipe.checkpoint.keep_last,
+    shared = SharedTier(staging_folder(recipe.checkpoint.staging) or layout.checkpoints, recipe.checkpoint.keep_last,
                         sealer=sealer)
     url = mirror_url(recipe.checkpoint.s3_mirror, spec.site.s3_prefix,
                      os.environ.get("FT_RUN_ID") or layout.root.name)
-    remote = RemoteTier(url, recipe.checkpoint.keep_last, sealer=sealer) if url else None
+    remote = RemoteTier(url, recipe.checkpoint.keep_last, sealer=sealer, lineage=lineage_of(recipe)) if url else None
     board = StatusBoard(layout.checkpoint_status if rank == 0 else None, url)
     every = recipe.checkpoint.every_minutes
     history = (0, 0.0)

@@ -115,7 +115,9 @@ class RunPublisher:
         self.seen: int | None = None  # the claims folder's change time at the last turn
         self.asked = float("-inf")
         self.refused: dict[str, str] = {}  # claim -> why, said once (forgotten once the claim is gone)
-        self.scripts: dict[str, str | None] = {}  # job -> why its batch script is not ft's (a job's never changes)
+        # (job, run) -> why its batch script is not ft's for that run (a job's script never changes; its
+        # comment, which names the run, may)
+        self.scripts: dict[tuple[str, str], str | None] = {}
 
     def once(self) -> None:
         # Watchdogs write claims whole under a new name and rename them: the folder's own change time
@@ -131,7 +133,7 @@ class RunPublisher:
         except FtError:
             return  # Slurm silent: what was published stays until it answers again
         self.seen, self.asked = listing, time.monotonic()
-        self.scripts = {job_id: why for job_id, why in self.scripts.items() if job_id in jobs}
+        self.scripts = {key: why for key, why in self.scripts.items() if key[0] in jobs}
         groups, refusals = run_targets.verified_targets(self.claims, jobs, self.script_problem)
         refused = {refusal.claim: refusal.why for refusal in refusals}
         for claim, why in refused.items():
@@ -142,10 +144,11 @@ class RunPublisher:
 
     def script_problem(self, job: run_targets.RunningJob) -> str | None:
         """Why the job's batch script is not ft's for its run (None: it is), asked of Slurm once a job."""
-        if job.job_id not in self.scripts:
+        key = (job.job_id, job.run)
+        if key not in self.scripts:
             script = slurm_jobs.batch_script(job.job_id, self.run, timeout=COMMAND_TIMEOUT_S)
-            self.scripts[job.job_id] = run_targets.script_problem(script, job.run)
-        return self.scripts[job.job_id]
+            self.scripts[key] = run_targets.script_problem(script, job.run)
+        return self.scripts[key]
 
     def forever(self, stopped: threading.Event) -> None:
         while True:

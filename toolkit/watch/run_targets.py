@@ -65,7 +65,7 @@ class RunningJob:
 
 
 SCRIPT_HEADER = "# ft job script: run {run} of recipe "
-SCRIPT_HANDOVER = re.compile(r"exec \S+ -m toolkit\.job")
+SCRIPT_HANDOVER = re.compile(r"exec .+ -m toolkit\.job")  # the interpreter as the template quotes it
 
 
 def script_problem(script: str, run: str) -> str | None:
