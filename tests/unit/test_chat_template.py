@@ -25,7 +25,8 @@ HOSTILE = {
     "a filter asked for a huge string": ("{{ 'x' | center(10**10) }}", "asks a call for"),
     "a method asked for a huge string": ("{{ 'x'.ljust(10**10) }}", "asks a call for"),
     "doubling through a namespace": ("{% set ns = namespace(s='x') %}{% for i in range(64) %}"
-                                     "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}", "stores a value"),
+                                     "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+                                     "stores a value|joins text of more than"),
     "a refused call": ("{{ messages.append(1) }}", "SecurityError"),
     "endless recursion": ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
     "a syntax error": ("{% for m in messages %}", "does not parse"),
@@ -33,6 +34,12 @@ HOSTILE = {
     "a float formatted very wide": ("{{ '%.999999999f' % 1.0 }}", "wider than"),
     "an unknown codec": ("{{ messages[0].content.encode('nope') }}", "LookupError"),
     "a 5000-digit literal": ("{{ " + "9" * 5000 + " }}", "does not parse|failed"),
+    # `~` in a plain variable (no namespace): 3 GB before the timer, in the first review.
+    "doubling with ~": ("{% macro d(s, n) %}{% if n %}{{ d(s ~ s, n - 1) }}{% else %}{{ s | length }}{% endif %}"
+                        "{% endmacro %}{{ d(messages[0].content, 40) }}", "joins text of more than"),
+    "doubling with ~ into the output": ("{% for i in range(40) %}{{ messages[0].content ~ messages[0].content * 1000 "
+                                        "~ messages[0].content * 1000 }}{% endfor %}",
+                                        "joins text of more than|renders more than|repeats a value"),
 }
 
 

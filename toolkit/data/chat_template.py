@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
@@ -55,9 +56,32 @@ def _too_big(value: object) -> bool:
     return isinstance(value, str | bytes | list | tuple | dict) and len(value) > MAX_TEXT
 
 
+class _BoundedCode(CodeGenerator):
+    """jinja2's code generator, with `~` (string concatenation) joined by the environment's bounded
+    join: `{% set a = a ~ a %}` in a loop doubled a string past gigabytes before the timer could stop
+    it (jinja2 compiles `~` to a plain join no sandbox sees, and folds constant ones at compile time)."""
+
+    def visit_Concat(self, node, frame) -> None:
+        self.write("environment.bounded_join((")
+        for argument in node.nodes:
+            self.visit(argument, frame)
+            self.write(", ")
+        self.write("))")
+
+
 class BoundedEnvironment(ImmutableSandboxedEnvironment):
     # Intercepted operators are also never folded at compile time, outside every bound below.
     intercepted_binops = frozenset({"*", "**", "+", "%"})
+    code_generator_class = _BoundedCode
+
+    @staticmethod
+    def bounded_join(parts: tuple) -> str:
+        """What `~` makes, refused past MAX_TEXT characters before it is made."""
+        _charge()
+        texts = [part if isinstance(part, str) else str(part) for part in parts]
+        if sum(map(len, texts)) > MAX_TEXT:
+            raise ChatTemplateError(f"it joins text of more than {MAX_TEXT:,} characters")
+        return "".join(texts)
 
     def __init__(self) -> None:
         super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
