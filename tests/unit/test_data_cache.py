@@ -260,3 +260,26 @@ def test_a_data_file_gone_by_the_time_the_job_reads_it_is_a_user_error_no_restar
     with pytest.raises(RunEnds) as ended:
         load_split(recipe, Path("tiny-llama"), tmp_path, 0, None, print, gone, "train", False)
     assert ended.value.code == 4 and "cannot be read" in str(ended.value)
+
+
+def test_a_long_conversation_is_encoded_as_before_with_renders_bounded_by_max_len():
+    """Turns past max_len are cut anyway: a 2,000-turn row renders its prefixes only up to max_len and
+    the whole once (it rendered 2,000 growing prefixes: quadratic), with the same ids, labels, length."""
+    tok = load_length_counter("tiny-llama")
+    chat = [{"role": "user" if turn % 2 == 0 else "assistant", "content": f"turn {turn} says hello"}
+            for turn in range(2000)]
+    renders = []
+    real = tok.render_chat
+    tok.render_chat = lambda messages: renders.append(len(messages)) or real(messages)
+    (ids, labels, length), = encode_rows([{"messages": chat}], "chat", tok, 128)
+    assert len(renders) < 40 and renders[-1] == 2000
+    assert length == len(tok.ids([real(chat)])[0]) and len(ids) == len(labels) == 128
+    full_ids, full_labels = [], []
+    for turn in range(len(chat)):  # the per-turn rule, all the way, as it was
+        prefix = tok.ids([real(chat[: turn + 1])])[0]
+        new = prefix[len(full_ids):]
+        full_labels += new if chat[turn]["role"] == "assistant" else [IGNORE] * len(new)
+        full_ids = prefix
+        if len(full_ids) > 200:
+            break
+    assert ids == full_ids[:128] and labels == full_labels[:128]

@@ -48,4 +48,8 @@ def _chat(messages: list[dict], tok: LengthCounter, max_len: int) -> tuple[list[
         new = prefix[len(ids):]
         ids = prefix
         labels += new if messages[turn]["role"] == "assistant" else [IGNORE] * len(new)
+        if len(ids) >= max_len and turn + 1 < len(messages):
+            # The rest is cut at max_len anyway: one render of the whole conversation for its length,
+            # not one per turn (a 2,000-turn row cost 2,000 renders of a growing prefix: quadratic).
+            return ids[:max_len], labels[:max_len], len(tok.ids([tok.render_chat(messages)])[0])
     return ids[:max_len], labels[:max_len], len(ids)
