@@ -308,3 +308,17 @@ def test_a_parquet_of_dictionary_strings_is_read_a_few_rows_at_a_time_with_rows_
         tracemalloc.stop()
     assert report.errors["too_large"].count == 64 and report.errors["too_large"].examples[0].location == f"{path}:1"
     assert peak < 32 << 20, f"{peak / 2**20:.0f} MiB of Python objects at once"
+
+
+def test_rows_are_checked_in_batches_bounded_by_their_size_not_only_their_count(tmp_path, monkeypatch):
+    """2,048 rows of up to 16 MiB each were held at once (32 GiB): a batch is also cut at BATCH_BYTES."""
+    from toolkit.data import validate
+
+    monkeypatch.setattr(validate, "BATCH_BYTES", 1 << 20)
+    path = write_jsonl(tmp_path / "large.jsonl", [{"prompt": "p" * (300 << 10), "completion": f"c{i}"}
+                                                  for i in range(120)])
+    held = []
+    real = validate._Pass.flush
+    monkeypatch.setattr(validate._Pass, "flush", lambda self: held.append(len(self.pending)) or real(self))
+    report = validate_file(str(path))
+    assert report.rows == 120 and max(held) <= 4  # 300 KiB rows, 1 MiB a batch

@@ -15,13 +15,16 @@ from dataclasses import asdict, dataclass, field
 from toolkit.data import pii
 from toolkit.data.chat_template import ChatTemplateError
 from toolkit.data.encode import encode_rows, sequences_per_row
-from toolkit.data.readers import Row, UnsupportedFile, open_rows
+from toolkit.data.readers import Row, UnsupportedFile, open_rows, row_bytes
 from toolkit.data.schemas import FORMATS, check_row, detect_format
 from toolkit.data.split import is_eval
 from toolkit.data.tokenizer import LengthCounter
 from toolkit.errors import UsageError
 
 BATCH_ROWS = 2048
+# Rows held before they are checked and tokenized together: at most BATCH_ROWS, and at most about
+# this much text (2,048 rows of up to 16 MiB each would be 32 GiB).
+BATCH_BYTES = 64 << 20
 EXAMPLES_PER_KIND = 5  # locations listed per kind of problem; the count covers all of them
 DEFAULT_MIN_ROWS = 100
 MAX_ROWS_BY_TIER = {"free": 100_000, "standard": 20_000_000, "premium": None}
@@ -100,6 +103,7 @@ class _Pass:
         self.counter, self.limits, self.cache = counter, limits, cache
         self.hashes, self.lines, self.lengths = array("Q"), array("I"), array("I")
         self.pending: list[Row] = []
+        self.pending_bytes = 0
 
     def where(self, line: int) -> str:
         return f"{self.report.path}:{line}"
@@ -118,11 +122,12 @@ class _Pass:
                     "prompt/completion, messages, or prompt/chosen/rejected"))
                 return
         self.pending.append(row)
-        if len(self.pending) >= BATCH_ROWS:
+        self.pending_bytes += row_bytes(row.data)
+        if len(self.pending) >= BATCH_ROWS or self.pending_bytes >= BATCH_BYTES:
             self.flush()
 
     def flush(self) -> None:
-        rows, self.pending = self.pending, []
+        rows, self.pending, self.pending_bytes = self.pending, [], 0
         good: list[Row] = []
         for row in rows:
             problems = check_row(row.data, self.report.format)
