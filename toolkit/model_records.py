@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +29,6 @@ from toolkit.errors import FtError
 from toolkit.shared_dirs import (
     SharedFolderError,
     common_dir,
-    open_regular,
     require_trusted,
     shared_root_path,
     trusted_owners,
@@ -54,15 +54,20 @@ def record_path(shared_root: str, entry: str) -> Path:
 def read_record(path: Path) -> tuple[dict, int] | None:
     """The record and its owner's uid; None where there is none. ValueError for a damaged one."""
     try:
-        with open_regular(path) as handle:
-            owner = os.fstat(handle.fileno()).st_uid
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a link is another's record
+        with os.fdopen(descriptor, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise OSError("not a regular file")
+            owner = info.st_uid
             raw = json.loads(handle.read(MAX_RECORD_BYTES + 1))
     except FileNotFoundError:
         return None
     except (OSError, RecursionError) as exc:
         raise ValueError(f"{path} cannot be read ({exc})") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("manifest_sha256"), str):
-        raise ValueError(f"{path} is not a model record")
+    if not isinstance(raw, dict) or not isinstance(raw.get("manifest_sha256"), str) \
+            or raw.get("model") != path.name.removesuffix(".json"):
+        raise ValueError(f"{path} is not the record of model {path.name.removesuffix('.json')}")
     return raw, owner
 
 

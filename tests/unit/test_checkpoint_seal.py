@@ -199,3 +199,23 @@ def test_a_staging_folder_another_user_made_first_stops_the_run_before_training(
         os.chown(taken, 65534, 65534)
         with pytest.raises(RunEnds, match="checkpoint.staging .* cannot hold this run's checkpoints"):
             staging_folder(str(taken))
+
+
+def test_a_staging_folder_under_a_link_to_another_users_folder_is_refused(tmp_path):
+    """The third review's attack: bob makes alice's scratch folder first, as a link to a folder of his;
+    her 0700 folder inside it was accepted, and bob, owning its parent, swapped it mid-run."""
+    from toolkit.train.checkpoint import staging_folder
+    from toolkit.train.loop import RunEnds
+
+    if os.getuid() != 0:
+        pytest.skip("needs root to make a folder of another account's")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir(mode=0o1777)
+    os.chmod(scratch, 0o1777)
+    bobs = scratch / "bob-spool"
+    bobs.mkdir(mode=0o777)
+    os.chown(bobs, 65534, 65534)
+    (scratch / "alice").symlink_to(bobs)
+    with pytest.raises(RunEnds, match="bob-spool belongs to"):
+        staging_folder(str(scratch / "alice" / "llama-ckpt"))
+    assert staging_folder(str(scratch / "mine" / "ckpt")).is_dir()  # under a sticky common folder: fine

@@ -196,3 +196,18 @@ def test_a_record_another_user_made_is_not_taken_by_anyone_elses_jobs(tmp_path, 
     if os.getuid() == 0:  # root reads: a record of uid 65534's is not root's
         with pytest.raises(ModelFolderBroken, match="pushed by .* not by an admin or you"):
             find_model("org--by-bob", shared_root(tmp_path), f"s3://{BUCKET}", print)
+
+
+def test_a_record_that_is_a_link_or_names_another_model_is_refused(tmp_path):
+    """The third review's attack: a record linked to another model's record was taken for it."""
+    from toolkit import model_records
+
+    root = shared_root(tmp_path)
+    path = model_records.claim(root, "org--8b")
+    model_records.write(path, "org--8b", b"{}")
+    assert model_records.check(root, "org--8b", b"{}") is None
+    os.symlink(path, model_records.record_path(root, "org--70b"))
+    assert "cannot be trusted" in model_records.check(root, "org--70b", b"{}")
+    copied = model_records.record_path(root, "org--copy")
+    copied.write_bytes(path.read_bytes())
+    assert "not the record of model org--copy" in model_records.check(root, "org--copy", b"{}")

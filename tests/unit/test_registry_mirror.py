@@ -185,3 +185,11 @@ def test_sync_removes_files_planted_beside_a_mirrored_adapter(tmp_path, url):
     assert registry.sync().versions == [version.id]
     assert f"versions/{version.id}/adapter/new_embeddings.safetensors" not in mirrored(url)
     assert registry.sync().versions == []
+
+
+def test_sync_removes_files_planted_anywhere_in_a_mirrored_version(tmp_path, url):
+    registry, _ = make(tmp_path, url)
+    version = registry.register(write_adapter(tmp_path / "adapter"), record())
+    MemoryFileSystem().pipe_file(f"{url.removeprefix('memory:/')}/versions/{version.id}/README.md", b"planted")
+    assert registry.sync().versions == [version.id]
+    assert f"versions/{version.id}/README.md" not in mirrored(url)

@@ -16,7 +16,7 @@ import hashlib
 from pathlib import Path
 
 from toolkit.registry.adapter import digest_of, read_bounded
-from toolkit.registry.layout import RegistryLayout
+from toolkit.registry.layout import ADAPTER, RegistryLayout
 from toolkit.registry.records import FileDigest, VersionRecord
 from toolkit.registry.states import MAX_LOG_BYTES
 from toolkit.shared_dirs import open_regular
@@ -98,10 +98,12 @@ class RegistryMirror:
                     return False
             except FileNotFoundError:
                 return False
-        folder = self._key(layout.relative(layout.adapter(record.id)))
+        folder = self._key(layout.relative(layout.version(record.id)))
         self.filesystem.invalidate_cache(folder)
         present = {key.removeprefix(folder + "/") for key in self.filesystem.find(folder)}
-        if present != set(record.files):  # a file added beside the adapter (a server would read it too)
+        expected = {f"{ADAPTER}/{name}" for name in record.files} | {
+            layout.version_record(record.id).name, layout.serving(record.id).name}
+        if present != expected:  # a file added in the version (a server would read it too)
             return False
         for name, expected in record.files.items():
             key = self._key(layout.relative(layout.adapter(record.id) / name))

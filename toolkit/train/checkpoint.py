@@ -215,14 +215,21 @@ def staging_folder(staging: str | None) -> Path | None:
     if not staging:
         return None
     from toolkit.errors import FtError
-    from toolkit.shared_dirs import private_dir
+    from toolkit.shared_dirs import folder_problem, private_dir
     from toolkit.train.loop import RunEnds
     from toolkit.watch import exits
 
     path = Path(staging)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        return private_dir(path)
+        # Every folder above it too, as it really is: the owner of any of them (a link to another
+        # user's folder on the way) could swap the run's folder for one of theirs mid-run.
+        real = Path(os.path.realpath(path.parent))
+        for folder in (real, *real.parents):
+            problem = folder_problem(folder)
+            if problem:
+                raise FtError(f"{folder} {problem}")
+        return private_dir(real / path.name)
     except (OSError, FtError) as exc:
         raise RunEnds(exits.USER_ERROR, f"checkpoint.staging {path} cannot hold this run's checkpoints: {exc}") \
             from None
