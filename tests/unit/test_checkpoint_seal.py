@@ -219,3 +219,23 @@ def test_a_staging_folder_under_a_link_to_another_users_folder_is_refused(tmp_pa
     with pytest.raises(RunEnds, match="bob-spool belongs to"):
         staging_folder(str(scratch / "alice" / "llama-ckpt"))
     assert staging_folder(str(scratch / "mine" / "ckpt")).is_dir()  # under a sticky common folder: fine
+
+
+def test_her_sealed_checkpoints_copied_from_another_runs_mirror_are_not_this_runs(tmp_path, store):
+    """The third review's attack: her run r1's sealed manifests copied into run r2's mirror counted as
+    r2's (prune removed r2's real ones). A seal is for one mirror: r1's are not r2's."""
+    root = shared_root(tmp_path)
+    first = RemoteTier(f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/r1", keep_last=2, filesystem=store, lineage=LINEAGE)
+    second = RemoteTier(f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/r2", keep_last=2, filesystem=store, lineage=LINEAGE)
+    for remote, steps in ((first, (100, 200)), (second, (10, 20, 30))):
+        remote.sealer = Sealer.for_shared_root(root, remote.url)
+        shared = SharedTier(tmp_path / remote.url.rsplit("/", 1)[-1], keep_last=5, sealer=remote.sealer)
+        for step in steps:
+            write_checkpoint(shared, step)
+            remote.upload(shared.root / tag_for(step), manifest.read(shared.root / tag_for(step)))
+    for step in (100, 200):
+        store.pipe_file(second._path(tag_for(step), manifest.MANIFEST),
+                        store.cat_file(first._path(tag_for(step), manifest.MANIFEST)))
+    assert not second.owned(tag_for(200)) and second.owned(tag_for(30))
+    second.prune()
+    assert second.tags() == [tag_for(200), tag_for(100), tag_for(30), tag_for(20)]  # r2's own two kept

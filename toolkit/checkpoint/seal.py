@@ -70,17 +70,22 @@ def read_key(path: Path) -> bytes:
 
 @dataclass(frozen=True)
 class Sealer:
-    """Seals manifests with the user's key, and says why one is not theirs."""
+    """Seals manifests with the user's key, for one place (`scope`: the run's mirror), and says why
+    one is not theirs there."""
     key: bytes
     where: str = "your checkpoint key"  # said in refusals: the key's path
+    # The mirror the seal is for: a sealed manifest of the user's copied from another run's mirror
+    # into this one is not of this one (prune would count it, a resume would take another run's state).
+    scope: str = ""
 
     @classmethod
-    def for_shared_root(cls, shared_root: str) -> Sealer:
+    def for_shared_root(cls, shared_root: str, scope: str = "") -> Sealer:
         path = key_path(shared_root)
-        return cls(load_or_make_key(path), str(path))
+        return cls(load_or_make_key(path), str(path), scope)
 
     def mac(self, described: Manifest) -> str:
-        return hmac.new(self.key, CONTEXT + described.signed_bytes(), hashlib.sha256).hexdigest()
+        sealed = CONTEXT + self.scope.encode() + b"\n" + described.signed_bytes()
+        return hmac.new(self.key, sealed, hashlib.sha256).hexdigest()
 
     def sealed(self, described: Manifest) -> Manifest:
         return replace(described, seal=self.mac(described))
@@ -93,6 +98,7 @@ class Sealer:
             return (f"its manifest is not sealed: ft seals every checkpoint with {self.where}, so this one was "
                     "not written by a run of yours (or by an ft older than seals)")
         if not hmac.compare_digest(described.seal, self.mac(described)):
-            return (f"its seal is not made with {self.where}: another user's upload, a manifest changed after it "
-                    "was written, or a checkpoint of yours from another cluster (copy the key there)")
+            return (f"its seal is not made with {self.where} for {self.scope or 'this run'}: another user's upload, "
+                    "a manifest changed after it was written, one of yours copied from another mirror, or a "
+                    "checkpoint of yours from another cluster (copy the key there)")
         return None

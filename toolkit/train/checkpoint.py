@@ -235,7 +235,7 @@ def staging_folder(staging: str | None) -> Path | None:
             from None
 
 
-def owners_sealer(shared_root: str) -> Sealer:
+def owners_sealer(shared_root: str, scope: str) -> Sealer:
     """The run's owner's seal (toolkit/checkpoint/seal.py), from their key on the cluster's shared root.
     A run that cannot seal stops before training: it could not tell its checkpoints from planted ones."""
     from toolkit.errors import FtError
@@ -243,7 +243,7 @@ def owners_sealer(shared_root: str) -> Sealer:
     from toolkit.watch import exits
 
     try:
-        return Sealer.for_shared_root(shared_root)
+        return Sealer.for_shared_root(shared_root, scope)
     except (OSError, ValueError, FtError) as exc:
         raise RunEnds(exits.USER_ERROR, f"cannot read or make your checkpoint key ({exc}): it proves which "
                       f"checkpoints are yours (toolkit/checkpoint/seal.py)") from None
@@ -255,11 +255,13 @@ def checkpointer_for(layout, spec, engine, dist, progress, log: Callable[[str], 
     the job's environment (AWS_ENDPOINT_URL and credentials: the object store's)."""
     recipe = spec.recipe
     rank, world = dist.get_rank(), dist.get_world_size()
-    sealer = owners_sealer(spec.site.shared_root) if rank == 0 else None  # rank 0 publishes, mirrors, chooses
-    shared = SharedTier(staging_folder(recipe.checkpoint.staging) or layout.checkpoints, recipe.checkpoint.keep_last,
-                        sealer=sealer)
     url = mirror_url(recipe.checkpoint.s3_mirror, spec.site.s3_prefix,
                      os.environ.get("FT_RUN_ID") or layout.root.name)
+    # Rank 0 publishes, mirrors and chooses: its seals are for this run's mirror (every run of a recipe
+    # naming the same checkpoint.s3_mirror shares it, and continues from it).
+    sealer = owners_sealer(spec.site.shared_root, url or "") if rank == 0 else None
+    shared = SharedTier(staging_folder(recipe.checkpoint.staging) or layout.checkpoints, recipe.checkpoint.keep_last,
+                        sealer=sealer)
     remote = RemoteTier(url, recipe.checkpoint.keep_last, sealer=sealer, lineage=lineage_of(recipe)) if url else None
     board = StatusBoard(layout.checkpoint_status if rank == 0 else None, url)
     every = recipe.checkpoint.every_minutes
