@@ -322,3 +322,37 @@ def test_rows_are_checked_in_batches_bounded_by_their_size_not_only_their_count(
     monkeypatch.setattr(validate._Pass, "flush", lambda self: held.append(len(self.pending)) or real(self))
     report = validate_file(str(path))
     assert report.rows == 120 and max(held) <= 4  # 300 KiB rows, 1 MiB a batch
+
+
+def test_parquet_pages_that_expand_are_read_within_bounds_or_refused_from_their_metadata(tmp_path, monkeypatch):
+    """The third review's files: 2,000 rows sharing one 1 MiB dictionary string with no stored arrow
+    schema (3.6 GiB when a batch was decoded), and one row holding a list of 50 million zeros (1 GiB
+    for one row). The first is read with arrow's memory bounded; the second refused before decoding."""
+    from toolkit.data import readers
+
+    monkeypatch.setattr(readers, "MAX_ROW_BYTES", 512 << 10)
+    shared = tmp_path / "shared.parquet"
+    column = pa.array(["y" * (1 << 20)] * 2000 + [f"p{i}" for i in range(120)]).dictionary_encode()
+    pq.write_table(pa.table({"prompt": column, "completion": [f"c{i}" for i in range(2120)]}), shared,
+                   compression="zstd", store_schema=False)
+    del column
+    peaks = []
+    real = readers.rows_of
+
+    def watched(batch):
+        for record in real(batch):
+            peaks.append(pa.total_allocated_bytes())
+            yield record
+
+    monkeypatch.setattr(readers, "rows_of", watched)
+    report = validate_file(str(shared))
+    assert report.errors["too_large"].count == 2000 and max(peaks) < 256 << 20, max(peaks) / 2**20
+    zeros = tmp_path / "zeros.parquet"
+    pq.write_table(pa.table({"prompt": [[0] * 5_000_000] + [[1]] * 119, "completion": [f"c{i}" for i in range(120)]}),
+                   zeros, compression="zstd", row_group_size=60)
+    decoded = []
+    monkeypatch.setattr(readers, "rows_of", lambda batch: decoded.append(batch.num_rows) or real(batch))
+    report = validate_file(str(zeros))
+    (finding,) = report.errors["too_large"].examples
+    assert "rows 1-60 (row group 0): column prompt.list.element holds 5,000,059 values for 60 rows" in finding.message
+    assert sum(decoded) == 60  # the second group's rows only: the first was never decoded

@@ -199,35 +199,73 @@ def read_csv(stream) -> Iterator[Row]:
 
 
 def read_parquet(stream, batch_rows: int = 8192) -> Iterator[Row]:
+    """A Parquet file's rows, with memory bounded whatever its pages expand to: string columns read as
+    dictionaries (a page of one long string used by every row stays one string), batches sized from
+    each row group's decoded bytes, and a row group whose values could not fit MAX_ROW_BYTES a row
+    (a list of 50 million zeros in one row, run-length encoded in a few hundred bytes) refused from its
+    metadata, before any of it is decoded."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         parquet = pq.ParquetFile(stream)
+        text = [field.name for field in parquet.schema_arrow
+                if pa.types.is_string(field.type) or pa.types.is_large_string(field.type)
+                or pa.types.is_binary(field.type) or pa.types.is_large_binary(field.type)]
+        if text and getattr(stream, "seekable", lambda: False)():
+            stream.seek(0)
+            parquet = pq.ParquetFile(stream, read_dictionary=text)
     except Exception as exc:  # pyarrow raises ArrowInvalid and friends
         yield Row(1, None, Problem("unparseable", f"not a Parquet file: {exc}"))
         return
     number = 0
-    batches = parquet.iter_batches(batch_size=batch_rows)
-    while True:
-        try:
-            batch = next(batches)
-        except StopIteration:
-            return
-        except Exception as exc:  # a corrupt page: pyarrow's ArrowInvalid, OSError...
-            yield Row(number + 1, None, Problem("corrupt", f"unreadable from row {number + 1} on: {str(exc)[:200]}"))
-            return
-        for record in rows_of(batch):
-            number += 1
-            if record is None:
-                yield Row(number, None, Problem("too_large", f"the row is larger than {MAX_ROW_BYTES >> 20} MiB"))
-                continue
-            odd = [name for name, value in record.items() if not isinstance(value, JSON_VALUES)]
-            if odd:
-                yield Row(number, None, Problem("wrong_type", f"column {odd[0]} holds "
-                                                f"{type(record[odd[0]]).__name__} values; store text as strings",
-                                                odd[0]))
-                continue
-            yield Row(number, record)
+    metadata = parquet.metadata
+    for group in range(metadata.num_row_groups):
+        rows, why = metadata.row_group(group).num_rows, group_problem(metadata.row_group(group))
+        if why:
+            yield Row(number + 1, None, Problem("too_large", f"rows {number + 1}-{number + rows} (row group {group}): "
+                                                             f"{why}; nothing of them is read"))
+            number += rows
+            continue
+        size = max(metadata.row_group(group).total_byte_size // max(rows, 1), 1)
+        batches = parquet.iter_batches(batch_size=max(1, min(batch_rows, PARQUET_BATCH_BYTES // size)),
+                                       row_groups=[group])
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            except Exception as exc:  # a corrupt page: pyarrow's ArrowInvalid, OSError...
+                yield Row(number + 1, None, Problem("corrupt",
+                                                    f"unreadable from row {number + 1} on: {str(exc)[:200]}"))
+                return
+            for record in rows_of(batch):
+                number += 1
+                if record is None:
+                    yield Row(number, None, Problem("too_large", f"the row is larger than {MAX_ROW_BYTES >> 20} MiB"))
+                    continue
+                odd = [name for name, value in record.items() if not isinstance(value, JSON_VALUES)]
+                if odd:
+                    yield Row(number, None, Problem("wrong_type", f"column {odd[0]} holds "
+                                                    f"{type(record[odd[0]]).__name__} values; store text as strings",
+                                                    odd[0]))
+                    continue
+                yield Row(number, record)
+
+
+PARQUET_BATCH_BYTES = 64 << 20  # decoded bytes a batch holds at most (a row group's own average)
+
+
+def group_problem(group) -> str | None:
+    """Why a row group cannot be read a row at a time within MAX_ROW_BYTES, from its metadata alone:
+    more values a row than a row's bytes could hold (each value is at least one)."""
+    rows = max(group.num_rows, 1)
+    for index in range(group.num_columns):
+        column = group.column(index)
+        if column.num_values > rows * MAX_ROW_BYTES // 8:
+            return (f"column {column.path_in_schema} holds {column.num_values:,} values for {group.num_rows:,} "
+                    f"rows, more than a row of {MAX_ROW_BYTES >> 20} MiB holds")
+    return None
 
 
 PARQUET_ROWS_AT_ONCE = 16  # rows made Python objects at once: a dictionary-encoded page expands as it is
