@@ -356,3 +356,19 @@ def test_parquet_pages_that_expand_are_read_within_bounds_or_refused_from_their_
     (finding,) = report.errors["too_large"].examples
     assert "rows 1-60 (row group 0): column prompt.list.element holds 5,000,059 values for 60 rows" in finding.message
     assert sum(decoded) == 60  # the second group's rows only: the first was never decoded
+
+
+def test_a_csv_record_spread_over_many_lines_and_fields_is_bounded_as_a_whole(tmp_path, monkeypatch):
+    """The third review's file: each line short, each field under csv's own limit, one record of
+    thousands of them (944 MiB from a 977 KB .csv.gz). A record is bounded as a whole."""
+    from toolkit.data import readers
+
+    monkeypatch.setattr(readers, "MAX_ROW_BYTES", 1 << 20)
+    path = tmp_path / "wide.csv"
+    field = '"' + "\n".join(["z" * 1000] * 100) + '"'  # 100 KB over 100 lines
+    body = ["prompt,completion"] + [f"p{i},c{i}" for i in range(60)] + [",".join([field] * 40)] + \
+        [f"p{i},c{i}" for i in range(60, 120)]
+    path.write_text("\n".join(body) + "\n")
+    report = validate_file(str(path))
+    assert report.errors["too_large"].examples[0].message.startswith("the row is longer than")
+    assert report.errors["too_large"].examples[0].location.startswith(f"{path}:")

@@ -149,6 +149,7 @@ class BoundedTextLines:
 
     def __init__(self, text, limit: int | None = None):
         self.text, self.limit, self.count = text, limit or MAX_ROW_BYTES, 0
+        self.record = 0  # characters of the record being read (read_csv resets it at each record)
 
     def __iter__(self):
         return self
@@ -162,6 +163,10 @@ class BoundedTextLines:
             while line and not line.endswith("\n"):
                 line = self.text.readline(1 << 20)
             raise LineTooLong(self.count)
+        self.record += len(line)
+        if self.record > self.limit:  # one record over many lines (quoted newlines, field after field)
+            self.record = 0
+            raise LineTooLong(self.count)
         return line
 
 
@@ -174,12 +179,13 @@ def read_csv(stream) -> Iterator[Row]:
     reader = csv.DictReader(lines)
     start = 2  # line 1 is the header
     while True:
+        lines.record = 0  # each record is bounded as a whole
         try:
             record = next(reader)
         except StopIteration:
             return
         except LineTooLong as exc:
-            yield Row(exc.args[0], None, Problem("too_large", f"the line is longer than {MAX_ROW_BYTES >> 20} MiB"))
+            yield Row(exc.args[0], None, Problem("too_large", f"the row is longer than {MAX_ROW_BYTES >> 20} MiB"))
             start = lines.count + 1
             continue
         except UnicodeDecodeError as exc:
