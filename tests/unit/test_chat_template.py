@@ -35,6 +35,20 @@ HOSTILE = {
     "an unknown codec": ("{{ messages[0].content.encode('nope') }}", "LookupError"),
     "a 5000-digit literal": ("{{ " + "9" * 5000 + " }}", "does not parse|failed"),
     # `~` in a plain variable (no namespace): 3 GB before the timer, in the first review.
+    # Built past the bound by one call before the checks after it (the third review: ~1 GiB each).
+    "a join filter of many copies": ("{% set s = messages[0].content %}{{ ([s] * 2100) | join }}", "joins text"),
+    "a join method of many copies": ("{% set s = messages[0].content %}{{ ''.join([s] * 2100) }}", "makes text"),
+    "replace with itself": ("{% set s = messages[0].content ~ messages[0].content %}{{ s.replace('x', s) }}",
+                            "makes text"),
+    "a replace filter with itself": ("{% set s = messages[0].content ~ messages[0].content %}"
+                                     "{{ s | replace('x', s) }}", "makes text"),
+    "a wide format method": ("{{ '{:>1073741824}'.format('x') }}", "makes text"),
+    "a wide format filter": ("{{ '%1073741824s' | format('x') }}", "wider than"),
+    "a deep indent": ("{% set s = messages[0].content ~ '\\n' * 2000 %}{{ s | indent(3000) }}", "indents into"),
+    "a block set past the bound": ("{% set b %}{% for i in range(3000) %}{{ messages[0].content }}{% endfor %}"
+                                   "{% endset %}{{ b | length }}", "renders more than"),
+    "a macro's output past the bound": ("{% macro m() %}{% for i in range(3000) %}{{ messages[0].content }}"
+                                        "{% endfor %}{% endmacro %}{{ m() | length }}", "renders more than"),
     "doubling with ~": ("{% macro d(s, n) %}{% if n %}{{ d(s ~ s, n - 1) }}{% else %}{{ s | length }}{% endif %}"
                         "{% endmacro %}{{ d(messages[0].content, 40) }}", "joins text of more than"),
     "doubling with ~ into the output": ("{% for i in range(40) %}{{ messages[0].content ~ messages[0].content * 1000 "

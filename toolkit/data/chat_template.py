@@ -19,7 +19,9 @@ import threading
 import time
 from collections.abc import Iterator
 
+from jinja2 import runtime as jinja2_runtime
 from jinja2.compiler import CodeGenerator
+from jinja2.nodes import EvalContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
@@ -83,6 +85,18 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
             raise ChatTemplateError(f"it joins text of more than {MAX_TEXT:,} characters")
         return "".join(texts)
 
+    @staticmethod
+    def concat(pieces) -> str:
+        """jinja2's join of a block's output (a macro's, `{% set %}...{% endset %}`, `{% filter %}`,
+        the template's own), stopped once it passes MAX_TEXT characters rather than after."""
+        kept, size = [], 0
+        for piece in pieces:
+            size += len(piece)
+            if size > MAX_TEXT:
+                raise ChatTemplateError(f"it renders more than {MAX_TEXT:,} characters")
+            kept.append(piece)
+        return "".join(kept)
+
     def __init__(self) -> None:
         super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         self.globals["range"] = self._range
@@ -124,6 +138,10 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja2's own signature
         _charge()
         _check_sizes(args, kwargs)
+        method = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format, keeping the method
+        subject = getattr(method, "__self__", None)
+        if isinstance(subject, str):
+            args = _predicted(method.__name__, subject, args, kwargs)
         result = super().call(__context, __obj, *args, **kwargs)
         if _too_big(result):
             raise ChatTemplateError(f"it makes a value of more than {MAX_TEXT:,} items")
@@ -149,11 +167,66 @@ def _check_sizes(args: tuple, kwargs: dict) -> None:
             raise ChatTemplateError(f"it asks a call for {value:,} (more than {MAX_TEXT:,})")
 
 
+def _predicted(name: str, subject: str, args: tuple, kwargs: dict) -> tuple:
+    """A string method's result size, foreseen before it is made (the checks after a call came too
+    late: `s.replace('x', s)`, `sep.join(many)`, `'{:>1073741824}'.format(...)` made a gigabyte first);
+    ChatTemplateError past MAX_TEXT. The arguments to call it with (an iterable to join, listed)."""
+    size = 0
+    if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        count = subject.count(args[0]) if args[0] else len(subject) + 1
+        if len(args) > 2 and isinstance(args[2], int) and args[2] >= 0:
+            count = min(count, args[2])
+        size = len(subject) + count * (len(args[1]) - len(args[0]))
+    elif name == "join" and args:
+        items = list(args[0])
+        size = sum(len(item) if isinstance(item, str) else 0 for item in items) + len(subject) * len(items)
+        args = (items, *args[1:])
+    elif name in ("format", "format_map"):
+        widths = [int(width) for width in re.findall(r"\{[^{}]*:[^{}]*?(\d{7,})", subject)]
+        size = max(widths, default=0)
+    elif name == "expandtabs":
+        size = len(subject) + subject.count("\t") * (args[0] if args and isinstance(args[0], int) else 8)
+    if size > MAX_TEXT:
+        raise ChatTemplateError(f"it makes text of more than {MAX_TEXT:,} characters ({name})")
+    return args
+
+
+def _predicted_filter(name: str, args: tuple) -> tuple:
+    """The same for the filters that build text from their input: join, replace, indent, format."""
+    if not args:
+        return args
+    value, rest = args[0], args[1:]
+    if name == "join" and not isinstance(value, str):
+        items = list(value)
+        separator = rest[0] if rest and isinstance(rest[0], str) else ""
+        if sum(len(str(item)) for item in items) + len(separator) * len(items) > MAX_TEXT:
+            raise ChatTemplateError(f"it joins text of more than {MAX_TEXT:,} characters")
+        return (items, *rest)
+    if isinstance(value, str) and name == "replace":
+        _predicted("replace", value, rest, {})
+    if isinstance(value, str) and name == "indent":
+        width = rest[0] if rest and isinstance(rest[0], int) else 4
+        if len(value) + (value.count("\n") + 1) * (width if isinstance(width, int) else len(str(width))) > MAX_TEXT:
+            raise ChatTemplateError(f"it indents into more than {MAX_TEXT:,} characters")
+    if isinstance(value, str) and name == "format":
+        widths = [int(width) for width in re.findall(r"%[-+ #0]*(\d{7,})", value)]
+        if max(widths, default=0) > MAX_TEXT:
+            raise ChatTemplateError(f"it formats a value wider than {MAX_TEXT:,} characters")
+    return args
+
+
 def _bounded_filter(function):
+    name = function.__name__.removeprefix("do_")
+
     @functools.wraps(function)
     def bounded(*args, **kwargs):
         _charge()
         _check_sizes(args, kwargs)
+        # A filter that takes the environment, context or eval context first (jinja2's pass_* filters):
+        # its value next.
+        offset = 1 if args and isinstance(args[0], ImmutableSandboxedEnvironment | jinja2_runtime.Context
+                                           | EvalContext) else 0
+        args = (*args[:offset], *_predicted_filter(name, args[offset:]))
         result = function(*args, **kwargs)
         if _too_big(result):
             raise ChatTemplateError(f"a filter made a value of more than {MAX_TEXT:,} items")
