@@ -96,3 +96,19 @@ def test_the_data_gate_names_the_row_a_hostile_template_fails_on(tmp_path):
     said = " ".join(result.output.split())
     assert f"{data}:1 messages: the model's chat template cannot render this conversation" in said
     assert said.count("chat template cannot render") == 1  # once, not once per row
+
+
+@pytest.mark.timeout(60, method="thread")
+def test_every_render_of_one_conversation_shares_one_budget():
+    """Training renders each prefix of a conversation: 20,000 short turns were 20,000 budgets (the third
+    review: 22.8 s for one row). One conversation's renders now share RENDER_SECONDS."""
+    from toolkit.data import chat_template
+
+    template = ChatTemplate("{% for m in messages %}{% for i in range(200) %}{% endfor %}{{ m.content }}{% endfor %}")
+    turns = [{"role": "user", "content": "a"}] * 4000
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateError, match="one conversation took more than|took more than"), \
+            chat_template.row_budget():
+        for end in range(1, len(turns) + 1):
+            template.render(turns[:end])
+    assert time.monotonic() - started < chat_template.RENDER_SECONDS + 3

@@ -39,6 +39,7 @@ class ChatTemplateError(ValueError):
 class _Budget(threading.local):
     deadline: float | None = None
     ranged: int = 0
+    row_deadline: float | None = None  # every render of one conversation together (row_budget)
 
 
 _budget = _Budget()
@@ -268,6 +269,17 @@ class ChatTemplate:
                 raise ChatTemplateError(f"it failed: {_why(exc)}") from None
 
 
+@contextlib.contextmanager
+def row_budget() -> Iterator[None]:
+    """One budget of RENDER_SECONDS for every render of one conversation (training renders each
+    prefix of it: a conversation of thousands of turns was thousands of budgets)."""
+    _budget.row_deadline = time.monotonic() + RENDER_SECONDS
+    try:
+        yield
+    finally:
+        _budget.row_deadline = None
+
+
 def _why(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -277,14 +289,17 @@ def _why(exc: BaseException) -> str:
 def _bounded() -> Iterator[None]:
     """The budget for one render, and on the main thread (where no other timer runs) a timer that
     stops a loop the hooks never see."""
-    _budget.deadline, _budget.ranged = time.monotonic() + RENDER_SECONDS, 0
+    now = time.monotonic()
+    _budget.deadline, _budget.ranged = min(now + RENDER_SECONDS, _budget.row_deadline or float("inf")), 0
+    if _budget.deadline <= now:
+        raise ChatTemplateError(f"its renders of one conversation took more than {RENDER_SECONDS:g} s")
     timer = threading.current_thread() is threading.main_thread() and signal.getitimer(signal.ITIMER_REAL)[0] == 0
     previous = signal.getsignal(signal.SIGALRM) if timer else None
     if timer:
         def expired(_signum, _frame):
             raise ChatTemplateError(f"it took more than {RENDER_SECONDS:g} s")
         signal.signal(signal.SIGALRM, expired)
-        signal.setitimer(signal.ITIMER_REAL, RENDER_SECONDS + 0.5)
+        signal.setitimer(signal.ITIMER_REAL, _budget.deadline - now + 0.5)
     try:
         yield
     finally:

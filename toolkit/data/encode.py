@@ -40,6 +40,13 @@ def sequences_per_row(fmt: str) -> int:
 
 
 def _chat(messages: list[dict], tok: LengthCounter, max_len: int) -> tuple[list[int], list[int], int]:
+    from toolkit.data.chat_template import row_budget
+
+    with row_budget():  # every prefix's render of one conversation shares one time budget
+        return _chat_turns(messages, tok, max_len)
+
+
+def _chat_turns(messages: list[dict], tok: LengthCounter, max_len: int) -> tuple[list[int], list[int], int]:
     ids: list[int] = []
     labels: list[int] = []
     for turn in range(len(messages)):
