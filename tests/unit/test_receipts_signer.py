@@ -250,15 +250,15 @@ def test_slurm_refusing_the_batch_script_signs_nothing_and_names_the_fix(key, tm
 
 
 def test_one_job_signs_one_run_however_its_comment_changes(key, tmp_path):
-    """The review's burst: one job changing its comment to name run after run. The first run signed
-    for the job pins it; each other is refused (and leaves no ledger file)."""
+    """The review's burst: one job changing its comment to name run after run. Its batch script's
+    header names the run it was submitted for: each other is refused (and leaves no ledger file)."""
     ledger = tmp_path / "ledger"
     ledger.mkdir()
     squeue = FakeSqueue({"job_id": 41})
     with running_signer(key[0], tmp_path / "s.sock", squeue, ledger=ledger):
         assert ask(tmp_path / "s.sock")["payload"]["run_id"] == "run-1"
         squeue.text = squeue.text.replace("ft-run=run-1", "ft-run=run-2")
-        with pytest.raises(ReceiptError, match="job 41 had run run-1 signed: a job signs one run"):
+        with pytest.raises(ReceiptError, match="job 41's batch script is not ft's: .* of run run-2"):
             ask(tmp_path / "s.sock", run_id="run-2")
     runs = sorted(path.name for path in (ledger / str(os.getuid())).glob("*.jsonl"))
     assert runs == ["run-1.jsonl"]

@@ -17,11 +17,11 @@ word), and only when that job's batch script, as Slurm holds it (`scontrol write
 signer's account is a Slurm operator), is the job script the first entry records, and has ft's
 shape for that run (toolkit/watch/run_targets.script_problem): a job that runs anything else (a
 `sleep` with a made-up receipt) gets nothing signed. (A script of ft's shape written by hand still
-passes: the signer vouches for what Slurm ran, not for who rendered it.) `first` is that entry's hash,
-`job_script` the script's sha256, and `checked` the entries the signer could check ([1]); every later
-entry is written by the job's own processes, the user's word, which `ft receipt verify` says. One
-job signs one run: the first run signed for a job pins it (a job whose comment is changed to name
-other runs gets none of them signed).
+passes: the signer vouches for what Slurm ran, not for who rendered it.) One job signs one run: its
+script's header names the run, and a job's script never changes (a job whose comment is changed to
+name other runs gets none of them signed). `first` is that entry's hash, `job_script` the script's
+sha256, and `checked` the entries the signer could check ([1]); every later entry is written by the
+job's own processes, the user's word, which `ft receipt verify` says.
 `history` is every (entries, head) it signed for that user's run before, from its ledger (--ledger:
 a folder on the shared filesystem only the signer writes, one file per user and run, so every
 node's signer knows them): a receipt whose entries were changed after they were signed fails
@@ -59,7 +59,7 @@ from toolkit.privileges import drop_privileges
 from toolkit.receipts import keys
 from toolkit.receipts.chain import ENTRY_KEYS, GENESIS, SHA256_PATTERN, ReceiptError, canonical, entry_hash
 from toolkit.runs.layout import RUN_ID_PATTERN
-from toolkit.shared_dirs import login_name, open_regular
+from toolkit.shared_dirs import login_name
 from toolkit.slurm import commands, jobs
 from toolkit.watch import run_targets
 
@@ -184,42 +184,6 @@ class Ledger:
     def path(self, uid: int, run_id: str) -> Path:
         return self.root / str(uid) / f"{run_id}.jsonl"
 
-    def bound_run(self, uid: int, job_id: str) -> str | None:
-        """The run a job was bound to when it first signed one; None before (or with no root)."""
-        if self.root is None:
-            return None
-        try:
-            with open_regular(self.root / str(uid) / "jobs" / job_id) as handle:
-                return handle.read(256).decode(errors="replace").strip() or "?"
-        except FileNotFoundError:
-            return None
-        except OSError:
-            return "?"
-
-    def bind_job(self, uid: int, job_id: str, run_id: str) -> None:
-        """One job signs one run: the first run signed for a job is its own for good (a file made
-        once, <root>/<uid>/jobs/<job>); Refused for any other. No root: no memory."""
-        if self.root is None:
-            return
-        folder = self.root / str(uid) / "jobs"
-        folder.mkdir(mode=0o755, parents=True, exist_ok=True)
-        path = folder / job_id
-        try:
-            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        except FileExistsError:
-            try:
-                with open_regular(path) as handle:
-                    bound = handle.read(256).decode(errors="replace").strip()
-            except OSError:
-                bound = "?"
-            if bound != run_id:
-                raise Refused(f"job {job_id} had run {bound[:128]} signed: a job signs one run") from None
-            return
-        with os.fdopen(descriptor, "w") as handle:
-            handle.write(run_id + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-
     @staticmethod
     def point(line: bytes) -> tuple[int, str, str]:
         """One line's (entries, head, job); ValueError (or TypeError, KeyError, RecursionError) for
@@ -281,7 +245,7 @@ class Signer:
             raise Refused(f"Slurm runs no job of run {request.run_id} for {user}: a receipt is signed only while "
                           "its run's job runs")
         # Checked before the run's ledger is opened: a refused request leaves nothing behind.
-        running = self.running_the_script(running, uid, request)
+        running = self.running_the_script(running, request)
         with self.ledger.points(uid, request.run_id) as (history, first_job, add):
             # A run is one job's (a requeue keeps its id): once signed for it, the receipt is signed for
             # that job alone. A later job of the same user whose comment names the run signs nothing.
@@ -290,7 +254,6 @@ class Signer:
                 raise Refused(f"run {request.run_id} is job {first_job}'s, which Slurm no longer runs: its receipt "
                               "is signed only while that job runs")
             job, script = min(pinned, key=lambda job: int(job.job_id)), request.job_script
-            self.ledger.bind_job(uid, job.job_id, request.run_id)
             if history and request.entries < max(entries for entries, _ in history):
                 raise Refused(f"run {request.run_id} had {max(e for e, _ in history)} entries signed before: "
                               f"a receipt of {request.entries} is one with entries removed")
@@ -308,16 +271,13 @@ class Signer:
                 add(request.entries, request.head, job.job_id, payload["signed_at"])
         return {"payload": payload, "signature": signature}
 
-    def running_the_script(self, running: list, uid: int, request: Request) -> list:
-        """The jobs among `running` that may sign this run: not bound to another run (a job signs one),
-        and running, as Slurm holds it, the job script the receipt's first entry records."""
-        free = [job for job in running if self.ledger.bound_run(uid, job.job_id) in (None, request.run_id)]
-        if not free:
-            job = running[0]
-            raise Refused(f"job {job.job_id} had run {self.ledger.bound_run(uid, job.job_id)} signed: a job signs "
-                          "one run")
+    def running_the_script(self, running: list, request: Request) -> list:
+        """The jobs among `running` whose batch script, as Slurm holds it, is the job script the
+        receipt's first entry records, and ft's for this run: its header names the run, so a job signs
+        one run however its comment changes (a script never changes; a job id reused after Slurm's state
+        was reset is another job, with another script)."""
         matching, why = [], ""
-        for job in free:
+        for job in running:
             try:
                 script = jobs.batch_script(job.job_id, self.run, timeout=SQUEUE_TIMEOUT_S)
             except commands.SlurmCommandError as exc:
