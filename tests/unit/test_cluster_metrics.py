@@ -306,13 +306,12 @@ def test_a_job_whose_batch_script_is_not_fts_is_not_published(tmp_path, script, 
 
 def test_the_run_exporter_serves_each_scope_apart(tmp_path):
     """?scope=job: the run's own series, none naming a node; ?scope=node&node=N: node N's alone."""
-    from prometheus_client import CollectorRegistry
     from prometheus_client.core import GaugeMetricFamily
 
     from toolkit.watch.metrics import scoped_app
 
     class Served:
-        def collect(self):
+        def collect(self, scope=None):  # every section, whatever the scope: the filter still holds
             loss = GaugeMetricFamily("ft_run_loss", "loss")
             loss.add_metric([], 1.5)
             temperature = GaugeMetricFamily("ft_gpu_temperature_celsius", "t", labels=["node", "gpu"])
@@ -320,9 +319,7 @@ def test_the_run_exporter_serves_each_scope_apart(tmp_path):
                 temperature.add_metric([node, "0"], 60.0)
             yield from (loss, temperature)
 
-    registry = CollectorRegistry()
-    registry.register(Served())
-    app = scoped_app(registry)
+    app = scoped_app(Served())
 
     def scrape(query: str) -> str:
         answered = []

@@ -230,3 +230,21 @@ def test_the_evaluation_after_training_is_scraped_per_model_split_and_gate(run_d
     (run_dir / "eval.json").write_text('{"base": {"held_out": [1]}, "adapter": 7, "gates": [3]}')  # by hand
     names = [family.name for family in RunCollector(run_dir, {"run": "r1"}, dict).collect()]
     assert "ft_run_step" in names and "ft_run_eval_promoted" not in names  # costs its own section only
+
+
+def test_a_nodes_scrape_reads_no_run_file_and_the_runs_scrape_no_nodes_state(run_dir, monkeypatch):
+    """A job is scraped once per node (toolkit/watch/run_targets.py): a node's scope reads only what
+    the supervisor holds in memory, the run's scope only the run's files; together, all of them."""
+    collector = RunCollector(run_dir, {"run": "r1"}, lambda: {"n1": 1.0, "n2": 2.0})
+    read = []
+    for section in ("step_metrics", "eval_metrics", "heartbeat_metrics", "gpu_metrics"):
+        real = getattr(collector, section)
+        monkeypatch.setattr(collector, section, lambda *a, _real=real, _name=section: read.append(_name) or _real(*a))
+    node = {family.name for family in collector.collect(scope="node")}
+    assert read == ["heartbeat_metrics", "gpu_metrics"] and node == {"ft_node_heartbeat_age_seconds"}
+    read.clear()
+    job = {family.name for family in collector.collect(scope="job")}
+    assert read == ["step_metrics", "eval_metrics"]
+    assert "ft_run_info" in job and "ft_node_heartbeat_age_seconds" not in job
+    whole = {family.name for family in collector.collect()}
+    assert whole == node | job

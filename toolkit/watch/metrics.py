@@ -71,7 +71,9 @@ class RunCollector:
         self.goodput: tuple[float, dict | None] = (0.0, None)
         self.reported: set[str] = set()  # what a damaged file made us leave out, said once
 
-    def collect(self) -> Iterator:
+    def collect(self, scope: str | None = None) -> Iterator:
+        """Every family; with a scope (scoped_app), only the sections that can hold its series: a
+        node's scrape reads no run file, the run's reads no node's state."""
         from prometheus_client.core import GaugeMetricFamily
 
         names, values = list(self.labels), list(self.labels.values())
@@ -83,12 +85,14 @@ class RunCollector:
             family.add_metric(values + list((extra or {}).values()), value)
             return family
 
-        info = GaugeMetricFamily("ft_run_info", "The run (value 1), its recipe and where it runs", labels=names)
-        info.add_metric(values, 1)
-        yield info
-        for section in (lambda: self.step_metrics(gauge), lambda: self.checkpoint_metrics(gauge),
-                        lambda: self.goodput_metrics(gauge), self.restart_metrics, self.heartbeat_metrics,
-                        self.gpu_metrics, self.phase_metrics, self.eval_metrics):
+        per_node = [self.heartbeat_metrics, self.gpu_metrics]
+        per_run = [lambda: self.step_metrics(gauge), lambda: self.checkpoint_metrics(gauge),
+                   lambda: self.goodput_metrics(gauge), self.restart_metrics, self.phase_metrics, self.eval_metrics]
+        if scope != "node":
+            info = GaugeMetricFamily("ft_run_info", "The run (value 1), its recipe and where it runs", labels=names)
+            info.add_metric(values, 1)
+            yield info
+        for section in {"node": per_node, "job": per_run}.get(scope, per_run[:4] + per_node + per_run[4:]):
             # A file damaged by hand (a null where a number was) costs its own metrics, not the scrape.
             try:
                 families = list(filter(None, section()))
@@ -273,15 +277,17 @@ def run_labels(run_dir: Path) -> dict[str, str]:
 
 
 class Scoped:
-    """The series of one scope of a registry's: the run's own (none with a node label), or one node's."""
+    """The series of one scope of a collector's: the run's own (none with a node label), or one node's.
+    The collector is asked for that scope's sections alone (collect(scope)): a job of many nodes is
+    scraped once per node, and each node's scrape would otherwise read every run file again."""
 
-    def __init__(self, registry, node: str | None):
-        self.registry, self.node = registry, node
+    def __init__(self, collector, node: str | None):
+        self.collector, self.node = collector, node
 
     def collect(self) -> Iterator:
         from prometheus_client.metrics_core import Metric
 
-        for family in self.registry.collect():
+        for family in self.collector.collect(scope="job" if self.node is None else "node"):
             kept = [sample for sample in family.samples if sample.labels.get("node") == self.node]
             if kept:
                 scoped = Metric(family.name, family.documentation, family.type, family.unit)
@@ -289,14 +295,17 @@ class Scoped:
                 yield scoped
 
 
-def scoped_app(registry):
-    """prometheus_client's WSGI app, serving the scope Prometheus asks for (toolkit/watch/run_targets.py):
-    ?scope=job the run's own series, ?scope=node&node=N node N's alone, nothing: all of them (a
-    person's curl). Prometheus labels a node's series with Slurm's node name, whatever is served."""
+def scoped_app(collector):
+    """prometheus_client's WSGI app for a collector, serving the scope Prometheus asks for
+    (toolkit/watch/run_targets.py): ?scope=job the run's own series, ?scope=node&node=N node N's
+    alone, nothing: all of them (a person's curl). Prometheus labels a node's series with Slurm's
+    node name, whatever is served."""
     from urllib.parse import parse_qs
 
     from prometheus_client import CollectorRegistry, make_wsgi_app
 
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
     whole = make_wsgi_app(registry)
 
     def app(environ, start_response):
@@ -305,7 +314,7 @@ def scoped_app(registry):
         if scope not in ("job", "node") or (scope == "node" and not node):
             return whole(environ, start_response)
         scoped = CollectorRegistry(auto_describe=False)
-        scoped.register(Scoped(registry, node if scope == "node" else None))
+        scoped.register(Scoped(collector, node if scope == "node" else None))
         return make_wsgi_app(scoped)(environ, start_response)
 
     return app
@@ -385,13 +394,9 @@ class RunExporter:
     def __init__(self, run_dir: Path, heartbeats: Callable[[], dict[str, float]], host: str | None = None,
                  targets: str | None = None, listen: str = "0.0.0.0",
                  messages: Callable[[], dict[str, dict]] = dict):
-        from prometheus_client import CollectorRegistry
-
         self.labels = run_labels(run_dir)
-        self.registry = CollectorRegistry()
         self.collector = RunCollector(run_dir, self.labels, heartbeats, messages)
-        self.registry.register(self.collector)
-        self.scrapes = ScrapeCounter(scoped_app(self.registry))
+        self.scrapes = ScrapeCounter(scoped_app(self.collector))
         folder = targets if targets is not None else RunLayout(run_dir).read_spec().site.monitoring_targets
         # Named for its run and job: the cluster exporter publishes it if Slurm runs that job for the
         # file's owner (toolkit/watch/run_targets.py). Outside a Slurm job nothing could vouch for it.
