@@ -10,7 +10,6 @@ as JSON: a comment can hold a newline, which would forge a line of squeue's text
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -155,11 +154,6 @@ def batch_script(job_id: str, run: Callable = commands.run, timeout: float = 10.
     if not job_id.isdigit():
         raise SlurmCommandError(f"{job_id!r} is not a job id")
     return run(["scontrol", "write", "batch_script", job_id, "-"], timeout=timeout).stdout
-
-
-def batch_script_sha256(job_id: str, run: Callable = commands.run, timeout: float = 10.0) -> str:
-    """The sha256 of a job's batch script as Slurm holds it (batch_script)."""
-    return hashlib.sha256(batch_script(job_id, run, timeout).encode()).hexdigest()
 
 
 def submit(script: Path, run: Callable = commands.run) -> str:
