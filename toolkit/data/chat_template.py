@@ -119,10 +119,8 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
                 if isinstance(sequence, str | list | tuple) and isinstance(count, int) \
                         and len(sequence) * count > MAX_TEXT:
                     raise ChatTemplateError(f"it repeats a value {count:,} times (more than {MAX_TEXT:,} items)")
-        if operator == "%" and isinstance(left, str) and any(int(width) > MAX_TEXT for width in
-                                                              re.findall(r"%[-+ #0]*(\d{7,})", left) +
-                                                              re.findall(r"%[-+ #0]*\d*\.(\d{7,})", left)):
-            raise ChatTemplateError(f"it formats a value wider than {MAX_TEXT:,} characters")
+        if operator == "%" and isinstance(left, str):
+            _check_percent_widths(left)
         result = super().call_binop(context, operator, left, right)
         if _too_big(result):
             raise ChatTemplateError(f"it makes a value of more than {MAX_TEXT:,} items")
@@ -209,11 +207,17 @@ def _predicted_filter(name: str, args: tuple) -> tuple:
         width = rest[0] if rest and isinstance(rest[0], int) else 4
         if len(value) + (value.count("\n") + 1) * (width if isinstance(width, int) else len(str(width))) > MAX_TEXT:
             raise ChatTemplateError(f"it indents into more than {MAX_TEXT:,} characters")
-    if isinstance(value, str) and name == "format":
-        widths = [int(width) for width in re.findall(r"%[-+ #0]*(\d{7,})", value)]
-        if max(widths, default=0) > MAX_TEXT:
-            raise ChatTemplateError(f"it formats a value wider than {MAX_TEXT:,} characters")
+    if isinstance(value, str) and name == "format":  # the filter is `value % args`
+        _check_percent_widths(value)
     return args
+
+
+def _check_percent_widths(text: str) -> None:
+    """A %-format whose width or precision passes MAX_TEXT ('%0900000000d', '%.999999999f') would
+    make text that wide: refused before it is made (the `%` operator and the format filter alike)."""
+    widths = re.findall(r"%[-+ #0]*(\d{7,})", text) + re.findall(r"%[-+ #0]*\d*\.(\d{7,})", text)
+    if any(int(width) > MAX_TEXT for width in widths):
+        raise ChatTemplateError(f"it formats a value wider than {MAX_TEXT:,} characters")
 
 
 def _bounded_filter(function):
