@@ -12,9 +12,9 @@ is read back. A name's log and promoted.json go up whenever they differ from the
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
+from toolkit.digests import sha256_stream
 from toolkit.registry.adapter import digest_of, read_bounded
 from toolkit.registry.layout import ADAPTER, RegistryLayout
 from toolkit.registry.records import FileDigest, VersionRecord
@@ -22,7 +22,6 @@ from toolkit.registry.states import MAX_LOG_BYTES
 from toolkit.shared_dirs import open_regular
 
 MAX_RECORD_BYTES = 4 << 20  # version.json (the evaluation's result is at most 256 KiB) and serving.json
-CHUNK_BYTES = 8 << 20
 
 
 class MirrorProblem(Exception):
@@ -100,23 +99,20 @@ class RegistryMirror:
                 return False
         folder = self._key(layout.relative(layout.version(record.id)))
         self.filesystem.invalidate_cache(folder)
-        present = {key.removeprefix(folder + "/") for key in self.filesystem.find(folder)}
-        expected = {f"{ADAPTER}/{name}" for name in record.files} | {
+        found = self.filesystem.find(folder, detail=True)
+        listed = {key.removeprefix(folder + "/"): info for key, info in found.items()}
+        expected_names = {f"{ADAPTER}/{name}" for name in record.files} | {
             layout.version_record(record.id).name, layout.serving(record.id).name}
-        if present != expected:  # a file added in the version (a server would read it too)
+        if set(listed) != expected_names:  # a file added in the version (a server would read it too)
             return False
         for name, expected in record.files.items():
-            key = self._key(layout.relative(layout.adapter(record.id) / name))
-            try:
-                if self.filesystem.info(key).get("size") != expected.bytes:
-                    return False
-                digest = hashlib.sha256()
-                with self.filesystem.open(key, "rb") as remote:
-                    while chunk := remote.read(CHUNK_BYTES):
-                        digest.update(chunk)
-            except FileNotFoundError:
+            if listed[f"{ADAPTER}/{name}"].get("size") != expected.bytes:
                 return False
-            if digest.hexdigest() != expected.sha256:
+            try:
+                with self.filesystem.open(self._key(layout.relative(layout.adapter(record.id) / name)), "rb") as remote:
+                    if sha256_stream(remote) != (expected.bytes, expected.sha256):
+                        return False
+            except FileNotFoundError:
                 return False
         return True
 
