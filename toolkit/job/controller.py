@@ -23,6 +23,7 @@ toolkit/slurm's client.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -39,7 +40,7 @@ from toolkit.runs.layout import RunLayout, RunSpecError
 from toolkit.runs.timeline import record
 from toolkit.slurm.client import CliSlurmClient, SlurmClient
 from toolkit.watch import exits, requeue
-from toolkit.watch.supervise import SRUN_ERRORS, Supervisor
+from toolkit.watch.supervise import SRUN_ERRORS, STEP_COMMAND, Adoption, Supervisor
 
 T = TypeVar("T")
 TERMINATED = 143  # 128 + SIGTERM: the job ended by Slurm (a preemption, a cancel, a requeue)
@@ -57,7 +58,11 @@ def requeue_backoff(losses_in_a_row: int) -> int:
 
 
 class JobController:
-    def __init__(self, run_dir: Path, slurm: SlurmClient | None = None):
+    """adoption: this controller succeeds a lost batch host's (toolkit/job/successor.py): it takes
+    over the training step that one started, and the job's start is not begun again."""
+
+    def __init__(self, run_dir: Path, slurm: SlurmClient | None = None, adoption: Adoption | None = None):
+        self.adoption = adoption
         self.layout = RunLayout(run_dir)
         self.slurm = slurm or CliSlurmClient()
         self.job_id = os.environ["SLURM_JOB_ID"]
@@ -81,12 +86,13 @@ class JobController:
         except RunSpecError as exc:  # a damaged spec is not worth a requeue
             print(f"ft: {exc.message} ({exc.hint})", file=sys.stderr, flush=True)
             return exits.USER_ERROR
-        self.register()
-        if "FT_MAX_LAUNCH_REQUEUES" in os.environ:
-            say("FT_MAX_LAUNCH_REQUEUES is no longer read: the recipe's watchdog.max_requeues is "
-                f"({self.spec.recipe.watchdog.max_requeues})")
         self.allocation = self.slurm.hostnames(os.environ["SLURM_JOB_NODELIST"])
-        self.prepare_environment()
+        if self.adoption is None:  # a successor goes on with the start its batch host began
+            self.register()
+            if "FT_MAX_LAUNCH_REQUEUES" in os.environ:
+                say("FT_MAX_LAUNCH_REQUEUES is no longer read: the recipe's watchdog.max_requeues is "
+                    f"({self.spec.recipe.watchdog.max_requeues})")
+            self.prepare_environment()
         status = self.launch()
         if self.signal is not None:
             return self.after_signal()
@@ -129,16 +135,22 @@ class JobController:
         and a task it stopped because another one failed counts as terminated)."""
         if self.signal is not None:
             return TERMINATED
-        exits.clear_exit_status(self.layout.root)
         self.supervisor, self.process = None, None
         self.launches += 1
-        # Each launcher leaves a mark here as it starts, and srun's own messages are kept here too:
-        # together they tell a node lost before the step started from a failure of the run.
-        self.marks = self.layout.launch_marks / f"{self.job_id}.{self.restart}.{self.launches}"
-        self.marks.mkdir(parents=True, exist_ok=True)
-        os.environ["FT_LAUNCH_MARKS"] = str(self.marks)
-        argv = self.spec.step.srun(self.spec.recipe.resources.nodes, str(self.layout.logs),
-                                   os.environ.get("SLURM_CPUS_ON_NODE", "1"), os.environ.get("SLURM_CPUS_PER_TASK", ""))
+        if self.adoption is not None and self.launches == 1:  # the step runs: its marks and command are its own
+            self.marks = Path(os.environ["FT_LAUNCH_MARKS"])
+            argv = json.loads((self.marks / STEP_COMMAND).read_text())
+        else:
+            exits.clear_exit_status(self.layout.root)
+            # Each launcher leaves a mark here as it starts, and srun's own messages are kept here too:
+            # together they tell a node lost before the step started from a failure of the run.
+            after = f".after-{self.adoption.lost}" if self.adoption else ""
+            self.marks = self.layout.launch_marks / f"{self.job_id}.{self.restart}{after}.{self.launches}"
+            self.marks.mkdir(parents=True, exist_ok=True)
+            os.environ["FT_LAUNCH_MARKS"] = str(self.marks)
+            argv = self.spec.step.srun(self.spec.recipe.resources.nodes, str(self.layout.logs),
+                                       os.environ.get("SLURM_CPUS_ON_NODE", "1"),
+                                       os.environ.get("SLURM_CPUS_PER_TASK", ""))
         self.passed_on = False
         status = self.supervised(argv) if self.spec.recipe.watchdog.enabled else self.plain(argv)
         with contextlib.suppress(OSError):  # srun's messages, into the batch log
@@ -149,7 +161,8 @@ class JobController:
 
     def supervised(self, argv: list[str]) -> int:
         try:
-            self.supervisor = Supervisor(argv, self.layout.root, self.slurm, on_requeue=self.expect_requeue)
+            self.supervisor = Supervisor(argv, self.layout.root, self.slurm, on_requeue=self.expect_requeue,
+                                         adoption=self.adoption if self.launches == 1 else None)
         except RunSpecError as exc:
             print(f"ft-watch: {exc}", file=sys.stderr, flush=True)
             return exits.USER_ERROR

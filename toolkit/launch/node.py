@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.launch.rendezvous import RendezvousError, barrier, job_secret
@@ -74,6 +75,24 @@ def preflight(run_dir: Path) -> int:
     return EXIT_NODE_UNFIT if problems else 0
 
 
+@dataclass
+class Watched:
+    """The supervisor this launcher's heartbeats go to: the batch host's, then a successor's."""
+    node: str
+    address: str
+
+
+WATCHED = Watched("", "")  # set by a retarget to a successor
+
+
+def watched() -> Watched:
+    """Where the heartbeats go: the job's supervisor (FT_WATCH_NODE, FT_WATCH_ADDR) until a successor."""
+    if WATCHED.node:
+        return WATCHED
+    node = os.environ.get("FT_WATCH_NODE", "")
+    return Watched(node, os.environ.get("FT_WATCH_ADDR", "") or node)
+
+
 def start_heartbeat(node: str) -> Sender | None:
     """This node's heartbeat to the supervisor, from the launcher's first second (None when ft's
     watchdog is off: no supervisor listens)."""
@@ -83,7 +102,8 @@ def start_heartbeat(node: str) -> Sender | None:
     silence = float(os.environ.get("FT_WATCH_TIMEOUT", "10"))
     sender = Sender(address, int(port), job_secret(), node, int(os.environ.get("FT_WATCH_START", "0")),
                     state=dict, silence_s=silence)
-    sender.on_silence = lambda quiet: batch_host_lost(node, quiet, silence, still_quiet=sender.unanswered)
+    sender.on_silence = lambda quiet: batch_host_lost(node, quiet, silence, still_quiet=sender.unanswered,
+                                                      sender=sender)
     return sender.start()
 
 
@@ -119,25 +139,25 @@ REQUEUED_AT: list[float] = []  # when it asked (time.monotonic()): Slurm's TERM 
 
 
 def batch_host_lost(node: str, quiet: float, timeout: float = float("inf"),
-                    still_quiet: Callable[[], bool] = lambda: True) -> bool:
+                    still_quiet: Callable[[], bool] = lambda: True, sender: Sender | None = None) -> bool:
     """The supervisor stopped answering for `quiet` seconds: where its node's slurmd does not answer
-    either, the node (the batch host) is lost, and the job with it. Slurm would notice only after
-    SlurmdTimeout; one surviving node tells it now: the job requeued and the node marked DOWN (with
-    the reason). A supervisor quiet on a live node (a launcher of an earlier start it no longer
-    answers, a node that rebooted already) is asked about again until the heartbeat `timeout`, then
-    left to Slurm to judge; where Slurm requeues the job for it, the job starts again at once all the
-    same. True once the silence is judged (toolkit/watch/heartbeat.py's Sender asks no more).
-    `still_quiet()` is asked again before each step: an answer meanwhile (this node's own link back
-    after a flap) ends it, and no healthy batch host is marked DOWN."""
+    either, the node (the batch host, or a successor's) is lost. Slurm would notice only after
+    SlurmdTimeout; one surviving node tells it now. Where the lost node trained on no rank (a spare:
+    the job holds it --no-kill), the job goes on: the node marked DOWN, and a successor takes the
+    job script's place (toolkit/launch/handover.py); else the job is requeued and the node marked
+    DOWN (with the reason). A supervisor quiet on a live node (a launcher of an earlier start it no
+    longer answers, a node that rebooted already) is asked about again until the heartbeat
+    `timeout`, then left to Slurm to judge; where Slurm requeues the job for it, the job starts
+    again at once all the same. True once the silence is judged (toolkit/watch/heartbeat.py's
+    Sender asks no more). `still_quiet()` is asked again before each step: an answer meanwhile
+    (this node's own link back after a flap) ends it, and no healthy batch host is marked DOWN."""
     from toolkit.runs.timeline import record
-    from toolkit.slurm.client import CliSlurmClient
-    from toolkit.watch.requeue import retried
 
-    batch_host, job = os.environ.get("FT_WATCH_NODE", ""), os.environ.get("SLURM_JOB_ID", "")
+    batch_host, job = watched().node, os.environ.get("SLURM_JOB_ID", "")
     if not batch_host or batch_host == node or not job:
         return True
     marks = os.environ.get("FT_LAUNCH_MARKS")
-    if slurmd_answers(os.environ.get("FT_WATCH_ADDR", batch_host)):
+    if slurmd_answers(watched().address):
         if quiet < timeout:
             return False
         log(f"the supervisor on {batch_host} did not answer for {quiet:.0f} s, but the node's slurmd does: "
@@ -145,35 +165,109 @@ def batch_host_lost(node: str, quiet: float, timeout: float = float("inf"),
         return True
     if not still_quiet():
         return False
-    if not first_to_report(marks, "batch-host-lost"):
+    survivable = bool(marks) and batch_host not in training_nodes() and sender is not None
+    if not first_to_report(marks, f"lost-{batch_host}"):
         log(f"the batch host {batch_host} did not answer for {quiet:.1f} s: another node reports it")
+        if survivable:
+            follow_successor(sender, Path(marks), batch_host)
         return True
     why = (f"ft: batch host of job {job} (run {os.environ.get('FT_RUN_ID', '?')}) lost: its supervisor did not "
            f"answer for {quiet:.1f} s, nor its slurmd")
+    if os.environ.get("FT_RUN_DIR"):
+        with contextlib.suppress(OSError):
+            record(Path(os.environ["FT_RUN_DIR"]), "node_lost", node=batch_host, reason=why, reported_by=node)
+    if survivable and succeed(node, batch_host, why, sender, Path(marks)):
+        return True
+    requeue_for_lost(node, batch_host, why, still_quiet)
+    return True
+
+
+def training_nodes() -> list[str]:
+    """The nodes this start trains on (the supervisor names them: FT_WATCH_NODES)."""
+    return [name for name in os.environ.get("FT_WATCH_NODES", "").split(",") if name]
+
+
+def succeed(node: str, batch_host: str, why: str, sender: Sender, marks: Path) -> bool:
+    """The lost node trained on no rank: it is marked DOWN (Slurm then takes it out of the job, which
+    runs on: --no-kill), and a successor started on a spare, or here. True once the successor took
+    over (the heartbeats go to it); False where it did not come, or Slurm would not start it."""
+    from toolkit.launch import handover
+    from toolkit.runs.timeline import record
+    from toolkit.slurm.client import CliSlurmClient
+    from toolkit.watch.requeue import retried
+
+    slurm, job, lost_address = CliSlurmClient(), os.environ["SLURM_JOB_ID"], watched().address
+    log(f"{why}: marking {batch_host} DOWN; the job goes on without it (training does not use it)")
+    marked = retried(lambda: slurm.mark_node_down(batch_host, why), f"marking {batch_host} DOWN")
+    training = training_nodes()
+    where = handover.successor_node(slurm, job, training, batch_host, node)
+    step = f"{job}.{os.environ.get('SLURM_STEP_ID', '0')}"
+    log(f"starting a successor to the job script on {where}; it takes over training step {step}")
+    logs = RunLayout(Path(os.environ["FT_RUN_DIR"])).logs
+    try:
+        successor = handover.start_successor(job, where, batch_host, step, os.environ.get("FT_WATCH_START", "0"),
+                                             training, logs / f"successor-srun-{node}.err")
+    except OSError as exc:
+        log(f"could not start a successor ({exc}): requeueing instead")
+        return False
+    found = handover.wait_for_handover(marks, batch_host, alive=lambda: successor.poll() is None)
+    if found is None:
+        log(f"the successor on {where} did not take over within {handover.HANDOVER_WAIT_S:.0f} s "
+            f"(see {logs}/successor-srun-{node}.err): requeueing instead")
+        with contextlib.suppress(OSError):
+            successor.kill()
+        return False
+    retarget(sender, found)
+    with contextlib.suppress(OSError):
+        record(Path(os.environ["FT_RUN_DIR"]), "successor", lost=batch_host, node=found.node, reported_by=node)
+    if marked:
+        from toolkit.watch.silence import keep_down
+
+        keep_down(slurm, batch_host, why, lambda: not slurmd_answers(lost_address), log)
+    return True
+
+
+def follow_successor(sender: Sender, marks: Path, lost: str) -> None:
+    """Another launcher reports the loss: this one waits for the successor's word, and retargets."""
+    from toolkit.launch import handover
+
+    found = handover.wait_for_handover(marks, lost, wait_s=2 * handover.HANDOVER_WAIT_S)
+    if found is not None:
+        retarget(sender, found)
+
+
+def retarget(sender: Sender, found) -> None:
+    WATCHED.node, WATCHED.address = found.node, found.address
+    sender.retarget(found.address, found.port)
+    log(f"heartbeats now go to the successor on {found.node} ({found.address}:{found.port})")
+
+
+def requeue_for_lost(node: str, batch_host: str, why: str, still_quiet: Callable[[], bool]) -> None:
+    """The job requeued, and the lost node marked DOWN."""
+    from toolkit.slurm.client import CliSlurmClient
+    from toolkit.watch.requeue import retried
+
+    job = os.environ["SLURM_JOB_ID"]
     # Slurm requeues a job for its DOWN node by itself, except a job that holds spare nodes
     # (--no-kill): that one it keeps running without its batch script, for good (seen on the lab).
     # So both, in this order: the requeue first (its TERM this launcher handles), then the mark
     # (with the mark first, or both at once, the requeue was sometimes never sent, and the job ran
     # on without its script). This launcher then lifts Slurm's hold on the job as it ends.
     log(f"{why}: requeueing job {job} and marking {batch_host} DOWN")
-    if os.environ.get("FT_RUN_DIR"):
-        with contextlib.suppress(OSError):
-            record(Path(os.environ["FT_RUN_DIR"]), "node_lost", node=batch_host, reason=why, reported_by=node)
     slurm = CliSlurmClient()
     REQUEUED_AT.append(time.monotonic())
     requeued = retried(lambda: slurm.requeue(job), f"requeueing job {job}")
     if not still_quiet():  # the requeue stands (the job resumes from its checkpoint); the node is sound
         log(f"the supervisor on {batch_host} answers again: not marking it DOWN")
-        return True
+        return
     marked = retried(lambda: slurm.mark_node_down(batch_host, why), f"marking {batch_host} DOWN")
     if marked:  # the launcher stays as the job's last process a while: long enough for the looks
         from toolkit.watch.silence import keep_down
 
-        address = os.environ.get("FT_WATCH_ADDR", batch_host)
+        address = watched().address
         keep_down(slurm, batch_host, why, lambda: not slurmd_answers(address), log)
     if not requeued and not marked:
         log(f"Slurm took neither (operator rights?): it requeues job {job} once it notices (SlurmdTimeout)")
-    return True
 
 
 def lift_requeue_hold() -> None:

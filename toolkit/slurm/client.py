@@ -102,6 +102,14 @@ class SlurmClient(Protocol):
 
     def requeues_preempted(self, job_id: str, partition: str) -> bool: ...
 
+    def job_steps(self, job_id: str) -> dict[str, list[str]] | None: ...
+
+    def signal_step(self, step_id: str, signal_name: str) -> bool: ...
+
+    def end_time(self, job_id: str) -> float | None: ...
+
+    def complete_job(self, job_id: str, exit_code: int) -> bool: ...
+
 
 def _parse_version(text: str) -> tuple[int, int, int]:
     match = re.search(r"(\d+)\.(\d+)\.(\d+)", text)
@@ -244,6 +252,43 @@ class CliSlurmClient:
             return False
         mode = modes[partition].preempt_mode if partition in modes else "OFF"
         return preempted[:1].isdigit() and "REQUEUE" in mode.upper().split(",")
+
+    def job_steps(self, job_id: str) -> dict[str, list[str]] | None:
+        """The job's running steps ("J.S": their nodes), its batch and extern steps left out; None
+        where Slurm did not answer (no answer is not "no steps")."""
+        result = commands.run(["squeue", "--steps", "--noheader", "--jobs", job_id, "--format=%i|%N"],
+                              timeout=self.timeout, check=False)
+        if result.returncode != 0:
+            return None
+        steps = {}
+        for line in result.stdout.splitlines():
+            step, _, nodes = line.strip().partition("|")
+            if step.startswith(f"{job_id}.") and step.split(".", 1)[1].isdigit():
+                steps[step] = self.hostnames(nodes) if nodes else []
+        return steps
+
+    def signal_step(self, step_id: str, signal_name: str) -> bool:
+        """A signal to every task of a step (`scancel --signal`), as srun passes one on to its
+        tasks; "TERM" without --signal: the step cancelled (TERM, then KILL after KillWait)."""
+        argv = ["scancel", step_id] if signal_name == "TERM" else ["scancel", f"--signal={signal_name}", step_id]
+        return commands.run(argv, timeout=self.timeout, check=False).returncode == 0
+
+    def end_time(self, job_id: str) -> float | None:
+        """When the job's time limit ends it (epoch seconds, the controller's clock); None where
+        it has none or Slurm does not say. Asked afresh: an admin may extend a job's limit."""
+        result = commands.run(["scontrol", "show", "job", "-o", job_id], timeout=self.timeout, check=False)
+        end = slurm_nodes.key_values(result.stdout).get("EndTime", "")
+        try:
+            return time.mktime(time.strptime(end, "%Y-%m-%dT%H:%M:%S"))
+        except ValueError:
+            return None
+
+    def complete_job(self, job_id: str, exit_code: int) -> bool:
+        """End this user's running job with an exit code, as its batch script's end would
+        (toolkit/slurm/libslurm.py: no command does it)."""
+        from toolkit.slurm import libslurm
+
+        return libslurm.complete_job(job_id, exit_code)
 
     # -- sources -----------------------------------------------------------------------------
     def _from_squeue(self, job_id: str) -> JobInfo | None:

@@ -66,3 +66,13 @@ def one_task_beside(command: list[str], node: str, output: str, program: list[st
     options = [option for option in command[1:] if not option.startswith(STEP_SHAPE)]
     return [command[0], f"--nodelist={node}", "--nodes=1", "--ntasks=1", "--overlap", f"--output={output}",
             "--open-mode=append", *options, *program]
+
+
+def successor_step(job_id: str, node: str, program: list[str]) -> list[str]:
+    """The step that takes the place of a lost batch host's job script (toolkit/job/successor.py):
+    one task on `node`, sharing it (--overlap), started from another step of the job. Its srun
+    client may die with the step that started it (the step goes on): no stdin, and no output
+    through srun (slurmstepd loses a step's last lines when the step ends: the program writes the
+    job's batch log itself)."""
+    return ["srun", f"--jobid={job_id}", f"--nodelist={node}", "--nodes=1", "--ntasks=1", "--cpus-per-task=1",
+            "--overlap", "--input=none", "--output=/dev/null", "--error=/dev/null", *program]

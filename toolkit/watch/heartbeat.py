@@ -125,6 +125,12 @@ class Sender:
             self.judged = True
             print(f"ft-heartbeat: judging the supervisor's silence failed: {type(exc).__name__}: {exc}", flush=True)
 
+    def retarget(self, address: str, port: int) -> None:
+        """Heartbeats go to another supervisor from now on (a lost batch host's successor:
+        toolkit/launch/handover.py); its silence counts from now."""
+        self.target = (address, port)
+        self.answered = time.monotonic()
+
     def unanswered(self) -> bool:
         """No fresh answer for silence.QUIET_S or more."""
         return self.answered is None or time.monotonic() - self.answered >= QUIET_S
@@ -296,6 +302,13 @@ class Receiver:
             self.lost = []
             self.start_number += 1
             return self.start_number
+
+    def adopt_start(self, start: int) -> None:
+        """Hear the launchers of a start another supervisor began (a successor's, toolkit/job/successor.py)."""
+        with self.lock:
+            self.nodes.clear()
+            self.lost = []
+            self.start_number = start
 
     def tell_lost(self, nodes: list[str]) -> None:
         """Every answer from now on says these nodes of the start are lost (the launchers stop their

@@ -30,6 +30,7 @@ supervisor and acts on what it returns. Every decision is a line in the batch lo
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.errors import FtError
+from toolkit.launch.handover import Handover
 from toolkit.launch.rendezvous import job_secret
 from toolkit.receipts import entries as receipt_entries
 from toolkit.runs.layout import RunLayout, RunSpecError
@@ -49,6 +51,7 @@ from toolkit.runs.timeline import read_lines, record
 from toolkit.slurm import steps
 from toolkit.slurm.client import CliSlurmClient, SlurmClient
 from toolkit.watch import exits
+from toolkit.watch.adopted import AdoptedStep, StepListing
 from toolkit.watch.heartbeat import Receiver
 from toolkit.watch.silence import SilenceRule, keep_down
 
@@ -56,6 +59,7 @@ SILENT_AT_END_S = 3.0  # a node quiet this long before srun ended was lost, what
 WATCH_EVERY_S = 0.1  # the watch loop's beat: a loss is acted on within this of its detection
 STOP_GRACE_S = 5.0
 SRUN_ERRORS = "srun.err"  # in FT_LAUNCH_MARKS: srun's messages
+STEP_COMMAND = "step.json"  # in FT_LAUNCH_MARKS: the training step's srun command, for a successor
 LAUNCH_FAILED = b"Application launch failed"  # srun's words for a step that did not launch everywhere
 LOST_STOP_GRACE_S = 1.0  # a step with a lost node: nothing worth waiting for (no checkpoint can be taken)
 DRAIN_CHECK_S = 5.0  # how often the step's nodes are checked for a drain
@@ -71,6 +75,16 @@ class Lost:
     why: str
     drained: bool = False  # taken out by someone else: not marked DOWN again
     hung: bool = False  # alive but hanging again and again: drained by ft (an admin looks), not marked DOWN
+
+@dataclass(frozen=True)
+class Adoption:
+    """A training step this supervisor takes over as it runs: its batch host (`lost`) is gone, and
+    this one is its successor (toolkit/job/successor.py)."""
+    lost: str
+    step_id: str  # "J.S"
+    nodes: list[str]
+    start: int
+
 
 @dataclass
 class Outcome:
@@ -127,8 +141,8 @@ def reachable_address(node: str, peers: dict[str, str]) -> str:
 
 class Supervisor:
     def __init__(self, command: list[str], run_dir: Path, slurm: SlurmClient | None = None,
-                 on_requeue: Callable[[str], object] = lambda job_id: None):
-        self.command, self.run_dir, self.on_requeue = command, run_dir, on_requeue
+                 on_requeue: Callable[[str], object] = lambda job_id: None, adoption: Adoption | None = None):
+        self.command, self.run_dir, self.on_requeue, self.adoption = command, run_dir, on_requeue, adoption
         recipe = RunLayout(run_dir).read_spec().recipe
         self.watchdog = recipe.watchdog
         self.needed = recipe.resources.nodes
@@ -160,6 +174,13 @@ class Supervisor:
         self.slurmd_port = self.ask_slurmd_port()
         self.started_at = 0.0  # time.time() of the current start (its events are the ones after it)
         self.hangs: dict[str, int] = {}  # node: hangs blamed on it in this job
+        self.listing = StepListing(self.slurm, self.job_id)  # the job's steps, for adopted ones
+        if adoption is not None:
+            self.excluded.append(adoption.lost)
+            self.receiver.adopt_start(adoption.start)
+        elif self.marks is not None:  # what a successor starts, should this batch host be lost
+            with contextlib.suppress(OSError):
+                (self.marks / STEP_COMMAND).write_text(json.dumps(command))
 
     def ask_slurmd_port(self) -> int | None:
         """SlurmdPort, once (a Slurm that does not say: no probe, and no sign of loss from one)."""
@@ -204,7 +225,8 @@ class Supervisor:
                 (self.marks / node).unlink()
         env = dict(os.environ, MASTER_ADDR=nodes[0], MASTER_PORT=str(master_port(int(self.job_id), start)),
                    FT_WATCH_ADDR=self.address, FT_WATCH_PORT=str(self.receiver.port), FT_WATCH_START=str(start),
-                   FT_WATCH_NODE=self.node, FT_WATCH_TIMEOUT=str(self.watchdog.heartbeat_timeout),
+                   FT_WATCH_NODE=self.node, FT_WATCH_NODES=",".join(nodes),
+                   FT_WATCH_TIMEOUT=str(self.watchdog.heartbeat_timeout),
                    FT_WATCH_SLURMD_PORT=str(self.slurmd_port or ""),
                    FT_WARM="1" if self.warm_alive(nodes) else "0")
         argv = steps.on_nodes(self.command, nodes)
@@ -217,6 +239,36 @@ class Supervisor:
             return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
         with open(self.marks / SRUN_ERRORS, "ab") as errors:  # read by launch_failed, and the job's lost_nodes
             return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stderr=errors)
+
+    def take_over(self) -> tuple[AdoptedStep, list[str]]:
+        """The training step the lost batch host started, watched as it runs; the launchers told
+        where this supervisor listens (they wait for its word: toolkit/launch/handover.py)."""
+        adoption, self.adoption = self.adoption, None
+        self.started_at = time.time()
+        self.err_seen = self.srun_errors_size()
+        step = AdoptedStep(self.slurm, self.listing, adoption.step_id, adoption.nodes, self.goodbyes)
+        Handover(adoption.lost, self.node, self.address, self.receiver.port).write(self.marks)
+        log(f"took over from the lost batch host {adoption.lost}: training goes on on {', '.join(adoption.nodes)} "
+            f"(step {adoption.step_id}, start {adoption.start})"
+            + (f"; spare: {', '.join(self.spares())}" if self.spares() else "; no spare left"))
+        record(self.run_dir, "took_over", lost=adoption.lost, node=self.node, step=adoption.step_id,
+               start=adoption.start, spares=self.spares())
+        return step, adoption.nodes
+
+    def adopt_warm(self) -> None:
+        """The templates the lost batch host started (one-node steps; their srun clients died with
+        it) watched as this supervisor's own; the training step and this one's step aside."""
+        steps_now = self.listing.steps_of_job() or {}
+        own = f"{self.job_id}.{os.environ.get('SLURM_STEP_ID', '')}"
+        training = self.adoption.step_id if self.adoption else ""
+        for step_id, step_nodes in steps_now.items():
+            if step_id not in (own, training) and len(step_nodes) == 1 and step_nodes[0] not in self.excluded:
+                self.warm[step_nodes[0]] = AdoptedStep(self.slurm, self.listing, step_id, step_nodes)
+
+    def goodbyes(self) -> dict[str, int]:
+        """The exit codes the launchers of this start said as they ended."""
+        return {node: seen.message["exit_code"] for node, seen in self.receiver.seen().items()
+                if type(seen.message.get("exit_code")) is int}
 
     def srun_errors_size(self) -> int:
         try:
@@ -561,6 +613,8 @@ class Supervisor:
         # The spares' templates once training has begun: they are wanted at a restart only, and
         # nodes importing the runtime at once from a shared filesystem (Lustre's metadata servers)
         # slow the first start of every node.
+        if self.adoption is not None:
+            self.adopt_warm()
         self.start_warm(self.placement())
         exporter = self.start_exporter()
         code = None
@@ -610,10 +664,13 @@ class Supervisor:
                 return self.end(0, why="the run had finished")
             if self.stopping.is_set():
                 return self.end(exits.STOPPED, why="stopped before a new start")
-            nodes = self.placement()
-            if len(nodes) < self.needed:
-                return self.hand_back_lost()
-            self.process = self.start(nodes)
+            if self.adoption is not None:
+                self.process, nodes = self.take_over()
+            else:
+                nodes = self.placement()
+                if len(nodes) < self.needed:
+                    return self.hand_back_lost()
+                self.process = self.start(nodes)
             if self.stopping.is_set():  # the signal came while srun was starting: pass it on now
                 self.process.send_signal(signal.SIGUSR2)
             outcome = self.watch(self.process, nodes)
