@@ -73,6 +73,7 @@ def successor_step(job_id: str, node: str, program: list[str]) -> list[str]:
     one task on `node`, sharing it (--overlap), started from another step of the job. Its srun
     client may die with the step that started it (the step goes on): no stdin, and no output
     through srun (slurmstepd loses a step's last lines when the step ends: the program writes the
-    job's batch log itself)."""
+    job's batch log itself). --cpu-bind=none: srun would take the starting step's CPU mask from its
+    environment (SLURM_CPU_BIND), which the new step's CPUs need not satisfy (refused on the lab)."""
     return ["srun", f"--jobid={job_id}", f"--nodelist={node}", "--nodes=1", "--ntasks=1", "--cpus-per-task=1",
-            "--overlap", "--input=none", "--output=/dev/null", "--error=/dev/null", *program]
+            "--overlap", "--cpu-bind=none", "--input=none", "--output=/dev/null", "--error=/dev/null", *program]
