@@ -135,6 +135,14 @@ def wait(what: str, probe, timeout: float, interval: float = 0.2):
     raise TimeoutError(f"{what} did not happen within {timeout:.0f} s")
 
 
+def took_over(run_dir: Path, after: float) -> dict | None:
+    """A successor's take-over of the running step after `after` (events.jsonl), as a start at the crash."""
+    for event in read_lines(run_dir / "events.jsonl", {"event": str, "time": (int, float)}):
+        if event["event"] == "took_over" and event["time"] > after:
+            return {"started": after, "successor": True}
+    return None
+
+
 def one_kill(env: dict, recipe: Path, batch_host: bool) -> dict:
     run = json.loads(ft(env, "submit", "--json", "--skip-validation", str(recipe)))
     run_dir = Path(run["run_dir"])
@@ -147,10 +155,11 @@ def one_kill(env: dict, recipe: Path, batch_host: bool) -> dict:
             chaos.crash_batch_host(run_dir)
         else:
             chaos.crash_rank_node(run_dir, 1)  # a training node that is not the batch host
-        # The first step of the next start (the launchers' attempts.jsonl, watchdog or not): with a
-        # spare the batch host trains on no rank, and the others' steps go on until the requeue.
-        restarted = wait("the start after the crash", lambda: next(
-            (a for a in attempts(run_dir) if a["started"] > killed_at), None), 600)
+        # The first step of the next start (the launchers' attempts.jsonl, watchdog or not); with a
+        # spare, the batch host trains on no rank, and a successor takes over the running training
+        # step (toolkit/launch/handover.py): the first step after the crash, with nothing restarted.
+        restarted = wait("the start after the crash, or a successor's take-over", lambda: next(
+            (a for a in attempts(run_dir) if a["started"] > killed_at), None) or took_over(run_dir, killed_at), 600)
         first = wait("the first step after the crash",
                      lambda: next((m for m in metrics(run_dir) if m["time"] > restarted["started"]), None), 600)
         resumed = [m for m in metrics(run_dir) if m["time"] > restarted["started"]]
@@ -158,7 +167,8 @@ def one_kill(env: dict, recipe: Path, batch_host: bool) -> dict:
         # checkpoints) went on after its crash until the requeue.
         return {"seconds": first["time"] - killed_at,
                 "steps_lost": max(before[-1]["step"] - (resumed[0]["step"] - 1), 0),
-                "victim": "batch host" if batch_host else "other node"}
+                "victim": "batch host" if batch_host else "other node",
+                "succeeded": bool(restarted.get("successor"))}
     finally:
         subprocess.run([sys.executable, "-m", "toolkit", "cancel", run["run_id"]], env=env, capture_output=True,
                        cwd=REPO)
@@ -243,6 +253,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kills", type=int, default=5)
     parser.add_argument("--modes", default=KILL_MODES, help="the modes of the kill measurements")
+    parser.add_argument("--victims", choices=("alternate", "batch-host", "other"), default="alternate",
+                        help="which node each kill crashes: the other node and the batch host in turn, or one of them")
     parser.add_argument("--goodput-modes", default=GOODPUT_MODES)
     parser.add_argument("--hangs", type=int, default=3)
     parser.add_argument("--goodput-steps", type=int, default=600)
@@ -260,10 +272,12 @@ def main() -> None:
         recipe = recipe_for(work, mode)
         results[mode] = []
         for kill in range(args.kills):
-            outcome = one_kill(env, recipe, batch_host=kill % 2 == 1)  # the other node first, then the batch host
+            batch_host = kill % 2 == 1 if args.victims == "alternate" else args.victims == "batch-host"
+            outcome = one_kill(env, recipe, batch_host)  # alternating: the other node first, then the batch host
             results[mode].append(outcome)
             print(f"{mode}: kill {kill + 1}: {outcome['seconds']:.1f} s to the first new step, "
-                  f"{outcome['steps_lost']} steps lost ({outcome['victim']})", flush=True)
+                  f"{outcome['steps_lost']} steps lost ({outcome['victim']}"
+                  + ("; a successor took over, training went on" if outcome["succeeded"] else "") + ")", flush=True)
     if args.kills:
         native = statistics.median(r["seconds"] for r in results.get("slurm-native", [])) \
             if results.get("slurm-native") else None

@@ -293,6 +293,26 @@ def test_a_lost_batch_host_with_a_spare_is_succeeded_inside_the_job_and_training
     assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after losing the batch host {crashed}")
 
 
+def test_a_lost_batch_host_that_trains_is_reported_by_the_survivor_and_the_job_requeued(tiny_baseline, runs,
+                                                                                         heal_lab):
+    """No spare: the batch host trains rank 0, and its loss breaks training. The survivor requeues
+    the job at once and marks the node DOWN (Slurm would wait SlurmdTimeout), then lifts Slurm's hold."""
+    run = submit(recipe(runs, "batch-host-trains"), runs_dir=runs)
+    checkpoint_after(run, 0)
+    crashed = chaos.crash_batch_host(Path(run["run_dir"]))
+
+    finished(run, runs)
+    attempts = [json.loads(line) for line in (Path(run["run_dir"]) / "attempts.jsonl").read_text().splitlines()]
+    assert attempts[0]["restart"] == 0 and attempts[-1]["restart"] >= 1 and crashed not in attempts[-1]["nodes"]
+    timeline = events(run)
+    assert [e["node"] for e in timeline if e["event"] == "node_lost"][:1] == [crashed]
+    assert not any(e["event"] == "took_over" for e in timeline)
+    assert any(e["event"] == "requeue_hold_lifted" for e in timeline)  # by the survivor's helper
+    reason = reasons(crashed)[crashed]
+    assert "batch host" in reason and run["run_id"] in reason
+    assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after losing the batch host {crashed}")
+
+
 @pytest.mark.slurm_matrix
 def test_a_preempted_free_run_checkpoints_and_resumes_where_it_stopped(lab, tiny_baseline, runs, shared_tmp):
     run = submit(recipe(runs, "free", resources={"tier": "free"}), runs_dir=runs)
