@@ -135,6 +135,15 @@ def wait(what: str, probe, timeout: float, interval: float = 0.2):
     raise TimeoutError(f"{what} did not happen within {timeout:.0f} s")
 
 
+def stall(lines: list[dict], killed_at: float) -> dict:
+    """The longest wait between two steps from the kill to 10 s after it, beside the run's median step."""
+    times = [m["time"] for m in lines]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    near = [b - a for a, b in zip(times, times[1:], strict=False) if killed_at < b < killed_at + 10]
+    return {"longest_gap_s": round(max(near), 2) if near else None,
+            "median_step_s": round(statistics.median(gaps), 2) if gaps else None}
+
+
 def took_over(run_dir: Path, after: float) -> dict | None:
     """A successor's take-over of the running step after `after` (events.jsonl), as a start at the crash."""
     for event in read_lines(run_dir / "events.jsonl", {"event": str, "time": (int, float)}):
@@ -162,13 +171,16 @@ def one_kill(env: dict, recipe: Path, batch_host: bool) -> dict:
             (a for a in attempts(run_dir) if a["started"] > killed_at), None) or took_over(run_dir, killed_at), 600)
         first = wait("the first step after the crash",
                      lambda: next((m for m in metrics(run_dir) if m["time"] > restarted["started"]), None), 600)
+        if restarted.get("successor"):  # how long training paused, if at all: steps until 10 s after the kill
+            wait("10 s of training after the crash",
+                 lambda: any(m["time"] > killed_at + 10 for m in metrics(run_dir)), 120)
         resumed = [m for m in metrics(run_dir) if m["time"] > restarted["started"]]
         # Never below 0: with a spare the batch host trains on no rank, and the others' steps (and
         # checkpoints) went on after its crash until the requeue.
         return {"seconds": first["time"] - killed_at,
                 "steps_lost": max(before[-1]["step"] - (resumed[0]["step"] - 1), 0),
                 "victim": "batch host" if batch_host else "other node",
-                "succeeded": bool(restarted.get("successor"))}
+                "succeeded": bool(restarted.get("successor")), **stall(metrics(run_dir), killed_at)}
     finally:
         subprocess.run([sys.executable, "-m", "toolkit", "cancel", run["run_id"]], env=env, capture_output=True,
                        cwd=REPO)
@@ -277,7 +289,9 @@ def main() -> None:
             results[mode].append(outcome)
             print(f"{mode}: kill {kill + 1}: {outcome['seconds']:.1f} s to the first new step, "
                   f"{outcome['steps_lost']} steps lost ({outcome['victim']}"
-                  + ("; a successor took over, training went on" if outcome["succeeded"] else "") + ")", flush=True)
+                  + (f"; a successor took over, training went on: longest wait between steps "
+                     f"{outcome['longest_gap_s']} s, median step {outcome['median_step_s']} s"
+                     if outcome["succeeded"] else "") + ")", flush=True)
     if args.kills:
         native = statistics.median(r["seconds"] for r in results.get("slurm-native", [])) \
             if results.get("slurm-native") else None

@@ -293,6 +293,35 @@ def test_a_lost_batch_host_with_a_spare_is_succeeded_inside_the_job_and_training
     assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]), f"after losing the batch host {crashed}")
 
 
+def test_the_successor_carries_the_job_on_a_training_node_lost_after_the_batch_host_goes_to_the_spare(
+        tiny_baseline, runs, heal_lab):
+    """Two spares (the batch host the last): the batch host crashes, and the successor starts on the
+    other spare; then a training node crashes, and the successor restarts training on the spare from
+    the templates it took over. One start of the job throughout, the weights of an uninterrupted run."""
+    run = submit(recipe(runs, "two-spares", resources={"spare_nodes": 2},
+                        env={"FT_FAULT_SLOW_STEP_S": "0.1"}), runs_dir=runs)
+    checkpoint_after(run, 0)
+    batch_host = chaos.crash_batch_host(Path(run["run_dir"]))
+    took = wait_for("the successor's take-over", lambda: next((e for e in events(run) if e["event"] == "took_over"),
+                                                              None), timeout=60, interval=0.3)
+    checkpoint_after(run, latest_step(run))  # training went on under the successor
+    second = chaos.crash_rank_node(Path(run["run_dir"]), 1).node
+
+    finished(run, runs)
+    timeline = events(run)
+    assert [e["node"] for e in timeline if e["event"] == "node_lost"] == [batch_host, second]
+    starts = [e for e in timeline if e["event"] == "start"]
+    assert len(starts) == 2 and second not in starts[1]["nodes"] and took["node"] in starts[1]["nodes"]
+    attempts = [json.loads(line) for line in (Path(run["run_dir"]) / "attempts.jsonl").read_text().splitlines()]
+    assert {(a["job_id"], a["restart"]) for a in attempts} == {(run["job_id"], 0)}  # never requeued
+    # The second start's ranks forked from the templates the lost batch host had started.
+    places = [json.loads(path.read_text()) for path in sorted((Path(run["run_dir"]) / "ranks").glob("*.json"))]
+    assert [(p["start"], p["warm"]) for p in places] == [("2", True), ("2", True)], places
+    assert run["run_id"] in reasons(second)[second]
+    assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]),
+                        f"after losing the batch host {batch_host}, then {second}")
+
+
 def test_a_lost_batch_host_that_trains_is_reported_by_the_survivor_and_the_job_requeued(tiny_baseline, runs,
                                                                                          heal_lab):
     """No spare: the batch host trains rank 0, and its loss breaks training. The survivor requeues
@@ -305,7 +334,9 @@ def test_a_lost_batch_host_that_trains_is_reported_by_the_survivor_and_the_job_r
     attempts = [json.loads(line) for line in (Path(run["run_dir"]) / "attempts.jsonl").read_text().splitlines()]
     assert attempts[0]["restart"] == 0 and attempts[-1]["restart"] >= 1 and crashed not in attempts[-1]["nodes"]
     timeline = events(run)
-    assert [e["node"] for e in timeline if e["event"] == "node_lost"][:1] == [crashed]
+    lost = [e for e in timeline if e["event"] == "node_lost"]
+    assert lost[0]["node"] == crashed and lost[0]["reported_by"] != crashed  # a survivor said so, within seconds
+    assert float(re.search(r"did not answer for ([0-9.]+) s", lost[0]["reason"])[1]) < 3, lost[0]
     assert not any(e["event"] == "took_over" for e in timeline)
     assert any(e["event"] == "requeue_hold_lifted" for e in timeline)  # by the survivor's helper
     reason = reasons(crashed)[crashed]

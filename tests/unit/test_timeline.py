@@ -51,6 +51,19 @@ def test_a_preemption_is_no_episode_and_a_node_lost_then_restarted_is_one(tmp_pa
     assert episode["spans"] == [[t + 48, t + 78]]  # from step 13 to the restart's first new step
 
 
+def test_a_lost_batch_host_a_successor_took_over_from_costs_nothing(tmp_path):
+    """Training never stopped (toolkit/job/successor.py): the episode is named, with no time to it."""
+    t = 1_700_000_000
+    write_lines(tmp_path / "events.jsonl", [
+        {"time": t, "event": "start", "start": 1}, {"time": t + 31, "event": "node_lost", "node": "n3"},
+        {"time": t + 31.4, "event": "took_over", "lost": "n3"}, {"time": t + 60, "event": "end", "code": 0}])
+    write_lines(tmp_path / "metrics.jsonl", [{"step": s, "time": t + 5 + s} for s in range(1, 55)])
+    spent = timeline(tmp_path)
+    (episode,) = spent["episodes"]
+    assert episode["nodes"] == ["n3"] and episode["spans"] == []
+    assert spent["recovering_s"] == 0 and spent["productive_s"] == 53 and spent["redone_s"] == 0
+
+
 def test_no_timeline_before_the_watchdog_recorded_a_start(tmp_path):
     assert timeline(tmp_path) is None
     (tmp_path / "events.jsonl").write_text("not json\n")

@@ -8,5 +8,7 @@ starts `python -m toolkit.job`; everything it then decides lives here, each deci
                  may take without progress;
 - controller.py  the job itself: the step (under the watchdog, toolkit/watch/supervise.py), the
                  time limit and Slurm's signals, and what each ending costs (toolkit/watch/exits.py):
-                 a requeue without lost nodes, one retry out of memory, a stop.
+                 a requeue without lost nodes, one retry out of memory, a stop;
+- successor.py   the job after its batch host is lost while training goes on elsewhere: the
+                 controller again, in a step on a surviving node, adopting the running training step.
 """

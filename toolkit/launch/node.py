@@ -199,6 +199,8 @@ def succeed(node: str, batch_host: str, why: str, sender: Sender, marks: Path) -
     slurm, job, lost_address = CliSlurmClient(), os.environ["SLURM_JOB_ID"], watched().address
     log(f"{why}: marking {batch_host} DOWN; the job goes on without it (training does not use it)")
     marked = retried(lambda: slurm.mark_node_down(batch_host, why), f"marking {batch_host} DOWN")
+    if not marked:  # the job goes on all the same: Slurm takes the node out of it after SlurmdTimeout
+        log(f"marking {batch_host} DOWN needs Slurm operator rights: Slurm marks it after SlurmdTimeout")
     training = training_nodes()
     where = handover.successor_node(slurm, job, training, batch_host, node)
     step = f"{job}.{os.environ.get('SLURM_STEP_ID', '0')}"

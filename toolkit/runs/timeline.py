@@ -102,6 +102,11 @@ def timeline(run_dir: Path, now: float | None = None) -> dict | None:
             current["events"].append(event["event"])
             if isinstance(event.get("node"), str) and event["node"] not in current["nodes"]:
                 current["nodes"].append(event["node"])
+        elif event["event"] == "took_over" and current is not None:
+            # A successor took over the running step (toolkit/job/successor.py): training never
+            # stopped, and the loss cost nothing (no span: no time to account, nor to refund).
+            current.pop("from")
+            current = None
         elif event["event"] == "start" and current is not None:
             current["spans"].append([current.pop("from"), event["time"]])  # recovering
             episode_of_start[event["time"]] = current

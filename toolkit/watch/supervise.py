@@ -11,8 +11,11 @@ node's heartbeat, and decides what a failure costs:
   and training starts again from the latest checkpoint on the survivors and a spare node, in the
   same job. With no spare left, it returns exits.NODES_LOST (the nodes in `excluded`), and the job
   requeues itself without them;
-- the batch host itself lost: the job and this supervisor die with it; the launchers on
-  the other nodes notice that their heartbeats go unanswered and tell Slurm (toolkit/launch/node.py);
+- the batch host itself lost: the job script and this supervisor die with it; the launchers on
+  the other nodes notice that their heartbeats go unanswered and tell Slurm (toolkit/launch/node.py).
+  While the job holds a spare, the batch host trains on no rank (it is the last spare): the job
+  goes on, and a successor of this supervisor adopts the training step as it runs (an `Adoption`:
+  toolkit/launch/handover.py, toolkit/job/successor.py); else the job is requeued;
 - a dead or hung rank, or a failed collective, on nodes that still answer: the same nodes start
   again from the latest checkpoint, after a short backoff, at most `watchdog.max_restarts` times;
   a node blamed for `watchdog.exclude_after_hangs` hangs (a rank of it stopped, or stuck in the
