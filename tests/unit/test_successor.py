@@ -75,11 +75,14 @@ def test_an_adopted_step_is_signalled_as_srun_passes_signals_on_and_two_interrup
     assert slurm.signals[-1] == ("77.2", "KILL")
     step.listing.asked = float("-inf")  # a second later
     assert step.wait(timeout=2) == 1
-    stuck = AdoptedStep(StepsSlurm(["n1"], {"77.4": ["n1"]}), StepListing(slurm, "77"), "77.4", ["n1"])
-    stuck.slurm.steps_now["77.4"] = ["n1"]
-    slurm.steps_now["77.4"] = ["n1"]
+    slurm.steps_now["77.4"] = ["n1", "n3"]  # n3 lost: Slurm lists the step until it cleans it up
+    stuck = AdoptedStep(slurm, StepListing(slurm, "77"), "77.4", ["n1", "n3"])
     with pytest.raises(subprocess.TimeoutExpired):
         stuck.wait(timeout=0.3)
+    slurm.signal_step = lambda step_id, name: True  # the KILL sent; the step still listed
+    began = time.monotonic()
+    stuck.kill()
+    assert stuck.wait(timeout=5) == -signal.SIGKILL and time.monotonic() - began < 2  # as a killed srun
 
 
 def test_the_successors_word_is_read_whole_and_only_for_the_node_it_succeeds(tmp_path):

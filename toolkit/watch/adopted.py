@@ -16,6 +16,10 @@ from toolkit.errors import FtError
 from toolkit.slurm.client import SlurmClient
 
 LISTING_TTL_S = 1.0  # Slurm is asked this often at most, whatever the number of steps watched
+# After a KILL, the step is over this soon whatever Slurm lists: its tasks on live nodes die at once,
+# and a step that spans a lost node stays listed until Slurm cleans it up (10 s on the lab), as a
+# killed srun client would not wait for either (the next step overlaps what lingers).
+KILLED_AFTER_S = 1.0
 
 
 class StepListing:
@@ -56,6 +60,7 @@ class AdoptedStep:
         self.slurm, self.listing, self.step_id, self.nodes, self.goodbyes = slurm, listing, step_id, nodes, goodbyes
         self.returncode: int | None = None
         self.interrupts = 0
+        self.killed_at: float | None = None
 
     def poll(self) -> int | None:
         if self.returncode is not None:
@@ -67,6 +72,8 @@ class AdoptedStep:
         elif self.listing.running(self.step_id) is False:
             # Gone without every goodbye: a task killed (by Slurm, a cancel) before it could say one.
             self.returncode = failed[0] if failed else 1
+        elif self.killed_at is not None and time.monotonic() - self.killed_at >= KILLED_AFTER_S:
+            self.returncode = -signal.SIGKILL
         return self.returncode
 
     def send_signal(self, signum: int) -> None:
@@ -78,6 +85,8 @@ class AdoptedStep:
             name = "KILL"
         else:
             name = signal.Signals(signum).name.removeprefix("SIG")
+        if name == "KILL" and self.killed_at is None:
+            self.killed_at = time.monotonic()
         with contextlib.suppress(FtError):  # Slurm busy: the caller's wait runs out, and it kills the step
             self.slurm.signal_step(self.step_id, name)
 
