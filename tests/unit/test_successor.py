@@ -65,14 +65,21 @@ def test_an_adopted_step_ends_with_its_launchers_goodbyes_or_when_slurm_no_longe
     assert gone.poll() == 1  # not listed, no goodbye: killed before it could say one
 
 
+def until(condition, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "not within the time"
+        time.sleep(0.01)
+
+
 def test_an_adopted_step_is_signalled_as_srun_passes_signals_on_and_two_interrupts_kill_it():
     slurm = StepsSlurm(["n1", "n2"], {"77.2": ["n1", "n2"]})
     step = AdoptedStep(slurm, StepListing(slurm, "77"), "77.2", ["n1", "n2"])
     step.send_signal(signal.SIGUSR2)
     step.send_signal(signal.SIGINT)  # srun's first interrupt only reports
-    assert slurm.signals == [("77.2", "USR2")]
+    until(lambda: slurm.signals == [("77.2", "USR2")])  # sent from a thread: scancel may wait on Slurm
     step.send_signal(signal.SIGINT)
-    assert slurm.signals[-1] == ("77.2", "KILL")
+    until(lambda: slurm.signals[-1] == ("77.2", "KILL"))
     step.listing.asked = float("-inf")  # a second later
     assert step.wait(timeout=2) == 1
     slurm.steps_now["77.4"] = ["n1", "n3"]  # n3 lost: Slurm lists the step until it cleans it up

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 
@@ -69,11 +70,11 @@ class AdoptedStep:
         failed = [code for node, code in sorted(said.items()) if node in self.nodes and code]
         if self.nodes and all(node in said for node in self.nodes):
             self.returncode = failed[0] if failed else 0
+        elif self.killed_at is not None and time.monotonic() - self.killed_at >= KILLED_AFTER_S:
+            self.returncode = -signal.SIGKILL
         elif self.listing.running(self.step_id) is False:
             # Gone without every goodbye: a task killed (by Slurm, a cancel) before it could say one.
             self.returncode = failed[0] if failed else 1
-        elif self.killed_at is not None and time.monotonic() - self.killed_at >= KILLED_AFTER_S:
-            self.returncode = -signal.SIGKILL
         return self.returncode
 
     def send_signal(self, signum: int) -> None:
@@ -87,7 +88,12 @@ class AdoptedStep:
             name = signal.Signals(signum).name.removeprefix("SIG")
         if name == "KILL" and self.killed_at is None:
             self.killed_at = time.monotonic()
-        with contextlib.suppress(FtError):  # Slurm busy: the caller's wait runs out, and it kills the step
+        # Sent from a thread of its own, as a signal to a process never blocks its sender: scancel
+        # waits on the controller, which a node's failure keeps busy (11 s on the lab).
+        threading.Thread(target=self.signal_now, args=(name,), daemon=True, name=f"ft-scancel-{name}").start()
+
+    def signal_now(self, name: str) -> None:
+        with contextlib.suppress(FtError):  # Slurm busy or away: the caller's wait runs out, and it kills the step
             self.slurm.signal_step(self.step_id, name)
 
     def kill(self) -> None:
