@@ -44,7 +44,12 @@ class StepsSlurm(FakeSlurm):
         return True
 
     def job_brief(self, job_id: str) -> JobInfo:
-        return JobInfo(job_id, "RUNNING", "scontrol", nodes="n1,n2,n4")
+        return JobInfo(job_id, "RUNNING", "scontrol", nodes=self.job_nodes)
+
+    job_nodes = "n1,n2,n3"  # the job's nodes as Slurm has them now
+
+    def hostnames(self, nodelist: str) -> list[str]:
+        return nodelist.split(",") if "," in nodelist else self.nodes
 
 
 def test_an_adopted_step_ends_with_its_launchers_goodbyes_or_when_slurm_no_longer_lists_it():
@@ -110,6 +115,8 @@ def test_the_successor_goes_to_a_spare_and_to_the_reporter_when_none_is_left():
     slurm = LauncherSlurm("n1,n2,n4")  # the job's nodes now: n1, n2 (training), n4 (a spare)
     assert successor_node(slurm, "77", ["n1", "n2"], "n3", "n2") == "n4"
     assert successor_node(slurm, "77", ["n1", "n2", "n4"], "n3", "n2") == "n2"
+    drained = LauncherSlurm("n1,n2,n4,n5", drained=("n4",))  # a node ft drained as hung: not a spare
+    assert successor_node(drained, "77", ["n1", "n2"], "n3", "n2") == "n5"
 
 
 def test_the_successors_step_shares_its_node_and_binds_no_cpus():
@@ -170,9 +177,53 @@ def test_a_successor_adopts_the_running_step_and_hears_its_launchers_to_the_end(
     assert events[-1]["event"] == "end" and events[-1]["code"] == 0
 
 
+def test_a_successor_leaves_out_what_its_batch_host_left_out_and_what_slurm_took_from_the_job(tmp_path,
+                                                                                               monkeypatch):
+    from toolkit.watch.supervise import EXCLUDED, Adoption, Supervisor
+
+    write_run_spec(tmp_path, run_spec(2, {"heartbeat_timeout": 2}))
+    adoption_env(tmp_path, monkeypatch)
+    (tmp_path / "marks" / EXCLUDED).write_text(json.dumps(["n4"]))  # drained as hung by the batch host's
+    slurm = StepsSlurm(["n1", "n2", "n3", "n4", "n5", "n6"], {})
+    slurm.job_nodes = "n1,n2,n4,n6"  # n5 lost before: Slurm took it out of the job
+    supervisor = Supervisor(["srun", "python", "-m", "toolkit.launch"], tmp_path, slurm,
+                            adoption=Adoption("n3", "77.2", ["n1", "n2"], 1))
+    assert sorted(supervisor.excluded) == ["n3", "n4", "n5"] and supervisor.spares() == ["n6"]
+    supervisor.close()
+
+
+def test_a_retargeted_launcher_judges_the_successors_own_silence_afresh():
+    first, second = Receiver(SECRET, host="127.0.0.1"), Receiver(SECRET, host="127.0.0.1")
+    start = first.next_start()
+    second.adopt_start(start)
+    asked = []
+
+    def judge(quiet: float) -> bool:
+        asked.append(quiet)
+        if len(asked) == 1:  # the batch host lost: a successor took over (node.py returns False then)
+            sender.retarget("127.0.0.1", second.port)
+            return False
+        return True
+
+    sender = Sender("127.0.0.1", first.port, SECRET, "n2", start, state=dict, silence_s=10, on_silence=judge)
+    sender.start()
+    first.poll(time.monotonic() + 0.6)
+    first.close()
+    time.sleep(1.6)
+    second.poll(time.monotonic() + 1.0)  # the successor answers
+    assert len(asked) == 1
+    second.close()  # and is lost in turn: its silence is judged too
+    time.sleep(1.8)
+    sender.stop(0)
+    assert len(asked) == 2
+
+
 class LauncherSlurm:
-    def __init__(self, nodes: str = "n1,n2"):
-        self.calls, self.nodes = [], nodes
+    def __init__(self, nodes: str = "n1,n2", drained: tuple[str, ...] = ()):
+        self.calls, self.nodes, self.drains = [], nodes, drained
+
+    def drained(self, nodes):
+        return {node: "ft: hung 2 times" for node in nodes if node in self.drains}
 
     def mark_node_down(self, node, reason):
         self.calls.append(("down", node))
@@ -218,22 +269,58 @@ def test_the_reporter_marks_a_lost_spare_batch_host_down_and_every_launcher_foll
     def start_successor(job, where, lost, step, start, training, log_to):
         started.append((job, where, lost, step, start, training))
         Handover(lost, where, "127.0.0.1", 5555).write(tmp_path / "marks")  # the successor's word, at once
-        return subprocess.Popen(["sleep", "5"])
+        clients.append(subprocess.Popen(["sleep", "30"]))  # its srun client
+        return clients[-1]
+
+    clients: list[subprocess.Popen] = []
 
     monkeypatch.setattr("toolkit.launch.handover.start_successor", start_successor)
     receiver = Receiver(SECRET)
     first = Sender("127.0.0.1", receiver.port, SECRET, "n2", 1, state=dict)
     other = Sender("127.0.0.1", receiver.port, SECRET, "n1", 1, state=dict)
-    assert node.batch_host_lost("n2", 1.2, sender=first) is True
+    # False: judged, but a later silence (the successor's own loss) is asked about afresh.
+    assert node.batch_host_lost("n2", 1.2, sender=first) is False
     assert slurm.calls[0] == ("down", "n3") and ("requeue", "41") not in slurm.calls  # the job goes on
     assert started == [("41", "n2", "n3", "41.2", "1", ["n1", "n2"])]  # no spare left: on the reporter
+    # Its srun client killed once the successor took over: a signal to the training step (which
+    # holds the client) must not reach the successor's step through srun.
+    assert clients[0].wait(timeout=5) == -signal.SIGKILL
     assert first.target == ("127.0.0.1", 5555) and not node.REQUEUED_AT
     node.WATCHED.node = ""  # the other launcher is another process: it has not retargeted yet
-    assert node.batch_host_lost("n1", 1.3, sender=other) is True  # not the first: it follows
+    assert node.batch_host_lost("n1", 1.3, sender=other) is False  # not the first: it follows
     assert other.target == ("127.0.0.1", 5555) and len(started) == 1
     events = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert events == ["node_lost", "successor"]
     receiver.close()
+
+
+def test_a_late_successor_stands_down_once_the_reporter_gave_up_and_one_that_claimed_first_is_waited_for(
+        tmp_path, monkeypatch, launcher):
+    from toolkit.job import successor
+    from toolkit.launch import handover
+
+    node, slurm = launcher
+    marks = tmp_path / "marks"
+    assert handover.claim(marks, "n3", "abandoned") and not handover.claim(marks, "n3", "successor")
+    monkeypatch.setattr(successor, "JobController", lambda *args, **kwargs: pytest.fail("it must not take over"))
+    monkeypatch.setattr(successor, "write_batch_log", lambda run_dir, job_id: None)
+    assert successor.main(["--successor-of", "n3", "--step", "41.2", "--start", "1", "--training", "n1,n2"]) == 0
+    assert not Handover.path(marks, "n3").exists()
+
+    # The successor claimed before the reporter's wait ran out: it is given a while more.
+    monkeypatch.setattr(handover, "HANDOVER_WAIT_S", 0.5)
+    monkeypatch.setattr(handover.wait_for_handover, "__defaults__", (lambda: True, 0.5))
+
+    def slow_successor(job, where, lost, *args):
+        handover.claim(marks, lost, "successor")
+        threading.Timer(0.7, lambda: Handover(lost, where, "127.0.0.1", 5556).write(marks)).start()
+        return subprocess.Popen(["sleep", "30"])
+
+    monkeypatch.setattr(handover, "start_successor", slow_successor)
+    monkeypatch.setenv("FT_WATCH_NODE", "n5")
+    sender = Sender("127.0.0.1", 9, SECRET, "n2", 1, state=dict)
+    assert node.batch_host_lost("n2", 1.2, sender=sender) is False
+    assert sender.target == ("127.0.0.1", 5556) and ("requeue", "41") not in slurm.calls
 
 
 def test_a_successor_that_does_not_come_is_replaced_by_a_requeue(tmp_path, monkeypatch, launcher):
@@ -244,6 +331,7 @@ def test_a_successor_that_does_not_come_is_replaced_by_a_requeue(tmp_path, monke
     assert node.batch_host_lost("n2", 1.2, sender=sender) is True
     assert slurm.calls == [("down", "n3"), ("requeue", "41"), ("down", "n3")] and node.REQUEUED_AT
     assert sender.target == ("127.0.0.1", 9)
+    assert (tmp_path / "marks" / "succession-of-n3").read_text() == "abandoned"  # a late successor stands down
 
 
 def test_a_batch_host_that_trains_is_requeued_for_not_succeeded(tmp_path, monkeypatch, launcher):

@@ -75,6 +75,7 @@ class JobController:
         self.passed_on = False  # the signal reached the running step
         self.requeue_after: int | None = None  # a requeue is coming: its new start this long after the end here
         self.terminated_at: float | None = None  # when Slurm's TERM came (time.monotonic())
+        self.step_command: list[str] | None = None  # a successor's: the training step the batch host started
 
     # -- the job -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -124,7 +125,9 @@ class JobController:
         secret the nodes' launchers prove to each other there: new at every start of the job, in its
         processes' environment only, never in a file."""
         address, port = self.allocation[0], 20000 + int(self.job_id) % 20000
-        os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), FT_JOB_SECRET=secrets.token_hex(32))
+        # FT_BATCH_PYTHON: the interpreter a successor of this process runs with (toolkit/launch/handover.py).
+        os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), FT_JOB_SECRET=secrets.token_hex(32),
+                          FT_BATCH_PYTHON=sys.executable)
         say(f"job {self.job_id} (restart {self.restart}) on {os.environ['SLURM_JOB_NODELIST']}; "
             f"rendezvous {address}:{port}")
 
@@ -139,7 +142,8 @@ class JobController:
         self.launches += 1
         if self.adoption is not None and self.launches == 1:  # the step runs: its marks and command are its own
             self.marks = Path(os.environ["FT_LAUNCH_MARKS"])
-            argv = json.loads((self.marks / STEP_COMMAND).read_text())
+            self.step_command = json.loads((self.marks / STEP_COMMAND).read_text())
+            argv = self.step_command
         else:
             exits.clear_exit_status(self.layout.root)
             # Each launcher leaves a mark here as it starts, and srun's own messages are kept here too:
@@ -148,9 +152,10 @@ class JobController:
             self.marks = self.layout.launch_marks / f"{self.job_id}.{self.restart}{after}.{self.launches}"
             self.marks.mkdir(parents=True, exist_ok=True)
             os.environ["FT_LAUNCH_MARKS"] = str(self.marks)
-            argv = self.spec.step.srun(self.spec.recipe.resources.nodes, str(self.layout.logs),
-                                       os.environ.get("SLURM_CPUS_ON_NODE", "1"),
-                                       os.environ.get("SLURM_CPUS_PER_TASK", ""))
+            # A successor's own step has one CPU: the training step is the batch host's, as it was.
+            argv = self.step_command or self.spec.step.srun(self.spec.recipe.resources.nodes, str(self.layout.logs),
+                                                            os.environ.get("SLURM_CPUS_ON_NODE", "1"),
+                                                            os.environ.get("SLURM_CPUS_PER_TASK", ""))
         self.passed_on = False
         status = self.supervised(argv) if self.spec.recipe.watchdog.enabled else self.plain(argv)
         with contextlib.suppress(OSError):  # srun's messages, into the batch log

@@ -73,10 +73,26 @@ def still_this_start(slurm: SlurmClient, job_id: str, restarts: int) -> bool:
     return info is not None and info.state == "RUNNING" and info.restarts == restarts
 
 
+# What srun reads from its environment that describes this program's own one-task step, not the
+# job: the training steps it starts later must not inherit them (a CPU mask, one CPU a task).
+OWN_STEP_VARIABLES = ("SLURM_CPU_BIND", "SLURM_CPU_BIND_LIST", "SLURM_CPU_BIND_TYPE", "SLURM_CPU_BIND_VERBOSE",
+                      "SLURM_CPUS_PER_TASK", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_DISTRIBUTION",
+                      "SLURM_TRES_PER_TASK")
+
+
 def main(argv: list[str]) -> int:
+    from toolkit.launch import handover
+
     adoption = parse(argv)
     run_dir, job_id = Path(os.environ["FT_RUN_DIR"]), os.environ["SLURM_JOB_ID"]
     write_batch_log(run_dir, job_id)
+    for name in OWN_STEP_VARIABLES:
+        os.environ.pop(name, None)
+    marks = Path(os.environ["FT_LAUNCH_MARKS"])
+    if not handover.claim(marks, adoption.lost, "successor"):  # too late: the reporter requeued the job
+        say(f"the survivors gave up waiting for this successor of {adoption.lost} "
+            f"({handover.claimed_by(marks, adoption.lost) or 'claimed'}): not taking over")
+        return 0
     here, own = os.environ.get("SLURMD_NODENAME", "?"), f"{job_id}.{os.environ.get('SLURM_STEP_ID', '?')}"
     say(f"successor of the lost batch host {adoption.lost} on {here} (step {own}): taking over training step "
         f"{adoption.step_id}")

@@ -61,23 +61,48 @@ class Handover:
         return handover if fields_ok and 0 < handover.port < 65536 else None
 
 
+def claim(marks: Path, lost: str, who: str) -> bool:
+    """One of two takes the succession of `lost`, once: the successor ("successor", before it adopts
+    anything) or the reporter giving up on it ("abandoned", before it requeues the job instead).
+    True for the first; the other then stands down. The file says which."""
+    try:
+        descriptor = os.open(marks / f"succession-of-{lost}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return False
+    with os.fdopen(descriptor, "w") as out:
+        out.write(who)
+    return True
+
+
+def claimed_by(marks: Path, lost: str) -> str:
+    try:
+        return (marks / f"succession-of-{lost}").read_text()
+    except OSError:
+        return ""
+
+
 def successor_node(slurm: SlurmClient, job_id: str, training: list[str], lost: str, here: str) -> str:
     """A spare of the job (in it, training on no rank: the next last spare) where one is left, else
-    this node. The job's nodes as Slurm has them now: nodes lost earlier were taken out of it."""
+    this node. The job's nodes as Slurm has them now (nodes lost earlier were taken out of it), and
+    not one drained (a hung node ft left out, or an admin's)."""
     try:
         info = slurm.job_brief(job_id)
         current = slurm.hostnames(info.nodes) if info and info.nodes else []
+        spares = [node for node in current if node not in training and node != lost]
+        drained = slurm.drained(spares) if spares else {}
     except FtError:
-        current = []
-    spares = [node for node in current if node not in training and node != lost]
+        spares, drained = [], {}
+    spares = [node for node in spares if node not in drained]
     return spares[0] if spares else here
 
 
 def start_successor(job_id: str, node: str, lost: str, step_id: str, start: str, training: list[str],
                     log_to: Path) -> subprocess.Popen:
-    """The successor's step, its srun's own messages into this launcher's log (`log_to`). It runs
-    this launcher's interpreter: the training environment, with ft in it."""
-    program = [sys.executable, "-m", "toolkit.job", "--successor-of", lost, "--step", step_id, "--start", start,
+    """The successor's step, its srun's own messages into this launcher's log (`log_to`). It runs on
+    the node itself, as the job script did, with the job script's interpreter (FT_BATCH_PYTHON: the
+    job controller sets it; a launcher in a container has another)."""
+    python = os.environ.get("FT_BATCH_PYTHON") or sys.executable
+    program = [python, "-m", "toolkit.job", "--successor-of", lost, "--step", step_id, "--start", start,
                "--training", ",".join(training)]
     with open(log_to, "ab") as errors:
         return subprocess.Popen(steps.successor_step(job_id, node, program), stdin=subprocess.DEVNULL,

@@ -165,19 +165,19 @@ def batch_host_lost(node: str, quiet: float, timeout: float = float("inf"),
         return True
     if not still_quiet():
         return False
-    survivable = bool(marks) and batch_host not in training_nodes() and sender is not None
+    training = training_nodes()
+    survivable = bool(marks) and bool(training) and batch_host not in training and sender is not None
     if not first_to_report(marks, f"lost-{batch_host}"):
         log(f"the batch host {batch_host} did not answer for {quiet:.1f} s: another node reports it")
-        if survivable:
-            follow_successor(sender, Path(marks), batch_host)
-        return True
+        # Following a successor, a silence later is its loss: judged afresh (False: asked again).
+        return not (survivable and follow_successor(sender, Path(marks), batch_host))
     why = (f"ft: batch host of job {job} (run {os.environ.get('FT_RUN_ID', '?')}) lost: its supervisor did not "
            f"answer for {quiet:.1f} s, nor its slurmd")
     if os.environ.get("FT_RUN_DIR"):
         with contextlib.suppress(OSError):
             record(Path(os.environ["FT_RUN_DIR"]), "node_lost", node=batch_host, reason=why, reported_by=node)
     if survivable and succeed(node, batch_host, why, sender, Path(marks)):
-        return True
+        return False  # the successor's own silence, should it come, is judged afresh
     requeue_for_lost(node, batch_host, why, still_quiet)
     return True
 
@@ -213,11 +213,16 @@ def succeed(node: str, batch_host: str, why: str, sender: Sender, marks: Path) -
         log(f"could not start a successor ({exc}): requeueing instead")
         return False
     found = handover.wait_for_handover(marks, batch_host, alive=lambda: successor.poll() is None)
+    if found is None and not handover.claim(marks, batch_host, "abandoned"):  # it is taking over: a while more
+        found = handover.wait_for_handover(marks, batch_host, alive=lambda: successor.poll() is None)
+    # Its srun client is this launcher's child, in the training step: a signal to the step (a time
+    # limit's USR2, a cancel's TERM) would reach it, and srun would pass it on to the successor or
+    # end its step. Killed, it passes nothing on; the step runs on without it.
+    with contextlib.suppress(OSError):
+        successor.kill()
     if found is None:
         log(f"the successor on {where} did not take over within {handover.HANDOVER_WAIT_S:.0f} s "
             f"(see {logs}/successor-srun-{node}.err): requeueing instead")
-        with contextlib.suppress(OSError):
-            successor.kill()
         return False
     retarget(sender, found)
     with contextlib.suppress(OSError):
@@ -229,13 +234,17 @@ def succeed(node: str, batch_host: str, why: str, sender: Sender, marks: Path) -
     return True
 
 
-def follow_successor(sender: Sender, marks: Path, lost: str) -> None:
-    """Another launcher reports the loss: this one waits for the successor's word, and retargets."""
+def follow_successor(sender: Sender, marks: Path, lost: str) -> bool:
+    """Another launcher reports the loss: this one waits for the successor's word, and retargets.
+    False where none came (the reporter requeues the job instead)."""
     from toolkit.launch import handover
 
-    found = handover.wait_for_handover(marks, lost, wait_s=2 * handover.HANDOVER_WAIT_S)
-    if found is not None:
-        retarget(sender, found)
+    found = handover.wait_for_handover(marks, lost, wait_s=2 * handover.HANDOVER_WAIT_S,
+                                       alive=lambda: handover.claimed_by(marks, lost) != "abandoned")
+    if found is None:
+        return False
+    retarget(sender, found)
+    return True
 
 
 def retarget(sender: Sender, found) -> None:

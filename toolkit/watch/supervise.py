@@ -63,6 +63,7 @@ WATCH_EVERY_S = 0.1  # the watch loop's beat: a loss is acted on within this of 
 STOP_GRACE_S = 5.0
 SRUN_ERRORS = "srun.err"  # in FT_LAUNCH_MARKS: srun's messages
 STEP_COMMAND = "step.json"  # in FT_LAUNCH_MARKS: the training step's srun command, for a successor
+EXCLUDED = "excluded.json"  # in FT_LAUNCH_MARKS: the nodes the supervisor left out, for a successor
 LAUNCH_FAILED = b"Application launch failed"  # srun's words for a step that did not launch everywhere
 LOST_STOP_GRACE_S = 1.0  # a step with a lost node: nothing worth waiting for (no checkpoint can be taken)
 DRAIN_CHECK_S = 5.0  # how often the step's nodes are checked for a drain
@@ -179,11 +180,25 @@ class Supervisor:
         self.hangs: dict[str, int] = {}  # node: hangs blamed on it in this job
         self.listing = StepListing(self.slurm, self.job_id)  # the job's steps, for adopted ones
         if adoption is not None:
-            self.excluded.append(adoption.lost)
+            self.excluded = self.left_out_before(adoption.lost)
             self.receiver.adopt_start(adoption.start)
         elif self.marks is not None:  # what a successor starts, should this batch host be lost
             with contextlib.suppress(OSError):
                 (self.marks / STEP_COMMAND).write_text(json.dumps(command))
+
+    def left_out_before(self, lost: str) -> list[str]:
+        """A successor's: the nodes the lost batch host's supervisor left out (lost, drained, hung:
+        marks/excluded.json), those Slurm took out of the job since, and the lost batch host."""
+        left_out = []
+        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+            left_out = [n for n in json.loads((self.marks / EXCLUDED).read_text()) if n in self.allocation]
+        try:
+            info = self.slurm.job_brief(self.job_id)
+            current = set(self.slurm.hostnames(info.nodes)) if info and info.nodes else set(self.allocation)
+        except FtError:
+            current = set(self.allocation)
+        gone = [n for n in self.allocation if n not in current]
+        return list(dict.fromkeys([*left_out, *gone, lost]))
 
     def ask_slurmd_port(self) -> int | None:
         """SlurmdPort, once (a Slurm that does not say: no probe, and no sign of loss from one)."""
@@ -480,6 +495,9 @@ class Supervisor:
     def exclude(self, lost: Lost) -> None:
         fresh = [node for node in lost.nodes if node not in self.excluded and node in self.allocation]
         self.excluded += fresh
+        if fresh and self.marks is not None:  # a successor, should this node be lost, leaves them out too
+            with contextlib.suppress(OSError):
+                (self.marks / EXCLUDED).write_text(json.dumps(self.excluded))
         self.stop_warm(fresh)  # a drained node's template would hold its memory for nothing
         if fresh and len(self.allocation) - len(self.excluded) < self.needed:
             self.requeue_soon()  # before a node is marked DOWN: Slurm may requeue the job at that
@@ -731,7 +749,9 @@ class Supervisor:
     def on_signal(self, signum, _frame) -> None:
         """USR2 (time limit near) and TERM (the job ends): passed on to the step; no restart after."""
         self.stopping.set()
-        if self.process and self.process.poll() is None:
+        # returncode, not poll(): a handler must not wait on a lock its own thread may hold (an
+        # adopted step's poll reads the heartbeats), nor on Slurm.
+        if self.process and self.process.returncode is None:
             self.process.send_signal(signum)
 
 
