@@ -62,20 +62,33 @@ def resolve_model(base: str, revision: str | None, shared_root: str, user_cache:
     return target
 
 
-def load_base_model(model_path: Path, method: str, precision: str, device=None):
+# transformers reads the DeepSpeed configuration through a weak reference: this keeps it alive for
+# the rank's life (generation under ZeRO-3 and the engine's own checks ask it again later).
+_ZERO3_CONFIG = None
+
+
+def load_base_model(model_path: Path, method: str, precision: str, device=None, zero3: dict | None = None):
     """The base model in the training precision: 4-bit NF4 with double quantization for QLoRA
     (bitsandbytes, computing in that precision), else plain weights. DeepSpeed casts the module to
     bf16/fp16 anyway, so loading it so changes no value and halves the host memory and the load time
     (an 8B rank loading fp32 peaked at 45.7 GiB: benchmarks/GPU.md). Given a device (the rank's GPU,
     ZeRO-0/1/2), the weights go from the safetensors files straight to it: no whole copy in the
-    rank's host memory. HF's KV cache is for generation: off in training (under torch.compile it
-    forced a recompilation per layer)."""
+    rank's host memory. Given `zero3` (the rank's DeepSpeed configuration, ZeRO stage 3), each
+    parameter is partitioned across the ranks as it is made (DeepSpeed's zero.Init, through
+    transformers' HfDeepSpeedConfig) and filled from the files a layer at a time: no rank ever holds
+    the whole model (eight ranks of a node held eight copies before). HF's KV cache is for
+    generation: off in training (under torch.compile it forced a recompilation per layer)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-    placement = {"device_map": {"": device}} if device is not None else {}
+    placement = {"device_map": {"": device}} if device is not None and zero3 is None else {}
     if method != "qlora":
+        if zero3 is not None:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            global _ZERO3_CONFIG
+            _ZERO3_CONFIG = HfDeepSpeedConfig(zero3)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **placement)
         model.config.use_cache = False
         return model
@@ -92,10 +105,12 @@ def load_base_model(model_path: Path, method: str, precision: str, device=None):
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
-def trainable_model(model_path: Path, method: MethodSpec, training: TrainingSpec, device=None, compile_layers=False):
-    """The model as the recipe trains it: the base model, with LoRA adapters for lora and qlora;
-    its decoder layers compiled (regional torch.compile) when asked."""
-    model = load_base_model(model_path, method.kind, training.precision, device)
+def trainable_model(model_path: Path, method: MethodSpec, training: TrainingSpec, device=None, compile_layers=False,
+                    zero3: dict | None = None):
+    """The model as the recipe trains it: the base model (partitioned as it loads under ZeRO-3:
+    `zero3`, the rank's DeepSpeed configuration), with LoRA adapters for lora and qlora; its decoder
+    layers compiled (regional torch.compile) when asked."""
+    model = load_base_model(model_path, method.kind, training.precision, device, zero3)
     if training.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if method.kind != "full":

@@ -144,8 +144,11 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     # them in DeepSpeed); the decoder layers are compiled where the recipe leaves it open (models.py).
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
     compiled = recipe.training.compiled(on_gpu=device is not None)
+    # Under ZeRO-3 each parameter is partitioned as it loads (the configuration's schedule is the
+    # engine's business, later: only its ZeRO and precision sections shape the loading).
+    zero3 = deepspeed_config(recipe.training, plan, 1) if recipe.training.zero_stage == 3 else None
     model = trainable_model(model_path, recipe.method, recipe.training,
-                            device if recipe.training.zero_stage != 3 else None, compiled)
+                            device if recipe.training.zero_stage != 3 else None, compiled, zero3)
     if compiled:
         log("decoder layers compiled (torch.compile): the first steps include the compilation")
     objective = objective_for(recipe.objective)
