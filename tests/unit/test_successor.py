@@ -250,6 +250,7 @@ def launcher(tmp_path, monkeypatch):
     slurm = LauncherSlurm()
     monkeypatch.setattr("toolkit.slurm.client.CliSlurmClient", lambda: slurm)
     monkeypatch.setattr(node, "REQUEUED_AT", [])
+    monkeypatch.setattr(node, "SUCCESSORS", [])
     monkeypatch.setattr(node, "WATCHED", node.Watched("", ""))
     monkeypatch.setattr(node, "slurmd_answers", lambda address: False)
     (tmp_path / "marks").mkdir()
@@ -282,9 +283,11 @@ def test_the_reporter_marks_a_lost_spare_batch_host_down_and_every_launcher_foll
     assert node.batch_host_lost("n2", 1.2, sender=first) is False
     assert slurm.calls[0] == ("down", "n3") and ("requeue", "41") not in slurm.calls  # the job goes on
     assert started == [("41", "n2", "n3", "41.2", "1", ["n1", "n2"])]  # no spare left: on the reporter
-    # Its srun client killed once the successor took over: a signal to the training step (which
-    # holds the client) must not reach the successor's step through srun.
-    assert clients[0].wait(timeout=5) == -signal.SIGKILL
+    # Its srun client kept (Slurm ends a step whose client goes away on a live node): the launcher
+    # waits for it as it ends.
+    assert clients[0].poll() is None and clients == node.SUCCESSORS
+    clients[0].kill()
+    node.wait_for_successor()
     assert first.target == ("127.0.0.1", 5555) and not node.REQUEUED_AT
     node.WATCHED.node = ""  # the other launcher is another process: it has not retargeted yet
     assert node.batch_host_lost("n1", 1.3, sender=other) is False  # not the first: it follows
@@ -342,7 +345,7 @@ def test_a_batch_host_that_trains_is_requeued_for_not_succeeded(tmp_path, monkey
     assert slurm.calls == [("requeue", "41"), ("down", "n3")]
 
 
-def test_the_successor_sends_itself_the_time_limit_signal(monkeypatch):
+def test_the_successor_keeps_the_time_limit_itself():
     from toolkit.job import successor
 
     class Slurm:
@@ -350,14 +353,7 @@ def test_the_successor_sends_itself_the_time_limit_signal(monkeypatch):
             return time.time() + 0.3  # the limit near: before_s 1 s is already past
 
     got = []
-    previous = signal.signal(signal.SIGUSR2, lambda signum, frame: got.append(signum))
-    try:
-        successor.time_limit_watch(Slurm(), "41", 1, threading.Event())
-        deadline = time.monotonic() + 2
-        while not got and time.monotonic() < deadline:
-            time.sleep(0.01)
-    finally:
-        signal.signal(signal.SIGUSR2, previous)
+    successor.time_limit_watch(Slurm(), "41", 1, threading.Event(), got.append)
     assert got == [signal.SIGUSR2]
 
 

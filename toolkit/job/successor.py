@@ -49,16 +49,17 @@ def write_batch_log(run_dir: Path, job_id: str) -> None:
     os.close(fd)
 
 
-def time_limit_watch(slurm: SlurmClient, job_id: str, before_s: int, stop: threading.Event) -> None:
-    """USR2 to this process `before_s` seconds before the job's time limit, once: what Slurm sends
-    the batch script (the ranks checkpoint, and the job requeues itself)."""
+def time_limit_watch(slurm: SlurmClient, job_id: str, before_s: int, stop: threading.Event,
+                     on_time_limit) -> None:
+    """`on_time_limit(SIGUSR2)` `before_s` seconds before the job's time limit, once: what Slurm's
+    USR2 does for the batch script (the ranks checkpoint, and the job requeues itself)."""
     while not stop.is_set():
         try:
             end = slurm.end_time(job_id)
         except FtError:
             end = None
         if end is not None and time.time() >= end - before_s:
-            os.kill(os.getpid(), signal.SIGUSR2)
+            on_time_limit(signal.SIGUSR2)
             return
         wait = END_TIME_LOOK_S if end is None else min(END_TIME_LOOK_S, max(end - before_s - time.time(), 0.5))
         stop.wait(wait)
@@ -98,7 +99,10 @@ def main(argv: list[str]) -> int:
         f"{adoption.step_id}")
     slurm = CliSlurmClient()
     controller = JobController(run_dir, slurm, adoption=adoption)
-    signal.signal(signal.SIGUSR2, controller.on_signal)
+    # A USR2 from outside is not the time limit's (Slurm sends that to batch steps only): srun's
+    # client of this step passes on what the training step it sits in gets (the USR2 this program
+    # sends it to checkpoint). The time limit is this program's own (time_limit_watch).
+    signal.signal(signal.SIGUSR2, lambda signum, frame: None)
     signal.signal(signal.SIGTERM, controller.on_signal)
     stop = threading.Event()
     try:
@@ -106,8 +110,8 @@ def main(argv: list[str]) -> int:
     except RunSpecError:
         before = None  # the controller says why, and ends
     if before is not None:
-        threading.Thread(target=time_limit_watch, args=(slurm, job_id, before, stop), daemon=True,
-                         name="ft-time-limit").start()
+        threading.Thread(target=time_limit_watch, args=(slurm, job_id, before, stop, controller.on_signal),
+                         daemon=True, name="ft-time-limit").start()
     code = controller.run()
     stop.set()
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)

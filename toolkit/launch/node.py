@@ -136,6 +136,8 @@ def first_to_report(marks: str | None, what: str) -> bool:
 # This launcher asked Slurm to requeue the job (its batch host lost): it lifts Slurm's hold on the
 # requeued job as it ends.
 REQUEUED_AT: list[float] = []  # when it asked (time.monotonic()): Slurm's TERM follows at once
+# The srun clients of the successors this launcher started: their steps live as long as they do.
+SUCCESSORS: list = []
 
 
 def batch_host_lost(node: str, quiet: float, timeout: float = float("inf"),
@@ -215,15 +217,16 @@ def succeed(node: str, batch_host: str, why: str, sender: Sender, marks: Path) -
     found = handover.wait_for_handover(marks, batch_host, alive=lambda: successor.poll() is None)
     if found is None and not handover.claim(marks, batch_host, "abandoned"):  # it is taking over: a while more
         found = handover.wait_for_handover(marks, batch_host, alive=lambda: successor.poll() is None)
-    # Its srun client is this launcher's child, in the training step: a signal to the step (a time
-    # limit's USR2, a cancel's TERM) would reach it, and srun would pass it on to the successor or
-    # end its step. Killed, it passes nothing on; the step runs on without it.
-    with contextlib.suppress(OSError):
-        successor.kill()
     if found is None:
         log(f"the successor on {where} did not take over within {handover.HANDOVER_WAIT_S:.0f} s "
             f"(see {logs}/successor-srun-{node}.err): requeueing instead")
+        with contextlib.suppress(OSError):
+            successor.kill()
         return False
+    # Slurm ends a step whose srun client goes away on a live node (its connections closed: seen on
+    # the lab within 0.1 s), unlike one whose client's node died: this launcher keeps the client,
+    # and waits for it before it ends (wait_for_successor).
+    SUCCESSORS.append(successor)
     retarget(sender, found)
     with contextlib.suppress(OSError):
         record(Path(os.environ["FT_RUN_DIR"]), "successor", lost=batch_host, node=found.node, reported_by=node)
@@ -329,7 +332,18 @@ def main() -> None:
         beat.stop(code, linger=0 if REQUEUED_AT else beat.silence_s + 2 if code else 0)
     if REQUEUED_AT and code != 0:  # ended by Slurm's TERM: the requeue (or a cancel)
         lift_requeue_hold()
+    wait_for_successor()
     sys.exit(code)
+
+
+def wait_for_successor() -> None:
+    """A successor this launcher started lives as long as its srun client, a child of this process
+    in the training step, which ends as this process does: so the launcher stays until the successor
+    has ended the job (or requeued it, or stood down). Its step's end ends the wait."""
+    for successor in SUCCESSORS:
+        if successor.poll() is None:
+            log("waiting for the successor's step (it ends the job) before this launcher ends")
+            successor.wait()
 
 
 def run_node(run_dir: Path, mode: str, node_rank: int, nodes: int, host: str, beat: Sender | None) -> int:
