@@ -6,9 +6,11 @@ Under --no-kill, Slurm keeps the job RUNNING without the lost node, but its job 
 it: this program takes the script's place. It adopts the training step as it runs (the lost node
 trained on no rank), and the job controller (controller.py) goes on from there as the script's
 would: restarts, lost nodes, requeues, out of memory. What only the batch script had, it does
-itself: it writes the job's batch log, sends itself the time limit's USR2
-(`--signal=B:USR2@...` reaches batch steps only), and ends the job with the run's exit code
+itself: it writes the job's batch log, keeps the time limit (`--signal=B:USR2@...` reaches batch
+steps only: the controller is told at that time), and ends the job with the run's exit code
 (libslurm's slurm_complete_job: the job would otherwise hold its nodes until its time limit).
+It lives as long as its srun client, which the launcher that started it keeps
+(toolkit/launch/node.py: wait_for_successor).
 """
 
 from __future__ import annotations
