@@ -228,16 +228,9 @@ def down(purge: bool = False, on_task: Callable[[str], None] | None = None) -> P
 
 
 def crash(node_name: str) -> list[int]:
-    """Kill every process in a lab node's namespace, as a power loss would: its network goes first,
-    so that nothing of it says goodbye (processes killed with their network up close their
-    connections, and peers see a FIN or a reset at once: slurmstepd then ends a step whose srun
-    client ran there, which a lost node's never does). `ft lab up` heals it (the link up again)."""
-    import subprocess
-
+    """Kill every process in a lab node's namespace, as a power loss would. `ft lab up` heals it."""
     require_root("ft lab crash")
     manifest = LabManifest.load()
     if manifest is None:
         raise FtError("there is no lab on this machine", hint="run `ft lab up` first")
-    netns = manifest.node(node_name).netns
-    subprocess.run(["ip", "-n", netns, "link", "set", "eth0", "down"], check=False, capture_output=True)
-    return kill_netns(netns)
+    return kill_netns(manifest.node(node_name).netns)
