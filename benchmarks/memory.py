@@ -105,6 +105,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ft-bench-memory-") as folder:
         model_dir = Path(folder) / "model"
         build_model(model_dir, vocab_size=args.vocab, hidden=args.hidden, layers=args.layers)
+        # Stored in bf16, as released checkpoints are: the ranks map the same file pages (a file in
+        # another precision is cast on every rank, and that copy is the rank's own).
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).save_pretrained(model_dir)
         config = json.loads((model_dir / "config.json").read_text())
         parameters = (args.vocab * args.hidden * 2 + args.layers * (4 * args.hidden**2 + 3 * 2 * args.hidden**2))
         gib = parameters * 2 / 2**30  # bf16
