@@ -317,15 +317,18 @@ def test_the_successor_carries_the_job_on_a_training_node_lost_after_the_batch_h
     timeline = events(run)
     lost = [e for e in timeline if e["event"] == "node_lost"]
     assert [e["node"] for e in lost] == [batch_host, second] and lost[1]["marked_down"]  # by the successor
-    restart = next(e for e in timeline if e["event"] == "restart")
+    restart = next(e for e in timeline if e["event"] == "restart" and e["time"] > lost[1]["time"])
     assert restart["time"] - lost[1]["time"] < 5  # the adopted step stopped at once, as one of its own would be
+    # Training went on under the successor until the second loss; or, its ranks forked from the lost
+    # host's templates (which the lab's crash ends: see the test above), it restarted once before.
     starts = [e for e in timeline if e["event"] == "start"]
-    assert len(starts) == 2 and second not in starts[1]["nodes"] and took["node"] in starts[1]["nodes"]
+    assert len(starts) in (2, 3) and second not in starts[-1]["nodes"] and took["node"] in starts[-1]["nodes"]
     attempts = [json.loads(line) for line in (Path(run["run_dir"]) / "attempts.jsonl").read_text().splitlines()]
     assert {(a["job_id"], a["restart"]) for a in attempts} == {(run["job_id"], 0)}  # never requeued
-    # The second start's ranks forked from the templates the lost batch host had started.
+    # The last start's ranks forked from the templates the successor took over, or started again.
     places = [json.loads(path.read_text()) for path in sorted((Path(run["run_dir"]) / "ranks").glob("*.json"))]
-    assert [(p["start"], p["warm"]) for p in places] == [("2", True), ("2", True)], places
+    last = str(starts[-1]["start"])
+    assert [(p["start"], p["warm"]) for p in places] == [(last, True), (last, True)], places
     assert_same_weights(Path(tiny_baseline["run_dir"]), Path(run["run_dir"]),
                         f"after losing the batch host {batch_host}, then {second}")
 
