@@ -22,7 +22,7 @@ from pathlib import Path
 
 from toolkit.errors import FtError
 from toolkit.slurm import steps
-from toolkit.slurm.client import SlurmClient
+from toolkit.slurm.client import SlurmClient, job_nodes
 
 # From the successor's start (srun, imports, Slurm's answers) to its word: seconds on the lab;
 # longer is a successor that will not come (the reporter then requeues the job, as before).
@@ -86,9 +86,7 @@ def successor_node(slurm: SlurmClient, job_id: str, training: list[str], lost: s
     this node. The job's nodes as Slurm has them now (nodes lost earlier were taken out of it), and
     not one drained (a hung node ft left out, or an admin's)."""
     try:
-        info = slurm.job_brief(job_id)
-        current = slurm.hostnames(info.nodes) if info and info.nodes else []
-        spares = [node for node in current if node not in training and node != lost]
+        spares = [node for node in job_nodes(slurm, job_id) or [] if node not in training and node != lost]
         drained = slurm.drained(spares) if spares else {}
     except FtError:
         spares, drained = [], {}

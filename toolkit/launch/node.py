@@ -178,7 +178,7 @@ def batch_host_lost(node: str, quiet: float, timeout: float = float("inf"),
     if os.environ.get("FT_RUN_DIR"):
         with contextlib.suppress(OSError):
             record(Path(os.environ["FT_RUN_DIR"]), "node_lost", node=batch_host, reason=why, reported_by=node)
-    if survivable and succeed(node, batch_host, why, sender, Path(marks)):
+    if survivable and succeed(node, batch_host, why, sender, Path(marks), training):
         return False  # the successor's own silence, should it come, is judged afresh
     requeue_for_lost(node, batch_host, why, still_quiet)
     return True
@@ -189,7 +189,8 @@ def training_nodes() -> list[str]:
     return [name for name in os.environ.get("FT_WATCH_NODES", "").split(",") if name]
 
 
-def succeed(node: str, batch_host: str, why: str, sender: Sender, marks: Path) -> bool:
+def succeed(node: str, batch_host: str, why: str, sender: Sender, marks: Path,
+            training: list[str]) -> bool:
     """The lost node trained on no rank: it is marked DOWN (Slurm then takes it out of the job, which
     runs on: --no-kill), and a successor started on a spare, or here. True once the successor took
     over (the heartbeats go to it); False where it did not come, or Slurm would not start it."""
@@ -203,7 +204,6 @@ def succeed(node: str, batch_host: str, why: str, sender: Sender, marks: Path) -
     marked = retried(lambda: slurm.mark_node_down(batch_host, why), f"marking {batch_host} DOWN")
     if not marked:  # the job goes on all the same: Slurm takes the node out of it after SlurmdTimeout
         log(f"marking {batch_host} DOWN needs Slurm operator rights: Slurm marks it after SlurmdTimeout")
-    training = training_nodes()
     where = handover.successor_node(slurm, job, training, batch_host, node)
     step = f"{job}.{os.environ.get('SLURM_STEP_ID', '0')}"
     log(f"starting a successor to the job script on {where}; it takes over training step {step}")

@@ -45,6 +45,13 @@ class JobInfo:
         return self.state + (f" ({self.reason})" if self.reason and self.reason != "None" else "")
 
 
+def job_nodes(client: SlurmClient, job_id: str) -> list[str] | None:
+    """The nodes a running job holds now, as Slurm has them (a --no-kill job's lost nodes are taken
+    out of it); None where Slurm does not say."""
+    info = client.job_brief(job_id)
+    return client.hostnames(info.nodes) if info and info.nodes else None
+
+
 def wait_for_job(client: SlurmClient, job_id: str, on_state: Callable[[JobInfo], None],
                  timeout_s: float | None = None, poll_s: float = 2.0) -> JobInfo | None:
     """Poll a job until it has finished (a requeue is not an end) or `timeout_s` passed; returns

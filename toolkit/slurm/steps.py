@@ -70,10 +70,11 @@ def one_task_beside(command: list[str], node: str, output: str, program: list[st
 
 def successor_step(job_id: str, node: str, program: list[str]) -> list[str]:
     """The step that takes the place of a lost batch host's job script (toolkit/job/successor.py):
-    one task on `node`, sharing it (--overlap), started from another step of the job. Its srun
-    client may die with the step that started it (the step goes on): no stdin, and no output
-    through srun (slurmstepd loses a step's last lines when the step ends: the program writes the
-    job's batch log itself). --cpu-bind=none: srun would take the starting step's CPU mask from its
-    environment (SLURM_CPU_BIND), which the new step's CPUs need not satisfy (refused on the lab)."""
+    one task on `node`, sharing it (--overlap), started from another step of the job. It lasts as
+    long as its srun client (Slurm ends a step whose client goes away on a live node), which the
+    starting launcher keeps. No stdin, and no output through srun (slurmstepd loses a step's last
+    lines when the step ends: the program writes the job's batch log itself). --cpu-bind=none: srun
+    would take the starting step's CPU mask from its environment (SLURM_CPU_BIND), which the new
+    step's CPUs need not satisfy (refused on the lab)."""
     return ["srun", f"--jobid={job_id}", f"--nodelist={node}", "--nodes=1", "--ntasks=1", "--cpus-per-task=1",
             "--overlap", "--cpu-bind=none", "--input=none", "--output=/dev/null", "--error=/dev/null", *program]

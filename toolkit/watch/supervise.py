@@ -52,7 +52,7 @@ from toolkit.receipts import entries as receipt_entries
 from toolkit.runs.layout import RunLayout, RunSpecError
 from toolkit.runs.timeline import read_lines, record
 from toolkit.slurm import steps
-from toolkit.slurm.client import CliSlurmClient, SlurmClient
+from toolkit.slurm.client import CliSlurmClient, SlurmClient, job_nodes
 from toolkit.watch import exits
 from toolkit.watch.adopted import AdoptedStep, StepListing
 from toolkit.watch.heartbeat import Receiver
@@ -193,10 +193,9 @@ class Supervisor:
         with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
             left_out = [n for n in json.loads((self.marks / EXCLUDED).read_text()) if n in self.allocation]
         try:
-            info = self.slurm.job_brief(self.job_id)
-            current = set(self.slurm.hostnames(info.nodes)) if info and info.nodes else set(self.allocation)
+            current = job_nodes(self.slurm, self.job_id) or self.allocation
         except FtError:
-            current = set(self.allocation)
+            current = self.allocation
         gone = [n for n in self.allocation if n not in current]
         return list(dict.fromkeys([*left_out, *gone, lost]))
 
