@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from training import REPO, build_model, environment, spec_for  # noqa: E402 - the sibling benchmark's setup
+from training import REPO, build_model, environment, spec_for
 
 BLOCKS = r"""
 import json, os, sys, time

@@ -97,7 +97,7 @@ def _sbatch(run_dir: Path, script: str) -> str:
     try:
         with script_directives_win():
             job = executor._submit_command("ft-run")  # the script above is the whole job; no pickle
-    except Exception as exc:  # submitit raises FailedJobError/CalledProcessError with sbatch's text
+    except Exception as exc:  # noqa: BLE001 - submitit raises FailedJobError/CalledProcessError with sbatch's text
         raise SubmitError(f"sbatch refused the job: {exc}".strip(),
                           hint=f"the rendered script is in {RunLayout(run_dir).script}") from None
     return str(job.job_id)

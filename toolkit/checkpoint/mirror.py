@@ -111,7 +111,7 @@ class Mirror:
                 self.failing, backoff = None, FIRST_BACKOFF_S
             except InterruptedError:
                 pass  # a newer checkpoint, or the end of the run: the loop decides
-            except Exception as exc:  # the store's trouble, whatever its kind: retried, never raised
+            except Exception as exc:  # noqa: BLE001 - the store's trouble, whatever its kind: retried, never raised
                 self._failed(exc, backoff)
                 backoff = min(backoff * 2, self.max_backoff)
             finally:

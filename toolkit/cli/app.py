@@ -8,10 +8,10 @@ import sys
 # ft uses no pydantic plugins; without this, pydantic scans every installed package's entry points.
 os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
 
-import typer  # noqa: E402
+import typer
 
-from toolkit import __version__  # noqa: E402
-from toolkit.cli import (  # noqa: E402
+from toolkit import __version__
+from toolkit.cli import (
     adapters,
     chaos,
     cluster,
@@ -25,8 +25,8 @@ from toolkit.cli import (  # noqa: E402
     runs,
     usage,
 )
-from toolkit.cli.output import print_error  # noqa: E402
-from toolkit.errors import FtError  # noqa: E402
+from toolkit.cli.output import print_error
+from toolkit.errors import FtError
 
 app = typer.Typer(
     name="ft",

@@ -66,7 +66,7 @@ def push(
         on_task(f"uploading {described.total_bytes / 1e6:.0f} MB")
         try:
             put_folder(filesystem, folder, described, key)
-        except Exception as exc:  # the store's trouble: named, with where it was going
+        except Exception as exc:  # noqa: BLE001 - the store's trouble: named, with where it was going
             raise FtError(f"uploading to {url} failed: {type(exc).__name__}: {exc}",
                           hint="check the object store and its credentials (AWS_* in the environment)") from None
         model_records.write(record, entry, described.to_json().encode())  # what put_folder uploaded last

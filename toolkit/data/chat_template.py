@@ -134,7 +134,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         _charge()
         return super().getitem(obj, argument)
 
-    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja2's own signature
+    def call(__self, __context, __obj, *args, **kwargs):
         _charge()
         _check_sizes(args, kwargs)
         method = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format, keeping the method

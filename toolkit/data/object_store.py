@@ -77,7 +77,7 @@ def within(call: Callable[[], object], seconds: float) -> Answer:
     def ask() -> None:
         try:
             answers.append(Answer(call()))
-        except Exception as exc:  # the store's trouble, whatever its kind: the caller decides
+        except Exception as exc:  # noqa: BLE001 - the store's trouble, whatever its kind: the caller decides
             answers.append(Answer(error=exc))
     thread = threading.Thread(target=ask, daemon=True)
     thread.start()
@@ -103,7 +103,7 @@ def ask_presence(url: str) -> Presence:
         return Presence(False)
     except PermissionError as exc:
         return Presence(False, f"access denied: {exc}")
-    except Exception as exc:  # connection refused, DNS, TLS, credentials, timeouts: the store's fault
+    except Exception as exc:  # noqa: BLE001 - connection refused, DNS, TLS, credentials, timeouts: the store's fault
         return Presence(False, f"{type(exc).__name__}: {exc}")
     return Presence(info.get("type") == "file")
 

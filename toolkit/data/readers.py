@@ -221,7 +221,7 @@ def read_parquet(stream, batch_rows: int = 8192) -> Iterator[Row]:
         if text and getattr(stream, "seekable", lambda: False)():
             stream.seek(0)
             parquet = pq.ParquetFile(stream, read_dictionary=text)
-    except Exception as exc:  # pyarrow raises ArrowInvalid and friends
+    except (pa.ArrowException, OSError, ValueError) as exc:  # ArrowInvalid and friends; a cut-short file
         yield Row(1, None, Problem("unparseable", f"not a Parquet file: {exc}"))
         return
     number = 0
@@ -241,7 +241,7 @@ def read_parquet(stream, batch_rows: int = 8192) -> Iterator[Row]:
                 batch = next(batches)
             except StopIteration:
                 break
-            except Exception as exc:  # a corrupt page: pyarrow's ArrowInvalid, OSError...
+            except (pa.ArrowException, OSError, ValueError) as exc:  # a corrupt page
                 yield Row(number + 1, None, Problem("corrupt",
                                                     f"unreadable from row {number + 1} on: {str(exc)[:200]}"))
                 return
@@ -376,7 +376,7 @@ def stream_problems(rows: Iterator[Row]) -> Iterator[Row]:
     except EOFError:
         yield Row(line + 1, None, Problem("truncated", "the compressed file ends before its end marker: it is "
                                                        "cut short"))
-    except Exception as exc:  # gzip.BadGzipFile, zstandard.ZstdError, OSError
+    except Exception as exc:  # noqa: BLE001 - gzip.BadGzipFile, zstandard.ZstdError, OSError
         yield Row(line + 1, None, Problem("corrupt", f"unreadable from here on ({type(exc).__name__}: "
                                                      f"{str(exc)[:160]})"))
 
@@ -392,7 +392,7 @@ def open_rows(url: str) -> tuple[Iterator[Row], CountingReader, int | None]:
     handle = opened.open()
     try:
         size = opened.fs.size(opened.path)
-    except Exception:
+    except (OSError, ValueError):  # a store that cannot say: the bar shows rows, not bytes
         size = None
     counter = CountingReader(handle)
     raw: Any = io.BufferedReader(counter, buffer_size=1 << 20)

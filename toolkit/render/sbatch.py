@@ -139,7 +139,7 @@ def template_environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=True,
-        autoescape=False,  # noqa: S701 - shell, not HTML: quoting is the `q` filter's job
+        autoescape=False,
     )
     env.filters["q"] = shell_quote
     env.globals["sbatch_path"] = sbatch_path

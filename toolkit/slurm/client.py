@@ -20,7 +20,7 @@ from typing import Protocol
 
 from toolkit.slurm import commands, job_comment, jobs, shapes
 from toolkit.slurm import nodes as slurm_nodes
-from toolkit.slurm.commands import SlurmCommandError
+from toolkit.slurm.commands import SlurmCommandError, SlurmUnavailable
 
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
             "DEADLINE", "PREEMPTED"}
@@ -366,14 +366,14 @@ class PyslurmClient(CliSlurmClient):
 
     def __init__(self, timeout: float = commands.DEFAULT_TIMEOUT_S):
         super().__init__(timeout)
-        import pyslurm  # noqa: F401 - raises ImportError when absent
+        import pyslurm
 
         self._pyslurm = pyslurm
 
     def job(self, job_id: str) -> JobInfo | None:
         try:
             job = self._pyslurm.Job.load(int(job_id))
-        except Exception:  # pyslurm raises its own RPCError for unknown jobs
+        except self._pyslurm.RPCError:  # an unknown job (or one pyslurm cannot read): the CLI answers
             return super().job(job_id)
         return JobInfo(job_id, _state(job.state), "pyslurm", str(job.allocated_nodes or ""), str(job.state_reason))
 
@@ -396,6 +396,6 @@ def default_client() -> SlurmClient:
     cli = CliSlurmClient()
     try:
         version = cli.version()
-    except Exception:
+    except (SlurmUnavailable, SlurmCommandError):  # no Slurm to ask: the CLI reports it later
         return cli
     return PyslurmClient() if pyslurm_unavailable_reason(version) is None else cli

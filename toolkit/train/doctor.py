@@ -105,7 +105,7 @@ def check_versions(args: dict) -> list[Finding]:
         try:
             __import__(name)
             versions[name] = metadata.version(name)
-        except Exception as exc:  # an import that fails is the finding
+        except Exception as exc:  # noqa: BLE001 - an import that fails is the finding
             return [blocker("environment", f"{name} does not import with {sys.executable}: {exc}"[:300],
                             f"ft cluster prepare {args['profile']}")]
     here = build_id()
@@ -188,7 +188,7 @@ def run_checks(args: dict, node: str) -> list[Finding]:
             continue  # the training stack does not import: nothing to ask torch
         try:
             findings += checks[name]()
-        except Exception as exc:  # the check's own failure, whatever it is: reported, not fatal
+        except Exception as exc:  # noqa: BLE001 - the check's own failure, whatever it is: reported, not fatal
             findings.append(warn(name, f"the check could not run: {type(exc).__name__}: {exc}"[:400],
                                  "ft doctor --json shows every finding; report it if it persists"))
     return findings

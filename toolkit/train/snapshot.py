@@ -198,7 +198,7 @@ class BackgroundWriter:
         while (job := self.jobs.get()) is not None:
             try:
                 self._write(job)
-            except Exception as exc:  # never the end of the thread: the next save would wait forever
+            except Exception as exc:  # noqa: BLE001 - never the end of the thread: the next save would wait forever
                 self.log(f"warning: checkpoint {job.tag} was not written: {type(exc).__name__}: {exc}")
             finally:
                 job.copied.set()
@@ -215,7 +215,7 @@ class BackgroundWriter:
             job.take_copies()
             for path, state in job.files:
                 written[str(path.relative_to(staged))] = self._write_file(path, state)
-        except Exception as exc:  # a full or failing filesystem: this save is lost, training goes on
+        except Exception as exc:  # noqa: BLE001 - a full or failing filesystem: this save is lost, training goes on
             failure = f"{type(exc).__name__}: {exc}"
             self.log(f"warning: writing checkpoint {job.tag} failed: {failure}")
         job.files.clear()  # the snapshot's references go; the buffers stay for the next save
@@ -256,12 +256,12 @@ class BackgroundWriter:
         files = {name: entry for mark in marks.values() for name, entry in mark.files.items()}
         try:
             published = self.shared.publish(Manifest(step_of(tag), files, self.lineage))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failing filesystem, whatever its kind: the checkpoint is lost, the run goes on
             self.log(f"warning: publishing checkpoint {tag} failed: {type(exc).__name__}: {exc}")
             return
         try:
             self.on_published(published)
-        except Exception as exc:  # the status board or the mirror's hand-over: the checkpoint stands
+        except Exception as exc:  # noqa: BLE001 - the status board or the mirror's hand-over: the checkpoint stands
             self.log(f"warning: after publishing checkpoint {tag}: {type(exc).__name__}: {exc}")
 
 

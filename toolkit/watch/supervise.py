@@ -672,7 +672,7 @@ class Supervisor:
             exporter = RunExporter(self.run_dir, self.heartbeat_ages, host=self.node, messages=self.heartbeat_messages)
             log(f"metrics for Prometheus on {self.node}:{exporter.start()}/metrics")
             return exporter
-        except Exception as exc:  # no prometheus_client, no port: monitoring is not worth a failed run
+        except Exception as exc:  # noqa: BLE001 - no prometheus_client, no port: monitoring is not worth a failed run
             log(f"no Prometheus metrics for this run: {type(exc).__name__}: {exc}")
             return None
 
