@@ -66,6 +66,7 @@ from toolkit.data.tokenizer import load_length_counter
 from toolkit.recipe.run_spec import RunSpec, batch_plan
 from toolkit.train.data import Example, batch_indices, collate, rank_slice
 from toolkit.train.engine import deepspeed_config
+from toolkit.storage.object_store import ObjectStore
 
 recipe = RunSpec.model_validate_json(Path(sys.argv[1]).read_text()).recipe
 warmup, steps = int(sys.argv[3]), recipe.training.steps
@@ -76,7 +77,7 @@ deepspeed.init_distributed(dist_backend=backend)
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_pretrained(recipe.model.base, dtype=torch.float32)
 counter = load_length_counter(recipe.model.base)
-rows = [r.data for r in open_rows(recipe.data.train)[0] if r.data]
+rows = [r.data for r in open_rows(recipe.data.train, ObjectStore())[0] if r.data]
 examples = [Example(i, l) for i, l, _ in encode_rows(rows, "prompt_completion", counter, recipe.data.max_seq_len)]
 config = deepspeed_config(recipe.training, batch_plan(recipe.training, 1), steps)
 engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
@@ -196,10 +197,11 @@ from toolkit.data.recipe_data import dataset_key, token_cache
 from toolkit.data.tokenizer import load_length_counter
 from toolkit.recipe.run_spec import RunSpec
 from toolkit.train.dataset import build_cache
+from toolkit.storage.object_store import ObjectStore
 
 recipe = RunSpec.model_validate_json(open(sys.argv[1]).read()).recipe
 counter = load_length_counter(recipe.model.base)
-key = dataset_key(recipe, recipe.data.train, counter, "train")
+key = dataset_key(recipe, recipe.data.train, counter, "train", ObjectStore())
 cache = token_cache(Path(sys.argv[2]))
 if cache.meta(key) is None:
     build_cache(recipe, counter, cache, key)

@@ -107,7 +107,10 @@ def pytest_configure(config):
 
 
 @pytest.fixture(autouse=True)
-def s3_config_per_test(monkeypatch):
+def no_process_wide_s3_config():
+    """ft makes each filesystem with its own options (toolkit/storage/object_store.py): nothing a test
+    runs leaves an endpoint in fsspec's process-wide configuration for the next one to inherit."""
+    yield
     from tests.support import network_guard
 
-    network_guard.isolate_s3_config(monkeypatch)
+    network_guard.assert_no_process_wide_s3_config()

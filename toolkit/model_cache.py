@@ -24,6 +24,7 @@ from pathlib import Path
 from toolkit.cache_entries import discard, exclusive, staging_path
 from toolkit.model_folder import model_folder_problems
 from toolkit.shared_dirs import shared_root_path, trusted_owner_dir
+from toolkit.storage.object_store import ObjectStore, within
 
 COPY_MARK = ".ft-copy"  # in a node-local copy: where it came from, and its size
 DOWNLOAD_MARK = "manifest.json"  # in a copy from the object store: its manifest, as verified
@@ -151,17 +152,15 @@ def copy_to_local(source: Path, local: Path, log: Callable[[str], None]) -> Path
 
 
 def fetch_from_store(name: str, models_url: str, tier: Path, log: Callable[[str], None],
-                     shared_root: str) -> Path | None:
+                     shared_root: str, store: ObjectStore) -> Path | None:
     """Bring a model from the object store into a tier (the shared one: once per cluster; the first
     node to ask downloads it, verified, while the others wait on the lock and then find it whole).
     Its manifest must be the one its pusher's record names (toolkit/model_records.py). None when the
     store does not have it."""
-    import fsspec
-
     from toolkit import model_records
     from toolkit.checkpoint.remote import RemoteProblem, get_folder
 
-    filesystem, base = fsspec.core.url_to_fs(f"{models_url.rstrip('/')}/{name}")
+    filesystem, base = store.filesystem(f"{models_url.rstrip('/')}/{name}")
     target = tier / name
     tier.mkdir(parents=True, exist_ok=True)
     with exclusive(tier / f".{name}.lock"):
@@ -187,10 +186,11 @@ def fetch_from_store(name: str, models_url: str, tier: Path, log: Callable[[str]
         return target
 
 
-def find_model(name: str, shared_root: str, models_url: str, log: Callable[[str], None]) -> tuple[Path | None,
-                                                                                                   list[str]]:
+def find_model(name: str, shared_root: str, models_url: str, log: Callable[[str], None],
+               store: ObjectStore | None = None) -> tuple[Path | None, list[str]]:
     """The model from the nearest tier that has it whole, on node-local disk where it fits; and the
-    places looked in (for a message when none has it)."""
+    places looked in (for a message when none has it). `store` reaches `models_url` (by default,
+    the store the environment names: in a job, the one its script exports from the profile)."""
     local, shared = local_models(), shared_models(shared_root)
     looked = []
     if trusted_owner_dir(local):
@@ -206,7 +206,7 @@ def find_model(name: str, shared_root: str, models_url: str, log: Callable[[str]
         looked.append(f"{models_url.rstrip('/')}/{name}")
         # Into the shared tier (once per cluster) where this user may write there, else this node's.
         into = shared if trusted_owner_dir(shared) and writable(shared) else local if trusted_owner_dir(local) else None
-        fetched = fetch_from_store(name, models_url, into, log, shared_root) if into else None
+        fetched = fetch_from_store(name, models_url, into, log, shared_root, store or ObjectStore()) if into else None
         if fetched is not None:
             return (copy_to_local(fetched, local, log) if into == shared else fetched), looked
     return None, looked
@@ -224,22 +224,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 TOKENIZER_WAIT_S = 30.0  # a login-side check never waits longer on the object store
 
 
-def fetch_tokenizer(name: str, models_url: str, cache: Path, shared_root: str) -> Path | None:
+def fetch_tokenizer(name: str, models_url: str, cache: Path, shared_root: str, store: ObjectStore) -> Path | None:
     """The tokenizer files of a model the object store holds (not its weights), into `cache` (the
     user's own), each verified against the model's manifest, and the manifest against its pusher's
     record: what validation needs on the login node to count tokens. None when the store has no such
     model, or does not answer in time."""
-    from toolkit.data.object_store import within
-
-    answer = within(lambda: _fetch_tokenizer(name, models_url, cache, shared_root), TOKENIZER_WAIT_S)
+    answer = within(lambda: _fetch_tokenizer(name, models_url, cache, shared_root, store), TOKENIZER_WAIT_S)
     return answer.value if answer.in_time and not answer.error else None
 
 
-def _fetch_tokenizer(name: str, models_url: str, cache: Path, shared_root: str) -> Path | None:
+def _fetch_tokenizer(name: str, models_url: str, cache: Path, shared_root: str, store: ObjectStore) -> Path | None:
     """The store's trouble (no such model, no record, credentials, the endpoint) raises: `within`
     makes it None."""
-    import fsspec
-
     from toolkit import model_records
     from toolkit.checkpoint.remote import read_manifest
     from toolkit.digests import sha256_file
@@ -247,7 +243,7 @@ def _fetch_tokenizer(name: str, models_url: str, cache: Path, shared_root: str) 
     target = cache / "tokenizers" / name
     if (target / "tokenizer.json").is_file():
         return target
-    filesystem, base = fsspec.core.url_to_fs(f"{models_url.rstrip('/')}/{name}")
+    filesystem, base = store.filesystem(f"{models_url.rstrip('/')}/{name}")
     described = read_manifest(filesystem, base, lambda raw: model_records.check(shared_root, name, raw))
     staging = staging_path(target, "download")
     staging.mkdir(parents=True)

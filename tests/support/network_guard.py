@@ -93,8 +93,9 @@ def checked_method(real, check_address):
     return method
 
 
-def isolate_s3_config(monkeypatch) -> None:
-    """An endpoint one test configured (toolkit.data.object_store.configure) never leaks into the next."""
-    import fsspec.config
-
-    monkeypatch.setattr(fsspec.config, "conf", {})
+def assert_no_process_wide_s3_config() -> None:
+    """fsspec's per-protocol configuration applies to every filesystem a process makes afterwards: an
+    endpoint set there would decide what later code reaches by the order of calls."""
+    if "fsspec.config" in sys.modules:
+        conf = sys.modules["fsspec.config"].conf
+        assert not conf.get("s3"), f"something set fsspec's process-wide S3 configuration: {conf['s3']}"

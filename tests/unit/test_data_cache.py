@@ -17,6 +17,7 @@ from toolkit.data.split import split
 from toolkit.data.tokenizer import LengthCounter, load_length_counter
 from toolkit.recipe.resolve import resolve
 from toolkit.shared_dirs import user_cache
+from toolkit.storage.object_store import ObjectStore
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -174,7 +175,7 @@ def test_a_worker_fills_the_cache_exactly_as_validation_does(tmp_path, monkeypat
     resolved = resolve(recipe_file, "mine")
     recipe_data.validate_recipe_data(resolved)
     tok = load_length_counter("tiny-llama")
-    key = recipe_data.dataset_key(resolved.recipe, str(data), tok, "train")
+    key = recipe_data.dataset_key(resolved.recipe, str(data), tok, "train", ObjectStore())
     from_validation = recipe_data.token_cache(user_cache(str(tmp_path / "shared"))).load(key)
 
     other = recipe_data.token_cache(tmp_path / "worker")
@@ -191,7 +192,7 @@ def test_an_object_store_that_never_answers_is_reported_within_the_deadline(monk
     import socket
     import time
 
-    from toolkit.data import object_store
+    from toolkit.storage.object_store import ObjectStore
 
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
@@ -199,9 +200,8 @@ def test_an_object_store_that_never_answers_is_reported_within_the_deadline(monk
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{silent.getsockname()[1]}")
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
-        object_store.configure()
         started = time.monotonic()
-        found = object_store.presence("s3://bucket/train.jsonl", deadline_s=3)
+        found = ObjectStore().presence("s3://bucket/train.jsonl", deadline_s=3)
         assert time.monotonic() - started < 10
     assert not found.found and found.unreachable == "no answer within 3 s"
 

@@ -19,6 +19,9 @@ import yaml
 from tests.support.model_folders import write_model_folder
 from tests.support.s3 import filesystem, s3_server
 from toolkit.model_cache import DOWNLOAD_MARK, ModelFolderBroken, find_model
+from toolkit.storage.object_store import ObjectStore
+
+STORE = ObjectStore()  # the store the environment names: the test server's (s3_env)
 
 pytest.importorskip("s3fs")
 BUCKET = "models"
@@ -34,12 +37,9 @@ def store(tmp_path_factory):
 
 @pytest.fixture
 def s3_env(store, monkeypatch) -> dict[str, str]:
-    from toolkit.data import object_store
-
     server, _ = store
     for name, value in server.env.items():
-        monkeypatch.setenv(name, value)
-    object_store.configure()
+        monkeypatch.setenv(name, value)  # the store the environment names, as a job's script exports it
     return server.env
 
 
@@ -68,9 +68,7 @@ def test_a_pushed_model_is_fetched_once_however_many_nodes_ask_at_once(tmp_path,
     # Four "nodes" at once, each with its own node-local disk, one shared filesystem between them.
     node = textwrap.dedent(f"""
         import sys
-        from toolkit.data import object_store
         from toolkit.model_cache import find_model
-        object_store.configure()
         path, _ = find_model("org--shared-model@v1", {str(shared_root)!r}, "s3://{BUCKET}", print)
         print("PATH", path)
     """)
@@ -126,13 +124,14 @@ def test_validation_gets_the_tokenizer_alone_from_the_store_verified(tmp_path, s
     source = write_model_folder(tmp_path / "source")
     assert push(tmp_path, s3_env, source, "org/tok").returncode == 0
     cache = tmp_path / "user-cache"
-    folder = fetch_tokenizer("org--tok", f"s3://{BUCKET}", cache, shared_root(tmp_path))
+    folder = fetch_tokenizer("org--tok", f"s3://{BUCKET}", cache, shared_root(tmp_path), STORE)
     assert folder == cache / "tokenizers" / "org--tok"
     assert (folder / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
     assert not (folder / "model.safetensors").exists()  # the weights stay in the store
     fs.pipe_file(f"{BUCKET}/org--tok/tokenizer.json", b'{"model": {"type": "planted"}}')  # changed after push
-    assert fetch_tokenizer("org--tok", f"s3://{BUCKET}", tmp_path / "other-cache", shared_root(tmp_path)) is None
-    assert fetch_tokenizer("org--absent", f"s3://{BUCKET}", tmp_path / "other-cache", shared_root(tmp_path)) is None
+    assert fetch_tokenizer("org--tok", f"s3://{BUCKET}", tmp_path / "other-cache", shared_root(tmp_path), STORE) is None
+    other = tmp_path / "other-cache"
+    assert fetch_tokenizer("org--absent", f"s3://{BUCKET}", other, shared_root(tmp_path), STORE) is None
 
 
 def replace_in_bucket(fs, name: str, folder: Path) -> None:
@@ -157,7 +156,7 @@ def test_a_model_replaced_in_the_bucket_after_its_push_is_refused_by_jobs_and_va
     with pytest.raises(ModelFolderBroken, match="is not the one user root .* pushed"):
         find_model("org--victim", shared_root(tmp_path), f"s3://{BUCKET}", print)
     assert not (Path(shared_root(tmp_path)) / "models" / "org--victim").exists()
-    assert fetch_tokenizer("org--victim", f"s3://{BUCKET}", tmp_path / "cache", shared_root(tmp_path)) is None
+    assert fetch_tokenizer("org--victim", f"s3://{BUCKET}", tmp_path / "cache", shared_root(tmp_path), STORE) is None
     # Pushed again by its owner: taken again.
     assert push(tmp_path, s3_env, write_model_folder(tmp_path / "source"), "org/victim").returncode == 0
     path, _ = find_model("org--victim", shared_root(tmp_path), f"s3://{BUCKET}", print)

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from toolkit.shared_dirs import SharedFolderError, common_dir, private_dir, trusted_owner_dir, user_cache
+from toolkit.storage.object_store import ObjectStore
 
 OTHER_UID = 4242  # no such account: what `ls` shows for a departed user, and as good as a live one here
 
@@ -186,7 +187,7 @@ def test_validation_ignores_a_token_cache_another_user_made_and_says_so(tmp_path
                                       "resources": {"nodes": 1, "gpus_per_node": 1}}))
     resolved = resolve(recipe, "mine")
     counter, _ = recipe_data.tokenizer_for(resolved)
-    key = recipe_data.dataset_key(resolved.recipe, str(data), counter, "train")
+    key = recipe_data.dataset_key(resolved.recipe, str(data), counter, "train", ObjectStore())
     squatted = made_by_another_user(tmp_path / "shared" / "cache" / f"uid-{os.getuid()}", mode=0o777)
     planted = squatted / "tokenized" / key
     planted.mkdir(parents=True)

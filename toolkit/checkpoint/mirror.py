@@ -18,7 +18,7 @@ from toolkit.checkpoint.manifest import Manifest
 from toolkit.checkpoint.remote import RemoteProblem, RemoteTier
 from toolkit.checkpoint.shared import SharedTier
 from toolkit.checkpoint.status import StatusBoard
-from toolkit.data.object_store import within
+from toolkit.storage.object_store import within
 
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 60.0
 

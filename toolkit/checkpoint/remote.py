@@ -14,10 +14,12 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from toolkit.checkpoint import manifest
 from toolkit.checkpoint.manifest import MANIFEST, Manifest, is_tag, step_of
 from toolkit.checkpoint.seal import Sealer
+from toolkit.storage.object_store import parse_s3_url
 
 
 class RemoteProblem(Exception):
@@ -26,25 +28,21 @@ class RemoteProblem(Exception):
 
 def split_url(url: str) -> tuple[str, str]:
     """s3://bucket/some/prefix -> ('bucket', 'some/prefix')."""
-    bucket, _, prefix = url.removeprefix("s3://").partition("/")
-    return bucket, prefix.strip("/")
+    parsed = parse_s3_url(url, "a checkpoint mirror")
+    return parsed.bucket, parsed.key
 
 
 @dataclass
 class RemoteTier:
     url: str
     keep_last: int
-    filesystem: object = field(default=None, repr=False)
+    filesystem: Any = field(repr=False)  # the store's (toolkit/storage/object_store.py)
     # Only checkpoints sealed with the user's key are taken, or counted when pruning (None: any).
     sealer: Sealer | None = field(default=None, repr=False)
     lineage: str | None = None  # the run's: a checkpoint counted as the user's is of it
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
-        if self.filesystem is None:
-            import fsspec
-
-            self.filesystem = fsspec.filesystem("s3")  # configured by toolkit.data.object_store.configure
 
     def __str__(self) -> str:
         return f"the object store ({self.url})"

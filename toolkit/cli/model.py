@@ -27,9 +27,9 @@ def push(
     from toolkit.checkpoint import manifest
     from toolkit.checkpoint.remote import put_folder
     from toolkit.cluster.profile import load_profile
-    from toolkit.data import object_store
     from toolkit.model_cache import entry_name
     from toolkit.model_folder import model_folder_problems
+    from toolkit.storage.object_store import ObjectStore
 
     profile = load_profile(cluster)
     if not profile.s3_models:
@@ -51,15 +51,12 @@ def push(
     if problems:
         raise FtError(f"{folder} is not a whole model folder: {'; '.join(problems)}",
                       hint="push a folder that loads with transformers' from_pretrained (safetensors weights)")
-    object_store.configure(profile.s3_endpoint)
-    import fsspec
-
     from toolkit import model_records
 
     entry = entry_name(base, revision or None)
     record = model_records.claim(profile.shared_root, entry)  # another user's name: refused before any upload
     url = f"{profile.s3_models.rstrip('/')}/{entry}"
-    filesystem, key = fsspec.core.url_to_fs(url)
+    filesystem, key = ObjectStore(profile.s3_endpoint).filesystem(url)
     with task_spinner("model push") as on_task:
         on_task("hashing the files")
         described = manifest.describe(folder, 0, "")

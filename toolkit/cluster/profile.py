@@ -16,6 +16,7 @@ from toolkit.errors import FtError
 from toolkit.receipts.keys import key_id, public_key_bytes
 from toolkit.recipe.schema import ENV_NAME_PATTERN, NAME_PATTERN
 from toolkit.recipe.yaml_source import YamlError, load_trusted_yaml, load_yaml
+from toolkit.storage.object_store import parse_s3_url
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 
@@ -158,8 +159,8 @@ class ClusterProfile(BaseModel):
     @field_validator("s3_prefix", "s3_models")
     @classmethod
     def s3_prefix_url(cls, value: str) -> str:
-        if value and not re.fullmatch(r"s3://[a-z0-9][a-z0-9.-]{1,62}(/[A-Za-z0-9._~/-]*)?", value):
-            raise ValueError(f"{value!r} is not an s3://bucket[/prefix] URL")
+        if value:
+            parse_s3_url(value, "an S3 prefix")
         return value
 
     @field_validator("s3_endpoint")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from toolkit.cache_entries import discard, exclusive
 from toolkit.digests import sha256_stream
+from toolkit.storage.object_store import ObjectStore
 
 FLUSH_EVERY = 1 << 20  # values buffered before they go to disk: memory stays bounded
 FILES = {"tokens": "i", "labels": "i", "offsets": "q", "eval": "B"}  # name -> array typecode
@@ -34,9 +35,7 @@ FILES = {"tokens": "i", "labels": "i", "offsets": "q", "eval": "B"}  # name -> a
 _DIGESTS: dict[tuple[str, int, int], str] = {}
 
 
-def file_digest(url: str) -> str:
-    import fsspec
-
+def file_digest(url: str, store: ObjectStore) -> str:
     try:
         info = os.stat(url) if "://" not in url else None
     except OSError:
@@ -44,7 +43,7 @@ def file_digest(url: str) -> str:
     known = (url, info.st_size, info.st_mtime_ns) if info else None
     if known in _DIGESTS:
         return _DIGESTS[known]
-    with fsspec.open(url, "rb") as handle:
+    with store.open(url, "rb") as handle:
         digest = sha256_stream(handle)[1]
     if known:
         _DIGESTS[known] = digest

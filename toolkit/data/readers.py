@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from toolkit.storage.object_store import ObjectStore
+
 KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet"}
 COMPRESSIONS = {".gz": "gzip", ".gzip": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 JSON_VALUES = (str, int, float, bool, type(None), list, dict)
@@ -381,17 +383,16 @@ def stream_problems(rows: Iterator[Row]) -> Iterator[Row]:
                                                      f"{str(exc)[:160]})"))
 
 
-def open_rows(url: str) -> tuple[Iterator[Row], CountingReader, int | None]:
-    """Rows of a data file, the byte counter under them, and the file's size when known."""
-    import fsspec
-
+def open_rows(url: str, store: ObjectStore) -> tuple[Iterator[Row], CountingReader, int | None]:
+    """Rows of a data file (read through `store` where it is an s3:// URL), the byte counter under
+    them, and the file's size when known."""
     kind, compression = file_kind(url)
     if "://" not in url:
         check_local_file(url)
-    opened = fsspec.open(url, "rb")
-    handle = opened.open()
+    filesystem, path = store.filesystem(url)
+    handle = filesystem.open(path, "rb")
     try:
-        size = opened.fs.size(opened.path)
+        size = filesystem.size(path)
     except (OSError, ValueError):  # a store that cannot say: the bar shows rows, not bytes
         size = None
     counter = CountingReader(handle)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from toolkit.data import object_store
 from toolkit.data.cache import TokenCache, cache_key, file_digest
 from toolkit.data.tokenizer import LengthCounter, TokenizerNotFound, load_length_counter
 from toolkit.data.validate import (
@@ -20,6 +19,7 @@ from toolkit.data.validate import (
 from toolkit.recipe.resolve import ResolvedRecipe
 from toolkit.recipe.schema import DATA_FILES
 from toolkit.shared_dirs import SharedFolderError, user_cache
+from toolkit.storage.object_store import ObjectStore
 
 FORMATS_FOR = {"sft": {"prompt_completion", "chat"}, "dpo": {"preference"}}
 
@@ -35,7 +35,8 @@ def tokenizer_for(resolved: ResolvedRecipe, override: str | None = None) -> tupl
     except SharedFolderError:
         cache = None
     try:
-        return load_length_counter(spec, profile.shared_root, profile.s3_models, cache), None
+        return load_length_counter(spec, profile.shared_root, profile.s3_models, cache,
+                                   store=ObjectStore(profile.s3_endpoint)), None
     except TokenizerNotFound as exc:
         return None, str(exc)
 
@@ -60,16 +61,16 @@ def held_out_fraction(recipe, role: str) -> float:
     return recipe.data.eval_fraction if role == "train" and not recipe.data.eval else 0.0
 
 
-def dataset_key(recipe, path: str, counter: LengthCounter, role: str) -> str:
-    return cache_key(file_digest(path), counter.identity, recipe.data.format, recipe.data.max_seq_len,
+def dataset_key(recipe, path: str, counter: LengthCounter, role: str, store: ObjectStore) -> str:
+    return cache_key(file_digest(path, store), counter.identity, recipe.data.format, recipe.data.max_seq_len,
                      recipe.data.too_long, held_out_fraction(recipe, role), recipe.training.seed)
 
 
 def validated_file(recipe, role: str, path: str, counter: LengthCounter | None, cache: TokenCache | None,
-                   progress: Callable[[str, int, int | None], None] | None) -> Report:
+                   progress: Callable[[str, int, int | None], None] | None, store: ObjectStore) -> Report:
     """The report of one data file: from the cache when this file, tokenizer and settings were
     validated before; else a fresh pass, whose tokens fill the cache when the file is clean."""
-    key = dataset_key(recipe, path, counter, role) if counter and cache else None
+    key = dataset_key(recipe, path, counter, role, store) if counter and cache else None
     cached = cache.meta(key) if key else None
     if cached and cached.get("report"):  # a cache a worker built holds tokens but no report
         return report_from_dict(cached["report"])
@@ -82,7 +83,7 @@ def validated_file(recipe, role: str, path: str, counter: LengthCounter | None, 
             target = CacheTarget(cache.writer(key), held_out_fraction(recipe, role), recipe.training.seed)
         except OSError as exc:  # a read-only or full cache: validation goes on without it
             unwritable = f"the token cache {cache.root} is not used: it cannot be written ({exc.strerror or exc})"
-    report = validate_file(path, recipe.data.format, counter, limits, progress=on_bytes, cache=target)
+    report = validate_file(path, recipe.data.format, counter, limits, progress=on_bytes, cache=target, store=store)
     if unwritable:
         report.add("warning", "token_cache_unusable", Finding(path, None, unwritable))
     if target and report.ok:
@@ -95,7 +96,7 @@ def validated_file(recipe, role: str, path: str, counter: LengthCounter | None, 
 def missing_file_report(resolved: ResolvedRecipe, role: str, path: str, unreachable: str | None) -> Report:
     report = Report(path, None)
     field = ".".join(DATA_FILES[role])
-    where = object_store.where(path, resolved.profile.s3_endpoint)
+    where = ObjectStore(resolved.profile.s3_endpoint).where(path)
     if unreachable:
         report.add("error", "object_store_unreachable", Finding(
             str(resolved.path), field,
@@ -112,16 +113,16 @@ def validate_recipe_data(resolved: ResolvedRecipe, tokenizer: str | None = None,
     """Validate the recipe's data files (train, eval, golden). A file already validated with the same tokenizer
     and settings is not read again: its report and tokens come from the cache."""
     recipe = resolved.recipe
-    object_store.configure(resolved.profile.s3_endpoint)
+    store = ObjectStore(resolved.profile.s3_endpoint)
     counter, missing = tokenizer_for(resolved, tokenizer)
     cache, cache_unusable = login_token_cache(resolved.profile.shared_root)
     reports = []
     for role, path in recipe.data_files().items():
-        found = object_store.presence(path)
+        found = store.presence(path)
         if not found.found:
             reports.append(missing_file_report(resolved, role, path, found.unreachable))
             continue
-        report = validated_file(recipe, role, path, counter, cache, progress)
+        report = validated_file(recipe, role, path, counter, cache, progress, store)
         if cache_unusable:
             report.add("warning", "token_cache_unusable", Finding(path, None, cache_unusable))
         # What the recipe asks of the data is checked on every report, cached or fresh.

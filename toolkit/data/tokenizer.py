@@ -9,6 +9,7 @@ from pathlib import Path
 
 from toolkit.data.chat_template import RENDERING as CHAT_RENDERING
 from toolkit.data.chat_template import ChatTemplate
+from toolkit.storage.object_store import ObjectStore
 
 SPECIAL_OVERHEAD = 2  # BOS + EOS around every sequence
 
@@ -79,10 +80,11 @@ def _from_dir(folder: Path) -> LengthCounter:
 
 
 def load_length_counter(spec: str, shared_root: str = "", models_url: str = "",
-                        cache: Path | None = None) -> LengthCounter:
+                        cache: Path | None = None, store: ObjectStore | None = None) -> LengthCounter:
     """A tokenizer by model name ('tiny-llama', a local folder, a model id in the cluster's model
     cache, or in its object store: `models_url`, its tokenizer files fetched into `cache`) or by the
-    path of a tokenizer.json."""
+    path of a tokenizer.json. `store` reaches `models_url` (by default, the store the environment
+    names)."""
     if spec == "tiny-llama":
         from toolkit.data.tiny_tokenizer import TINY_CHAT_TEMPLATE, train_tiny_tokenizer
 
@@ -106,7 +108,7 @@ def load_length_counter(spec: str, shared_root: str = "", models_url: str = "",
     if models_url and cache is not None:
         from toolkit.model_cache import fetch_tokenizer
 
-        fetched = fetch_tokenizer(name, models_url, cache, shared_root)
+        fetched = fetch_tokenizer(name, models_url, cache, shared_root, store or ObjectStore())
         if fetched is not None:
             return _from_dir(fetched)
     raise TokenizerNotFound(f"no tokenizer for {spec!r}: not a folder or tokenizer.json, and not in the cluster's "

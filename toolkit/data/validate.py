@@ -20,6 +20,7 @@ from toolkit.data.schemas import FORMATS, check_row, detect_format
 from toolkit.data.split import is_eval
 from toolkit.data.tokenizer import LengthCounter
 from toolkit.errors import UsageError
+from toolkit.storage.object_store import ObjectStore
 
 BATCH_ROWS = 2048
 # Rows held before they are checked and tokenized together: at most BATCH_ROWS, and at most about
@@ -259,12 +260,13 @@ def _strings(value) -> list[str]:
 
 def validate_file(path: str, fmt: str = "auto", counter: LengthCounter | None = None, limits: Limits | None = None,
                   progress: Callable[[int, int | None], None] | None = None,
-                  cache: CacheTarget | None = None) -> Report:
-    """Check one data file. `progress(bytes_read, total_bytes)` is called as the pass advances."""
+                  cache: CacheTarget | None = None, store: ObjectStore | None = None) -> Report:
+    """Check one data file (an s3:// one read through `store`, by default the store the environment
+    names). `progress(bytes_read, total_bytes)` is called as the pass advances."""
     if fmt not in ("auto", *FORMATS):
         raise UnknownFormat(f"unknown format {fmt!r}; use auto or one of {', '.join(FORMATS)}")
     try:
-        rows, bytes_counter, size = open_rows(path)
+        rows, bytes_counter, size = open_rows(path, store or ObjectStore())
     except (UnsupportedFile, OSError) as exc:  # not a data file, missing, unreadable: one located error
         report = Report(path, None)
         message = str(exc) if isinstance(exc, UnsupportedFile) else f"{path}: cannot be read: {exc}"

@@ -9,6 +9,8 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from toolkit.storage.object_store import is_s3_url, parse_s3_url
+
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 REVISION_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}(/[A-Za-z0-9_][A-Za-z0-9._-]{0,99}){0,4}"
@@ -145,10 +147,10 @@ class DataSpec(Strict):
             return value
         if not value.strip() or any(ord(ch) < 32 for ch in value):
             raise ValueError("name a data file: a local path or an s3://bucket/key URL")
-        if "://" in value and not value.startswith("s3://"):
+        if "://" in value and not is_s3_url(value):
             raise ValueError(f"{value!r}: only local paths and s3:// URLs are read")
-        if value.startswith("s3://") and len(value.removeprefix("s3://").split("/", 1)) < 2:
-            raise ValueError(f"{value!r}: an S3 URL names a bucket and a key (s3://bucket/path/file.jsonl)")
+        if is_s3_url(value):
+            parse_s3_url(value, "a data file's S3 URL", needs_key=True)
         return value
 
 
@@ -259,8 +261,8 @@ class CheckpointSpec(Strict):
     @field_validator("s3_mirror")
     @classmethod
     def s3_url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith("s3://"):
-            raise ValueError("an S3 mirror is an s3://bucket/prefix URL")
+        if value is not None:
+            parse_s3_url(value, "an S3 mirror")
         return value
 
 

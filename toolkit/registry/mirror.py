@@ -1,6 +1,6 @@
 """The registry's copy in the object store: <s3_prefix>/registry/, the same paths as on the shared
-filesystem (toolkit/registry/layout.py), reached the way checkpoints are (fsspec + s3fs; the endpoint
-from AWS_ENDPOINT_URL, else the profile's s3_endpoint; credentials from the environment).
+filesystem (toolkit/registry/layout.py), reached through toolkit/storage/object_store.py as checkpoints
+are (the endpoint from AWS_ENDPOINT_URL, else the profile's s3_endpoint; credentials from the environment).
 
 The shared filesystem is the truth: the mirror is written after it, and a failed upload loses nothing
 there (`ft adapters sync` uploads what is missing, and repairs what was changed in the store: every
@@ -46,14 +46,10 @@ class RegistryMirror:
     def filesystem(self):
         """Made on first use: `ft adapters ls` never imports s3fs."""
         if self._filesystem is None:
-            import fsspec
+            from toolkit.storage.object_store import ObjectStore
 
-            if self.url.startswith("s3://"):
-                from toolkit.data import object_store
-
-                object_store.configure(self.endpoint)
             options = {"auto_mkdir": True} if self.url.startswith("file://") else {}
-            self._filesystem = fsspec.core.url_to_fs(self.url, **options)[0]
+            self._filesystem = ObjectStore(self.endpoint).filesystem(self.url, **options)[0]
         return self._filesystem
 
     def uri(self, relative: str) -> str:

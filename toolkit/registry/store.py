@@ -32,7 +32,6 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from toolkit.cache_entries import discard, staging_path
-from toolkit.data.object_store import Answer, within
 from toolkit.errors import FtError, UsageError
 from toolkit.recipe.schema import NAME_PATTERN
 from toolkit.registry import handoff
@@ -58,6 +57,7 @@ from toolkit.shared_dirs import (
     user_name,
     write_atomically,
 )
+from toolkit.storage.object_store import Answer, within
 
 MIRROR_DEADLINE_S = 600.0  # an upload past it goes on in the background; `ft adapters sync` finishes it
 MAX_REASON = 1000

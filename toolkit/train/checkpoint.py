@@ -20,7 +20,7 @@ from toolkit.checkpoint.remote import RemoteProblem, RemoteTier, mirror_url
 from toolkit.checkpoint.seal import Sealer
 from toolkit.checkpoint.shared import SharedTier
 from toolkit.checkpoint.status import StatusBoard
-from toolkit.data.object_store import within
+from toolkit.storage.object_store import ObjectStore, within
 from toolkit.train.snapshot import BackgroundWriter, SnapshotEngine
 
 # How long a resume may spend listing the object store before it settles for the shared copy.
@@ -250,9 +250,10 @@ def owners_sealer(shared_root: str, scope: str) -> Sealer:
 
 
 def checkpointer_for(layout, spec, engine, dist, progress, log: Callable[[str], None],
-                     before_file: Callable[[], None] = lambda: None) -> Checkpointer:
+                     before_file: Callable[[], None] = lambda: None, store: ObjectStore | None = None) -> Checkpointer:
     """A rank's checkpointer, from the run spec (the recipe's mirror, or the cluster's s3_prefix) and
-    the job's environment (AWS_ENDPOINT_URL and credentials: the object store's)."""
+    `store` (by default the job's: AWS_ENDPOINT_URL, which its script exports from the profile, and
+    the credentials of its environment)."""
     recipe = spec.recipe
     rank, world = dist.get_rank(), dist.get_world_size()
     url = mirror_url(recipe.checkpoint.s3_mirror, spec.site.s3_prefix,
@@ -262,7 +263,8 @@ def checkpointer_for(layout, spec, engine, dist, progress, log: Callable[[str], 
     sealer = owners_sealer(spec.site.shared_root, url or "") if rank == 0 else None
     shared = SharedTier(staging_folder(recipe.checkpoint.staging) or layout.checkpoints, recipe.checkpoint.keep_last,
                         sealer=sealer)
-    remote = RemoteTier(url, recipe.checkpoint.keep_last, sealer=sealer, lineage=lineage_of(recipe)) if url else None
+    remote = (RemoteTier(url, recipe.checkpoint.keep_last, (store or ObjectStore()).filesystem(url)[0], sealer=sealer,
+                         lineage=lineage_of(recipe)) if url else None)
     board = StatusBoard(layout.checkpoint_status if rank == 0 else None, url)
     every = recipe.checkpoint.every_minutes
     history = (0, 0.0)

@@ -8,7 +8,12 @@ from pathlib import Path
 
 from toolkit.recipe.schema import Recipe
 from toolkit.runs.layout import RunLayout
+from toolkit.storage.object_store import ObjectStore
 from toolkit.train.data import Example
+
+# The store an s3:// data file is read from in a job: the one its script exports from the cluster
+# profile (AWS_ENDPOINT_URL, which ObjectStore reads each time it makes a filesystem).
+JOB_STORE = ObjectStore()
 
 
 def cache_root(shared_root: str, run_dir: Path, warn) -> Path:
@@ -54,7 +59,7 @@ def load_split(recipe: Recipe, model_path: Path, user_cache: Path, rank: int, di
 
     counter = load_length_counter(str(model_path))
     try:
-        key = dataset_key(recipe, path, counter, role)
+        key = dataset_key(recipe, path, counter, role, JOB_STORE)
     except (FileNotFoundError, PermissionError) as exc:  # every rank reads its digest: every rank stops
         from toolkit.train.loop import RunEnds
         from toolkit.watch import exits
@@ -83,7 +88,7 @@ def build_cache(recipe: Recipe, counter, cache, key: str, path: str | None = Non
     from toolkit.data.split import is_eval
 
     data, path = recipe.data, path or recipe.data.train
-    rows = [row.data for row in open_rows(path)[0] if row.data is not None]
+    rows = [row.data for row in open_rows(path, JOB_STORE)[0] if row.data is not None]
     fmt = data.format if data.format != "auto" else detect_format(rows[0])
     fraction, per_row = held_out_fraction(recipe, role), sequences_per_row(fmt)
     encoded = encode_rows(rows, fmt, counter, data.max_seq_len)

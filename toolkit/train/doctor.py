@@ -122,20 +122,18 @@ def check_object_store(args: dict) -> list[Finding]:
         return [ok("object_store", "no object store in the profile: checkpoints stay on the shared filesystem")]
     fix = ("export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) before ft submit"
            + ('; on the lab: eval "$(ft lab env)"' if args["lab"] else ""))
-    from toolkit.data import object_store
+    from toolkit.storage.object_store import ObjectStore, within
 
-    if not object_store.credentials_visible(args["s3_endpoint"]):
+    store = ObjectStore(args["s3_endpoint"])
+    if not store.credentials_visible():
         return [warn("object_store", f"no S3 credentials in the environment: checkpoint mirrors to "
                                      f"{args['s3_prefix']} would fail (training is not affected)", fix)]
-    object_store.configure(args["s3_endpoint"])
 
     def list_bucket() -> object:
-        import fsspec
-
         from toolkit.checkpoint.remote import user_prefix
 
         # The user's own place: a site with per-user credentials may let them list nothing else.
-        filesystem, path = fsspec.core.url_to_fs(user_prefix(args["s3_prefix"]))
+        filesystem, path = store.filesystem(user_prefix(args["s3_prefix"]))
         return filesystem.find(path, maxdepth=1)
 
     try:
@@ -143,7 +141,7 @@ def check_object_store(args: dict) -> list[Finding]:
     except ImportError:
         return [blocker("object_store", f"s3fs is not installed in {sys.executable}: checkpoint mirrors to "
                                         f"{args['s3_prefix']} cannot work", f"ft cluster prepare {args['profile']}")]
-    answer = object_store.within(list_bucket, 20)
+    answer = within(list_bucket, 20)
     if not answer.in_time or answer.error is not None:
         why = f"{type(answer.error).__name__}: {answer.error}" if answer.error else "no answer within 20 s"
         return [warn("object_store", f"{args['s3_prefix']} does not answer with these credentials ({why})"[:400],

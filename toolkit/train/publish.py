@@ -36,6 +36,7 @@ def register(layout: RunLayout, recipe: Recipe, evaluation: dict | None, log: Ca
     from toolkit.data.cache import file_digest
     from toolkit.registry import promote, register_run_adapter
     from toolkit.registry.records import AdapterRecord
+    from toolkit.train.dataset import JOB_STORE
 
     site = layout.read_spec().site
     shared_root, s3_prefix = site.shared_root_of(layout.root), site.s3_prefix
@@ -44,7 +45,8 @@ def register(layout: RunLayout, recipe: Recipe, evaluation: dict | None, log: Ca
         record = AdapterRecord(name=recipe.name, base_model=recipe.model.base, base_revision=recipe.model.revision,
                                account=os.environ.get("SLURM_JOB_ACCOUNT") or recipe.resources.account,
                                run_id=os.environ.get("FT_RUN_ID") or layout.root.name,
-                               data_digests={path: file_digest(path) for path in recipe.data_files().values()},
+                               data_digests={path: file_digest(path, JOB_STORE)
+                                             for path in recipe.data_files().values()},
                                eval=evaluation or {})
         version = register_run_adapter(shared_root, layout.root, record, s3_prefix, warn)
     except (FtError, OSError, ValueError) as exc:  # ValueError: pydantic's, a record the registry refuses

@@ -77,7 +77,7 @@ def keep_to_planned_cores() -> None:
 # forked from it starts without the import time (5-12 s on the lab's CPUs). transformers loads a
 # model's code only when asked for it: the Llama family's (the tiny model's, and most recipes').
 PRELOAD = ("torch", "torch.distributed", "deepspeed", "peft", "transformers",
-           "transformers.models.llama.modeling_llama", "toolkit.data.encode", "toolkit.data.object_store",
+           "transformers.models.llama.modeling_llama", "toolkit.data.encode", "toolkit.storage.object_store",
            "toolkit.data.readers", "toolkit.train.checkpoint", "toolkit.train.compiled_ops",
            "toolkit.train.dataset", "toolkit.train.engine", "toolkit.train.evaluation", "toolkit.train.faults",
            "toolkit.train.loop", "toolkit.train.losses", "toolkit.train.models", "toolkit.train.objectives",
@@ -97,7 +97,6 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from toolkit.data import object_store
     from toolkit.receipts import entries as receipt_entries
     from toolkit.recipe.run_spec import batch_plan
     from toolkit.train import compiled_ops
@@ -115,9 +114,6 @@ def train(layout: RunLayout, spec: RunSpec) -> None:
 
     recipe = spec.recipe
     backend, site = spec.site.distributed_backend, spec.site
-    # Every s3:// access of this rank (data, models, checkpoints): the job's AWS_ENDPOINT_URL (the
-    # profile's), bounded timeouts.
-    object_store.configure()
     shared_root = site.shared_root_of(layout.root)
     warn = lambda message: print(f"warning: {message}", flush=True)  # noqa: E731
     user_cache = cache_root(shared_root, layout.root, warn)
