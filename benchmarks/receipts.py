@@ -11,7 +11,7 @@ an fp32 adapter of 54.5 MB; random bytes of that size in a temporary folder):
                files with their sha256: the checkpoint itself is never read again)
   adapter      the adapter folder (adapter_model.safetensors, adapter_config.json)
   eval         the evaluation's results
-  seal         the signature, from a real signer (toolkit/receipts/signer.py) on a temporary Unix
+  seal         the signature, from a real signer (toolkit/services/signer.py) on a temporary Unix
                socket; Slurm's answer is a fake squeue (this benchmark asks no cluster: a real squeue
                adds its own tens of milliseconds once per seal)
 

@@ -46,7 +46,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from toolkit.train.workers import CPU_MALLOC  # noqa: E402 - the checkout's own toolkit
+from toolkit.launch.warm import CPU_MALLOC  # noqa: E402 - the checkout's own toolkit
 
 DATA = REPO / "recipes" / "data" / "tiny-sft.jsonl"
 # The code every run imports: a copy of the checkout's toolkit taken at the start (main), so that
@@ -141,7 +141,7 @@ def environment(work: Path, port: int, device: str) -> dict:
                   MASTER_PORT=str(port))
     if device == "cuda":
         return common | {"FT_DIST_BACKEND": "nccl", "TORCH_EXTENSIONS_DIR": str(work / "torch_extensions")}
-    # Both sides get what ft's launcher gives a CPU worker (toolkit.train.workers.worker_env).
+    # Both sides get what ft's launcher gives a CPU worker (toolkit.launch.workers.worker_env).
     return common | CPU_MALLOC | {"FT_DIST_BACKEND": "gloo", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2",
                                   "TORCH_EXTENSIONS_DIR": "/var/lib/ft-lab/shared/cache/torch_extensions"}
 
@@ -236,7 +236,7 @@ def watch_metrics(path: Path, stamps: dict, stop: threading.Event) -> None:
 def run_ft(work: Path, name: str, spec: dict, port: int, device: str) -> dict:
     run_dir = work / name
     (run_dir / "logs").mkdir(parents=True)
-    # What ft's render writes from the cluster profile (toolkit/job/plan.py SitePlan).
+    # What ft's render writes from the cluster profile (toolkit/recipe/job_plan.py SitePlan).
     site = {"distributed_backend": "nccl" if device == "cuda" else "gloo", "shared_root": str(work / "shared")}
     (run_dir / "recipe.json").write_text(json.dumps(spec | {"site": site}))
     env = environment(work, port, device) | {"FT_RUN_DIR": str(run_dir), "FT_RUN_ID": name}

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import yaml
 
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
+from toolkit.base.shared_dirs import write_atomically
 from toolkit.receipts import entries as receipt_entries
 from toolkit.recipe.resolve import ResolvedRecipe, resolve
 from toolkit.render.sbatch import RunPlacement, render
 from toolkit.runs.layout import RunLayout
 from toolkit.runs.store import JobRecord, RunRecord, RunStore, validate_key
-from toolkit.shared_dirs import write_atomically
 from toolkit.slurm import commands
 from toolkit.slurm.client import CliSlurmClient
 

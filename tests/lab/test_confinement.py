@@ -13,7 +13,7 @@ import yaml
 
 from tests.support.slurm import job_fields, sbatch, wait_for, write_script
 from tests.support.training import ft, lab_runs, submit, tiny_recipe, wait_done
-from toolkit.launch import cores
+from toolkit.train import cores
 
 pytestmark = pytest.mark.slurm_matrix  # task/cgroup and task/affinity of each release
 

@@ -86,7 +86,7 @@ def test_requeued_run_resumes_and_ends_with_the_same_weights(baseline, runs_env)
 
 
 def tiny_model_entry(lab) -> Path:
-    """Where runs of this user keep the tiny model: in the user's own cache (toolkit/shared_dirs.py)."""
+    """Where runs of this user keep the tiny model: in the user's own cache (toolkit/base/shared_dirs.py)."""
     return Path(lab.shared_dir) / "cache" / f"uid-{os.getuid()}" / "models" / "tiny-llama-h256-l2"
 
 

@@ -13,10 +13,12 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from toolkit.base.shared_dirs import login_name
 from toolkit.cluster.profile import ReceiptSigning
-from toolkit.receipts import keys, signer
+from toolkit.receipts import keys
 from toolkit.receipts.chain import GENESIS, Receipt, entry_hash
-from toolkit.shared_dirs import login_name
+from toolkit.receipts.ledger import Ledger
+from toolkit.services import signer
 from toolkit.slurm.commands import CommandResult
 
 
@@ -72,7 +74,7 @@ def running_signer(private_key, socket_path: Path, squeue: Callable, ledger: Pat
     """A signer serving on `socket_path` in this process, asking `squeue` (a FakeSqueue, or a runner
     that fails), remembering what it signed in `ledger` (a folder) where one is given."""
     server = signer.SignerServer(socket_path, signer.Signer(private_key, signer.RunningJobs(squeue),
-                                                            ledger=signer.Ledger(ledger), run=squeue))
+                                                            ledger=Ledger(ledger), run=squeue))
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from toolkit.job.plan import SitePlan
+from toolkit.recipe.job_plan import SitePlan
 from toolkit.recipe.run_spec import Derived, RunSpec
 from toolkit.recipe.schema import Recipe
 from toolkit.runs.layout import RunLayout
@@ -14,7 +14,7 @@ from toolkit.runs.layout import RunLayout
 
 def run_spec(nodes: int = 1, watchdog: dict | None = None, env: dict | None = None,
              site: dict | None = None) -> RunSpec:
-    """A spec of `nodes` CPU nodes (gloo), the cluster's values `site` (toolkit/job/plan.py's SitePlan)."""
+    """A spec of `nodes` CPU nodes (gloo), the cluster's values `site` (toolkit/recipe/job_plan.py's SitePlan)."""
     recipe = Recipe.model_validate({"name": "unit", "model": {"base": "tiny-llama"}, "data": {"train": "/dev/null"},
                                     "resources": {"nodes": nodes}, "training": {"global_batch": nodes},
                                     "watchdog": watchdog or {}, "env": env or {}})

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from toolkit.cache_entries import exclusive
+from toolkit.base.cache_entries import exclusive
 
 
 def run_id() -> str | None:

@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from tests.support import streams
-from toolkit.cache_entries import exclusive
+from toolkit.base.cache_entries import exclusive
 
 REPO = Path(__file__).resolve().parents[2]
 _gathering: dict[str, Future] = {}

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from toolkit.base.errors import FtError
 from toolkit.cluster import broker
 from toolkit.cluster.profile import load_all
-from toolkit.errors import FtError
 from toolkit.slurm.commands import CommandResult
 
 TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny-lora-sft.yaml"

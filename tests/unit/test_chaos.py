@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from tests.support.run_specs import run_spec, write_run_spec
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
 from toolkit.lab import chaos
 
 

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from toolkit.checkpoint.cadence import FIRST_INTERVAL_S, MIN_INTERVAL_S, AutoCadence, daly_interval_s
+from toolkit.checkpoint.cadence import FIRST_INTERVAL_S, MIN_INTERVAL_S, AutoCadence, Cadence, daly_interval_s
 from toolkit.cluster.profile import load_profile
 from toolkit.recipe.resolve import derive
 from toolkit.recipe.schema import Recipe
@@ -60,3 +60,35 @@ def test_every_minutes_takes_auto_or_a_positive_number_only():
     for wrong in ("sometimes", 0, -5):
         with pytest.raises(ValidationError):
             recipe(wrong)
+
+
+def test_the_clock_is_off_unless_the_recipe_asks_for_it():
+    """every_minutes used to default to 30 and ran silently beside every_steps: now unset means no
+    saves by the clock, and the steps alone decide."""
+    plain = Recipe.model_validate({"name": "r", "model": {"base": "tiny-llama"}, "data": {"train": "x.jsonl"}})
+    assert plain.checkpoint.every_minutes is None and plain.checkpoint.every_steps == 100
+    cadence = Cadence.of(plain.checkpoint.every_steps, plain.checkpoint.every_minutes, None)
+    assert cadence.interval_s(1.0, 0.0) == 0
+    assert not cadence.clock_due(since_last_save_s=10 * 86400, save_cost_s=1.0, write_s=0.0)
+    assert [step for step in range(1, 301) if cadence.steps_due(step)] == [100, 200, 300]
+
+
+def test_the_cadence_owns_steps_minutes_and_auto_alike():
+    fixed = Cadence.of(None, 20.0, job_mtbf_hours=50)
+    assert fixed.interval_s(None, 0.0) == 1200 and fixed.describe(None, 0.0) is None
+    assert not fixed.clock_due(1199, None, 0.0) and fixed.clock_due(1200, None, 0.0)
+    assert not any(fixed.steps_due(step) for step in range(1, 1000))
+    asked: list[bool] = []
+
+    def history() -> tuple[int, float]:
+        asked.append(True)
+        return 4, 7200.0
+
+    auto = Cadence.of(50, "auto", job_mtbf_hours=100, history=history)
+    assert asked == [True] and auto.steps_due(50) and not auto.steps_due(51)
+    assert auto.interval_s(None, 0.0) == FIRST_INTERVAL_S  # nothing measured yet
+    assert auto.interval_s(5.0, 0.0) == pytest.approx(AutoCadence(100).interval_s(5.0, 0.0, *auto.seen()), rel=1e-3)
+    assert auto.interval_s(5.0, 0.0) < AutoCadence(100).interval_s(5.0, 0.0)  # the run's 4 faults count
+    assert "Young/Daly" in auto.describe(5.0, 0.0)
+    Cadence.of(50, 30.0, None, history=history)
+    assert asked == [True]  # the run's history is read only for auto

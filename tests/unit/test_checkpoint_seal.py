@@ -188,8 +188,8 @@ def test_her_own_sealed_manifest_copied_under_newer_tags_counts_for_nothing(tmp_
 
 
 def test_a_staging_folder_another_user_made_first_stops_the_run_before_training(tmp_path):
+    from toolkit.runs.exits import RunEnds
     from toolkit.train.checkpoint import staging_folder
-    from toolkit.train.loop import RunEnds
 
     mine = staging_folder(str(tmp_path / "fast" / "mine"))
     assert mine.is_dir() and oct(mine.stat().st_mode & 0o777) == "0o700"
@@ -204,8 +204,8 @@ def test_a_staging_folder_another_user_made_first_stops_the_run_before_training(
 def test_a_staging_folder_under_a_link_to_another_users_folder_is_refused(tmp_path):
     """The third review's attack: bob makes alice's scratch folder first, as a link to a folder of his;
     her 0700 folder inside it was accepted, and bob, owning its parent, swapped it mid-run."""
+    from toolkit.runs.exits import RunEnds
     from toolkit.train.checkpoint import staging_folder
-    from toolkit.train.loop import RunEnds
 
     if os.getuid() != 0:
         pytest.skip("needs root to make a folder of another account's")

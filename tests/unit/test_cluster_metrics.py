@@ -1,4 +1,4 @@
-"""The cluster's metrics (toolkit/watch/cluster_metrics.py) from Slurm's own output, as the lab's
+"""The cluster's metrics (toolkit/services/cluster_metrics.py) from Slurm's own output, as the lab's
 Slurm 22.05 prints it, served by prometheus_client's real HTTP server."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from toolkit.services.cluster_metrics import ClusterCollector
 from toolkit.slurm.commands import CommandResult, SlurmUnavailable
 from toolkit.slurm.jobs import parse_queue, parse_queue_lines
 from toolkit.slurm.nodes import parse_node_states
-from toolkit.watch.cluster_metrics import ClusterCollector
 
 NOW = datetime(2026, 11, 24, 12, 0, 0).timestamp()
 SINFO = """node1|idle|none
@@ -98,7 +98,7 @@ def test_the_exporter_serves_prometheus_text_over_http(tmp_path):
     nobody = pwd.getpwnam("nobody")
     port_file = tmp_path / "out"
     with open(port_file, "w") as output:
-        process = subprocess.Popen([sys.executable, "-m", "toolkit.watch.cluster_metrics", "--port", "0",
+        process = subprocess.Popen([sys.executable, "-m", "toolkit.services.cluster_metrics", "--port", "0",
                                     "--cluster", "lab", "--user", "nobody"], stdout=output, stderr=subprocess.STDOUT,
                                    env={"PATH": "/usr/bin:/bin", "SLURM_CONF": str(tmp_path / "none.conf")})
     try:
@@ -159,7 +159,7 @@ def test_only_claims_slurm_vouches_for_are_published_with_slurms_labels(tmp_path
     job's batch host; its labels are Slurm's word, never the file's."""
     import os
 
-    from toolkit.watch import run_targets
+    from toolkit.services import run_targets
 
     users = {"alice": 5001, "bob": 5002}
     monkeypatch.setattr(run_targets, "login_name", lambda uid: {v: k for k, v in users.items()}.get(uid))
@@ -206,7 +206,7 @@ def test_only_claims_slurm_vouches_for_are_published_with_slurms_labels(tmp_path
 def test_the_publisher_asks_slurm_when_claims_change_and_keeps_its_word_while_slurm_is_silent(tmp_path):
     import os
 
-    from toolkit.watch.cluster_metrics import RunPublisher
+    from toolkit.services.cluster_metrics import RunPublisher
 
     claims, published = tmp_path / "claims", tmp_path / "published"
     claims.mkdir()
@@ -247,7 +247,7 @@ def test_a_folder_flooded_with_claims_costs_a_bounded_turn_and_hides_no_ones_cla
     named and lstat'ed, bob's are refused unopened, alice's newest few are read, hers is published."""
     import os
 
-    from toolkit.watch import run_targets
+    from toolkit.services import run_targets
 
     users = {"alice": 5001, "bob": 5002}
     monkeypatch.setattr(run_targets, "login_name", lambda uid: {v: k for k, v in users.items()}.get(uid))
@@ -280,7 +280,7 @@ def test_a_job_whose_batch_script_is_not_fts_is_not_published(tmp_path, script, 
     another script is refused, named in the exporter's log."""
     import os
 
-    from toolkit.watch.cluster_metrics import RunPublisher
+    from toolkit.services.cluster_metrics import RunPublisher
 
     claims, published = tmp_path / "claims", tmp_path / "published"
     claims.mkdir()

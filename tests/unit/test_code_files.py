@@ -1,5 +1,5 @@
 """ft's daemons are restarted when ft's code they loaded changes: the record of that code
-(toolkit/code_files.py) and the lab status that reads it."""
+(toolkit/base/code_files.py) and the lab status that reads it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from toolkit.code_files import digest, runs_old_code
+from toolkit.base.code_files import digest, runs_old_code
 from toolkit.lab.manifest import LabDaemon
 from toolkit.lab.status import daemon_status
 
@@ -19,20 +19,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 def record_of(module: str) -> dict:
     """As the Ansible roles take it: a fresh interpreter importing the daemon's module."""
-    found = subprocess.run([sys.executable, "-m", "toolkit.code_files", module], capture_output=True, text=True,
+    found = subprocess.run([sys.executable, "-m", "toolkit.base.code_files", module], capture_output=True, text=True,
                            check=True, cwd=REPO)
     return json.loads(found.stdout)
 
 
 def test_a_daemons_record_lists_the_ft_files_it_loads_and_nothing_else():
-    signer = record_of("toolkit.receipts.signer")
+    signer = record_of("toolkit.services.signer")
     files = [Path(file) for file in signer["files"]]
-    assert REPO / "toolkit" / "receipts" / "signer.py" in files
-    assert REPO / "toolkit" / "privileges.py" in files
+    assert REPO / "toolkit" / "services" / "signer.py" in files
+    assert REPO / "toolkit" / "base" / "privileges.py" in files
     assert all(file.is_relative_to(REPO / "toolkit") for file in files)
     # The signer is not the exporter: the exporter's module (and what only it loads) is not listed.
-    assert REPO / "toolkit" / "watch" / "cluster_metrics.py" not in files
-    exporter = record_of("toolkit.watch.cluster_metrics")
+    assert REPO / "toolkit" / "services" / "cluster_metrics.py" not in files
+    exporter = record_of("toolkit.services.cluster_metrics")
     assert REPO / "toolkit" / "cluster" / "profile.py" in map(Path, exporter["files"])  # imported at the top
     assert signer["digest"] == digest(signer["files"]) and not runs_old_code_of(signer)
 
@@ -84,7 +84,8 @@ def said_to_nobody(tmp_path: Path) -> None:
     def as_nobody(path: Path) -> str:
         found = subprocess.run(
             ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-c",
-             "import sys; from toolkit.code_files import runs_old_code; print(runs_old_code(sys.argv[1]))", str(path)],
+             "import sys; from toolkit.base.code_files import runs_old_code; print(runs_old_code(sys.argv[1]))",
+             str(path)],
             capture_output=True, text=True, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": os.environ["PATH"]})
         assert found.returncode == 0, found.stderr
         return found.stdout.strip()

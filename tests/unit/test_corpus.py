@@ -16,8 +16,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from toolkit.base.errors import FtError
 from toolkit.cli.app import app
-from toolkit.errors import FtError
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpus"
 PWNED = Path("/tmp/ft-corpus-pwned")  # what the corpus's shell payloads would create

@@ -12,10 +12,11 @@ import pytest
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 BOARDS = sorted((MONITORING / "dashboards").glob("*.json"))
-# Every ft_ metric toolkit/watch/metrics.py, gpus.py and cluster_metrics.py document.
+# Every ft_ metric a run's exporter (toolkit/watch/metrics.py, gpus.py) and the site's cluster exporter
+# (toolkit/services/cluster_metrics.py) document.
 DOCUMENTED = set(re.findall(r"\b(ft_[a-z_]+)", "".join(
-    (MONITORING.parent / "toolkit" / "watch" / name).read_text()
-    for name in ("metrics.py", "gpus.py", "cluster_metrics.py"))))
+    (MONITORING.parent / "toolkit" / name).read_text()
+    for name in ("watch/metrics.py", "watch/gpus.py", "services/cluster_metrics.py"))))
 
 
 @pytest.mark.parametrize("board", BOARDS, ids=lambda path: path.name)

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from toolkit.base.shared_dirs import user_cache
 from toolkit.data import recipe_data
 from toolkit.data.encode import IGNORE, encode_rows
 from toolkit.data.split import split
 from toolkit.data.tokenizer import LengthCounter, load_length_counter
 from toolkit.recipe.resolve import resolve
-from toolkit.shared_dirs import user_cache
 from toolkit.storage.object_store import ObjectStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -252,8 +252,8 @@ def test_a_data_file_gone_by_the_time_the_job_reads_it_is_a_user_error_no_restar
     """Every rank reads the file's digest first: every rank stops with the user-error code (4), which
     the watchdog does not restart, instead of crashing into restarts that fail the same way."""
     from toolkit.recipe.schema import Recipe
+    from toolkit.runs.exits import RunEnds
     from toolkit.train.dataset import load_split
-    from toolkit.train.loop import RunEnds
 
     gone = str(tmp_path / "gone.jsonl")
     recipe = Recipe.model_validate({"name": "r", "model": {"base": "tiny-llama"}, "data": {"train": gone}})

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.build import build_id
+from toolkit.base.build import build_id
 from toolkit.cluster.discover import Discovery
 from toolkit.cluster.profile import ClusterProfile
 from toolkit.doctor import login, preflight
+from toolkit.doctor import node as compute
 from toolkit.slurm.nodes import NodeGpus, Partition
-from toolkit.train import doctor as compute
 
 
 @pytest.fixture

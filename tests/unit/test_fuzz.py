@@ -12,9 +12,9 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
+from toolkit.base.yaml_source import YamlError, parse_yaml
 from toolkit.recipe.resolve import resolve
-from toolkit.recipe.yaml_source import YamlError, parse_yaml
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -17,7 +17,7 @@ import pytest
 
 from toolkit.job import losses
 from toolkit.job.controller import JobController, requeue_backoff
-from toolkit.job.plan import StepPlan
+from toolkit.recipe.job_plan import StepPlan
 from toolkit.recipe.resolve import resolve
 from toolkit.render.sbatch import RunPlacement, render
 from toolkit.slurm.client import JobInfo
@@ -29,7 +29,7 @@ COMMUNICATION = "Communication connection failure"
 # message for each $UNREACHED node, the $LEAVE exit status where set, and exits $STATUS (1); with
 # $UNTIL_SIGNAL it waits for USR2 or TERM, with $FINISH it finishes the run and lingers that long.
 FAKE_SRUN = """#!/bin/bash
-case "$*" in *toolkit.train.warm) exec /bin/sleep 30 ;; esac
+case "$*" in *toolkit.launch.warm) exec /bin/sleep 30 ;; esac
 echo "$FT_OOM_RETRY" >> "$FT_RUN_DIR/launches"
 for node in $STARTED; do touch "$FT_LAUNCH_MARKS/$node"; done
 for node in $UNREACHED; do
@@ -299,8 +299,8 @@ def test_a_stop_on_request_is_requeued_unless_slurm_requeues_the_preempted_job(j
 
 
 def lost_in_training(controller) -> None:
-    """The watchdog hands back node3 lost, no spare left (toolkit/watch/supervise.py, tested in test_watch.py)."""
-    from toolkit.watch import exits
+    """The watchdog hands back node3 lost, no spare left (toolkit/job/supervise.py, tested in test_watch.py)."""
+    from toolkit.runs import exits
 
     class Watchdog:
         excluded = ["node3"]
@@ -342,14 +342,14 @@ def test_a_damaged_spec_stops_the_job_as_a_user_error(job, capfd):
 
 def test_the_step_is_the_specs():
     plan = StepPlan(python="/opt/env/bin/python", srun_options=["--mpi=pmix", "--container-image=img"])
-    argv = plan.srun(2, "/runs/r1/logs", cpus_on_node="96", cpus_per_task="12")
+    argv = plan.srun(2, "/runs/r1/logs/node-%N.log", cpus_on_node="96", cpus_per_task="12")
     assert argv[:6] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
                         "--cpus-per-task=12"]
     assert argv[6:] == ["--output=/runs/r1/logs/node-%N.log", "--mpi=pmix", "--container-image=img",
                         "/opt/env/bin/python", "-m", "toolkit.launch"]
-    whole = StepPlan(whole_nodes=True).srun(1, "/l", cpus_on_node="96", cpus_per_task="")
+    whole = StepPlan(whole_nodes=True).srun(1, "/l/node-%N.log", cpus_on_node="96", cpus_per_task="")
     assert "--cpus-per-task=96" in whole
-    assert "--cpus-per-task=1" in StepPlan().srun(1, "/l", cpus_on_node="96", cpus_per_task="")
+    assert "--cpus-per-task=1" in StepPlan().srun(1, "/l/node-%N.log", cpus_on_node="96", cpus_per_task="")
 
 
 def test_losses_in_a_row_follow_the_checkpoint_step(tmp_path):
@@ -366,7 +366,7 @@ def test_losses_in_a_row_follow_the_checkpoint_step(tmp_path):
 
 # -- found by an adversarial review (session 19) ---------------------------------------------------
 SELF_KILLING_SRUN = """#!/bin/bash
-case "$*" in *toolkit.train.warm) exec /bin/sleep 30 ;; esac
+case "$*" in *toolkit.launch.warm) exec /bin/sleep 30 ;; esac
 for node in $STARTED; do touch "$FT_LAUNCH_MARKS/$node"; done
 kill -KILL $$
 """
@@ -388,7 +388,7 @@ def test_a_step_killed_by_a_signal_ends_the_job_as_a_shell_would_say_it(job, tmp
 def test_a_requeue_slurm_does_not_take_fails_the_job(job, monkeypatch, capfd):
     """The time limit near and `scontrol requeue` not answering (the controller busy): the job neither
     finished nor goes on, so it must not end as COMPLETED."""
-    from toolkit.errors import FtError
+    from toolkit.base.errors import FtError
     from toolkit.watch import requeue
 
     class Busy(FakeSlurm):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from toolkit.errors import UsageError
+from toolkit.base.errors import UsageError
 from toolkit.lab import lifecycle
 from toolkit.lab.manifest import LabDaemon, LabManifest, LabNode, LabSlice
 from toolkit.lab.status import DaemonStatus, LabStatus, NodeStatus

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from toolkit.recipe.schema import Recipe
+from toolkit.runs import exits
+from toolkit.runs.exits import RunEnds
 from toolkit.train.faults import Faults
-from toolkit.train.loop import Loop, RunEnds
-from toolkit.watch import exits
+from toolkit.train.loop import Loop
 
 torch = pytest.importorskip("torch")
 

@@ -67,7 +67,7 @@ def test_a_scrape_reads_the_runs_files_in_prometheus_format(run_dir, tmp_path, m
     assert announced == [{"targets": [f"node7:{port}"]}]  # a claim: the address, no label
     assert not (targets / "r1.77.json").exists()  # gone with the exporter: Prometheus stops scraping
     assert value(text, "ft_run_step", cluster="lab", tier="standard") == 40  # a half-written line skipped
-    # Who the run is comes from Slurm, as Prometheus's target labels (toolkit/watch/run_targets.py).
+    # Who the run is comes from Slurm, as Prometheus's target labels (toolkit/services/run_targets.py).
     assert not any(f'{label}="' in text for label in ("run", "user", "slurm_job"))
     assert value(text, "ft_run_loss") == pytest.approx(2.6)
     assert value(text, "ft_run_tokens_per_second") == pytest.approx(1000.0)  # 19 steps of 1 s
@@ -102,8 +102,8 @@ def test_the_tail_is_read_from_the_end_of_a_long_file(tmp_path):
 def test_a_claim_name_another_user_took_first_gets_a_name_of_its_own(run_dir, tmp_path, monkeypatch):
     """The claims folder is sticky and every user's: a file bob made under alice's run's name cannot be
     replaced by her watchdog, which claims under a name of its own instead (run_targets.CLAIM_NAME)."""
-    from toolkit import shared_dirs
-    from toolkit.watch import run_targets
+    from toolkit.base import shared_dirs
+    from toolkit.services import run_targets
 
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     targets = tmp_path / "targets"
@@ -233,7 +233,7 @@ def test_the_evaluation_after_training_is_scraped_per_model_split_and_gate(run_d
 
 
 def test_a_nodes_scrape_reads_no_run_file_and_the_runs_scrape_no_nodes_state(run_dir, monkeypatch):
-    """A job is scraped once per node (toolkit/watch/run_targets.py): a node's scope reads only what
+    """A job is scraped once per node (toolkit/services/run_targets.py): a node's scope reads only what
     the supervisor holds in memory, the run's scope only the run's files; together, all of them."""
     collector = RunCollector(run_dir, {"run": "r1"}, lambda: {"n1": 1.0, "n2": 2.0})
     read = []

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.model_folders import write_model_folder
-from toolkit.model_cache import COPY_MARK
+from toolkit.models.cache import COPY_MARK
 from toolkit.train.models import ModelFolderBroken, ModelNotFound, resolve_model
 
 ENTRY = "meta-llama--Llama-3.1-8B@abc123"
@@ -120,7 +120,7 @@ HOSTILE = {
 @pytest.mark.timeout(30)  # a FIFO read would block forever
 @pytest.mark.parametrize("damage", sorted(HOSTILE))
 def test_hostile_model_folders_are_named_broken_never_crash_or_hang(tmp_path, monkeypatch, damage):
-    from toolkit.model_folder import model_folder_problems
+    from toolkit.models.folder import model_folder_problems
 
     entry = write_model_folder(tmp_path / "local" / ENTRY)
     HOSTILE[damage](entry)
@@ -179,7 +179,7 @@ def test_the_hub_tier_is_the_shared_cache_even_when_the_local_tier_is_left_out(t
 def test_a_revision_with_slashes_is_one_folder_and_one_that_climbs_is_refused(tmp_path, monkeypatch):
     from pydantic import ValidationError
 
-    from toolkit.model_cache import entry_name
+    from toolkit.models.cache import entry_name
     from toolkit.recipe.schema import ModelSpec
 
     assert entry_name("org/beta", "refs/pr/1") == "org--beta@refs--pr--1"

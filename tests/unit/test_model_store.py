@@ -18,7 +18,7 @@ import yaml
 
 from tests.support.model_folders import write_model_folder
 from tests.support.s3 import filesystem, s3_server
-from toolkit.model_cache import DOWNLOAD_MARK, ModelFolderBroken, find_model
+from toolkit.models.cache import DOWNLOAD_MARK, ModelFolderBroken, find_model
 from toolkit.storage.object_store import ObjectStore
 
 STORE = ObjectStore()  # the store the environment names: the test server's (s3_env)
@@ -68,7 +68,7 @@ def test_a_pushed_model_is_fetched_once_however_many_nodes_ask_at_once(tmp_path,
     # Four "nodes" at once, each with its own node-local disk, one shared filesystem between them.
     node = textwrap.dedent(f"""
         import sys
-        from toolkit.model_cache import find_model
+        from toolkit.models.cache import find_model
         path, _ = find_model("org--shared-model@v1", {str(shared_root)!r}, "s3://{BUCKET}", print)
         print("PATH", path)
     """)
@@ -118,7 +118,7 @@ def test_a_model_the_store_does_not_have_is_not_found_and_push_refuses_a_broken_
 
 
 def test_validation_gets_the_tokenizer_alone_from_the_store_verified(tmp_path, s3_env, store):
-    from toolkit.model_cache import fetch_tokenizer
+    from toolkit.models.cache import fetch_tokenizer
 
     _, fs = store
     source = write_model_folder(tmp_path / "source")
@@ -145,7 +145,7 @@ def replace_in_bucket(fs, name: str, folder: Path) -> None:
 
 def test_a_model_replaced_in_the_bucket_after_its_push_is_refused_by_jobs_and_validation(tmp_path, s3_env, store,
                                                                                       monkeypatch):
-    from toolkit.model_cache import fetch_tokenizer
+    from toolkit.models.cache import fetch_tokenizer
 
     _, fs = store
     assert push(tmp_path, s3_env, write_model_folder(tmp_path / "source"), "org/victim").returncode == 0
@@ -173,7 +173,7 @@ def test_a_model_in_the_bucket_that_nobody_pushed_through_ft_is_refused_naming_t
 
 
 def test_a_record_folder_another_user_owns_is_not_trusted(tmp_path):
-    from toolkit import model_records
+    from toolkit.models import records as model_records
 
     records = Path(shared_root(tmp_path)) / model_records.RECORDS
     records.mkdir(mode=0o777)
@@ -187,7 +187,7 @@ def test_a_record_folder_another_user_owns_is_not_trusted(tmp_path):
 def test_a_record_another_user_made_is_not_taken_by_anyone_elses_jobs(tmp_path, s3_env, store, monkeypatch):
     """With one shared identity, whoever pushes a name first could have pushed anything: a model whose
     record is not an admin's (root's) or the reader's own is refused, naming who pushed it."""
-    from toolkit import model_records
+    from toolkit.models import records as model_records
 
     assert push(tmp_path, s3_env, write_model_folder(tmp_path / "source"), "org/by-bob").returncode == 0
     os.chown(model_records.record_path(shared_root(tmp_path), "org--by-bob"), 65534, 65534)
@@ -199,7 +199,7 @@ def test_a_record_another_user_made_is_not_taken_by_anyone_elses_jobs(tmp_path, 
 
 def test_a_record_that_is_a_link_or_names_another_model_is_refused(tmp_path):
     """The third review's attack: a record linked to another model's record was taken for it."""
-    from toolkit import model_records
+    from toolkit.models import records as model_records
 
     root = shared_root(tmp_path)
     path = model_records.claim(root, "org--8b")

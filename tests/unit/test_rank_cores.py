@@ -1,4 +1,4 @@
-"""Each rank's cores: the step's CPUs split among the node's ranks (toolkit/launch/cores.py)."""
+"""Each rank's cores: the step's CPUs split among the node's ranks (toolkit/train/cores.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from toolkit.launch import cores
+from toolkit.train import cores
 
 
 def hyperthreaded(threads_per_core: int, physical: int):
@@ -51,7 +51,7 @@ def test_a_remainder_stays_with_the_launcher_and_too_few_cpus_are_shared_and_sai
 def test_a_rank_keeps_to_its_planned_cores():
     available = sorted(os.sched_getaffinity(0))
     mine = available[-1:]
-    script = ("import os; from toolkit.launch import cores; "
+    script = ("import os; from toolkit.train import cores; "
               "print(cores.pin_to_planned_cores(), sorted(os.sched_getaffinity(0)))")
     env = dict(os.environ, **{cores.RANK_CORES_ENV: cores.format_cpu_list(mine)})
     printed = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)

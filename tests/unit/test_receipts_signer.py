@@ -17,17 +17,19 @@ from pathlib import Path
 import pytest
 
 from tests.support.receipts import FakeSqueue, running_signer, site_key, submit_entry
-from toolkit.receipts import signer
+from toolkit.base.digests import key_id, public_key_bytes
+from toolkit.base.shared_dirs import login_name
 from toolkit.receipts.chain import ReceiptError
-from toolkit.receipts.keys import key_id, public_key_bytes, verify_signature
-from toolkit.shared_dirs import login_name
+from toolkit.receipts.keys import verify_signature
+from toolkit.receipts.signing import request_signature
+from toolkit.services import signer
 
 HEAD = "ab" * 32
 
 
 def ask(socket_path: Path, run_id: str = "run-1", entries: int = 3, head: str = HEAD,
         first: dict | None = None) -> dict:
-    return signer.request_signature(socket_path, run_id, entries, head, first or submit_entry(run_id), timeout=10)
+    return request_signature(socket_path, run_id, entries, head, first or submit_entry(run_id), timeout=10)
 
 
 def raw_reply(socket_path: Path, data: bytes) -> bytes:
@@ -148,7 +150,7 @@ def test_no_signer_is_an_error_that_says_where_it_looked(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the daemon starts as root and becomes another user")
 def test_the_daemon_loads_the_key_as_root_and_serves_as_another_user(key, tmp_path):
-    """`python -m toolkit.receipts.signer` as Ansible starts it: the key readable by root alone, the
+    """`python -m toolkit.services.signer` as Ansible starts it: the key readable by root alone, the
     daemon then nobody. Without squeue on its PATH it asks no Slurm (the lab's is not this test's),
     and says so to the client instead of signing."""
     key_file = tmp_path / "signing" / "receipt.key"
@@ -159,7 +161,7 @@ def test_the_daemon_loads_the_key_as_root_and_serves_as_another_user(key, tmp_pa
     no_slurm = tmp_path / "bin"
     no_slurm.mkdir()
     process = subprocess.Popen(
-        [sys.executable, "-m", "toolkit.receipts.signer", "--key", str(key_file), "--socket",
+        [sys.executable, "-m", "toolkit.services.signer", "--key", str(key_file), "--socket",
          str(socket_dir / "receipt.sock"), "--user", "nobody"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PATH": str(no_slurm), "SLURM_CONF": str(tmp_path / "no-slurm.conf")})
@@ -210,10 +212,10 @@ def test_a_user_holding_connections_open_turns_away_only_their_own(key, tmp_path
             other = subprocess.run(
                 [sys.executable, "-c",
                  "import os, sys; sys.path.insert(0, sys.argv[2])\n"
-                 "from toolkit.receipts import signer\n"
+                 "from toolkit.receipts.signing import request_signature\n"
                  "from tests.support.receipts import submit_entry\n"
                  "os.setuid(65534)  # after the imports: ft's Python is root's to read here\n"
-                 "try:\n    signer.request_signature(sys.argv[1], 'run-1', 3, 'ab' * 32, submit_entry(), timeout=10)\n"
+                 "try:\n    request_signature(sys.argv[1], 'run-1', 3, 'ab' * 32, submit_entry(), timeout=10)\n"
                  "except Exception as exc:\n    print(exc)",
                  str(sock), str(Path(__file__).resolve().parents[2])], capture_output=True, text=True, timeout=60)
             assert "refused" in other.stdout and "did not answer" not in other.stdout, other.stdout + other.stderr

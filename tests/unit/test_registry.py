@@ -13,7 +13,8 @@ import pytest
 
 from tests.support.adapters import DIGEST, evaluation, record, write_adapter
 from tests.support.model_folders import write_model_folder
-from toolkit.errors import UsageError
+from toolkit.base.errors import UsageError
+from toolkit.base.shared_dirs import SharedFolderError
 from toolkit.registry import adapter, states
 from toolkit.registry.adapter import AdapterRefused, content_id
 from toolkit.registry.handoff import FORMAT
@@ -21,7 +22,6 @@ from toolkit.registry.layout import RegistryLayout
 from toolkit.registry.mirror import RegistryMirror
 from toolkit.registry.states import State
 from toolkit.registry.store import PromotionRefused, Registry, RegistryError
-from toolkit.shared_dirs import SharedFolderError
 
 OTHER_UID = 4242
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="plays another user with chown, which needs root")

@@ -13,7 +13,7 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
 from tests.support.adapters import record, write_adapter
-from toolkit.errors import UsageError
+from toolkit.base.errors import UsageError
 from toolkit.registry.mirror import RegistryMirror
 from toolkit.registry.states import State
 from toolkit.registry.store import Registry

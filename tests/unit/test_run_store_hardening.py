@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
 from toolkit.runs.store import RunNotFound, RunStore
 
 
@@ -49,7 +49,7 @@ def test_a_key_index_entry_that_does_not_fit_is_ignored(tmp_path, entry):
 
 
 def test_files_ft_writes_are_private_whatever_the_umask(tmp_path):
-    from toolkit.shared_dirs import write_atomically
+    from toolkit.base.shared_dirs import write_atomically
 
     previous = os.umask(0)
     try:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from toolkit.shared_dirs import SharedFolderError, common_dir, private_dir, trusted_owner_dir, user_cache
+from toolkit.base.shared_dirs import SharedFolderError, common_dir, private_dir, trusted_owner_dir, user_cache
 from toolkit.storage.object_store import ObjectStore
 
 OTHER_UID = 4242  # no such account: what `ls` shows for a departed user, and as good as a live one here
@@ -76,7 +76,7 @@ def test_a_common_folder_anyone_could_rename_entries_in_is_not_used_and_blocks_n
     else:
         cache.mkdir()
         cache.chmod(0o777)
-    from toolkit import shared_dirs
+    from toolkit.base import shared_dirs
 
     shared_dirs._said.clear()
     folder = user_cache(str(shared))
@@ -148,7 +148,7 @@ def test_model_tiers_are_read_only_from_trusted_owners(tmp_path):
 @needs_root
 def test_a_node_local_model_tier_planted_by_another_user_is_not_read(tmp_path, monkeypatch):
     from tests.support.model_folders import write_model_folder
-    from toolkit.model_cache import cache_dirs
+    from toolkit.models.cache import cache_dirs
     from toolkit.train.models import ModelNotFound, resolve_model
 
     local = made_by_another_user(tmp_path / f"ft-model-cache-{os.getuid()}")
@@ -240,7 +240,7 @@ def test_run_folders_of_other_users_in_a_common_runs_root_are_neither_listed_nor
 
 
 def test_a_run_id_someone_else_took_is_skipped_and_a_flood_is_a_clear_error(tmp_path, monkeypatch):
-    from toolkit.errors import FtError
+    from toolkit.base.errors import FtError
     from toolkit.runs import store as run_store
 
     store = run_store.RunStore(tmp_path / "runs")
@@ -258,7 +258,7 @@ def test_an_output_that_is_no_plain_file_is_written_to_never_replaced(tmp_path):
     FIFO stands in for the device here (the same rule: exists, and is not a regular file)."""
     import threading
 
-    from toolkit.shared_dirs import write_output
+    from toolkit.base.shared_dirs import write_output
 
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)

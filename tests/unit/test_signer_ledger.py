@@ -1,4 +1,4 @@
-"""The signer's ledger (toolkit/receipts/signer.py): what it signed for a run before rides in every
+"""The signer's ledger (toolkit/services/signer.py): what it signed for a run before rides in every
 later signature, so a user who rewrites an entry and has the chain signed again (a later job of theirs
 may carry the run's name in its comment: Slurm lets anyone set their job's comment) still fails
 `ft receipt verify`. A fake squeue stands in for Slurm (tests/support/receipts.py says why)."""

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from toolkit.services import run_targets
 from toolkit.slurm import accounting, commands, jobs, nodes, shapes
 from toolkit.slurm.client import CliSlurmClient
 from toolkit.slurm.commands import CommandResult
-from toolkit.watch import run_targets
 
 RECORDED = Path(__file__).parent / "recorded" / "slurm"
 RELEASES = sorted(path.name for path in RECORDED.iterdir() if (path / "VERSION").is_file())

@@ -31,10 +31,10 @@ def test_a_dump_without_thread_names_counts_any_frame():
 
 
 def test_a_stopped_rank_blames_its_node_and_a_waiting_one_does_not(tmp_path, monkeypatch):
-    """What the launcher records of each hung rank (toolkit/train/workers.py): a stopped process
+    """What the launcher records of each hung rank (toolkit/launch/workers.py): a stopped process
     hangs by itself, a sleeping one may be waiting on a peer."""
+    from toolkit.launch.workers import record_hung
     from toolkit.runs.layout import RunLayout
-    from toolkit.train.workers import record_hung
 
     monkeypatch.setenv("FT_WATCH_START", "3")
     monkeypatch.setenv("SLURMD_NODENAME", "node2")

@@ -36,12 +36,15 @@ def test_shell_scripts_are_shellcheck_clean(script):
 
 
 TOOLKIT = Path(__file__).resolve().parents[2] / "toolkit"
-# The one place the login side hands over to the training side: a node's launcher starting workers.
-TRAINING_ENTRY = {("toolkit/launch/node.py", "toolkit.train.workers")}
+# What runs only in a job (toolkit/LAYERS.md), and the checks a job's nodes run (ft preflight asks
+# torch about their GPUs): everything else may run on the login node.
+JOB_SIDE = ("train", "launch", "job", "watch")
+NODE_CHECKS = Path("doctor/node.py")
 
 
 def login_side_modules() -> list[Path]:
-    return sorted(p for p in TOOLKIT.rglob("*.py") if "train" not in p.relative_to(TOOLKIT).parts)
+    return sorted(p for p in TOOLKIT.rglob("*.py")
+                  if p.relative_to(TOOLKIT).parts[0] not in JOB_SIDE and p.relative_to(TOOLKIT) != NODE_CHECKS)
 
 
 TRAINING_STACK = {"torch", "transformers", "deepspeed", "peft", "bitsandbytes", "accelerate"}
@@ -59,7 +62,7 @@ def test_no_login_side_module_imports_the_training_side():
             names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             offenders += [(relative, name) for name in names
-                          if (name.startswith("toolkit.train") and (relative, name) not in TRAINING_ENTRY)
+                          if name.split(".")[:2] in [["toolkit", side] for side in JOB_SIDE]
                           or name.split(".")[0] in TRAINING_STACK]
     assert offenders == []
 
@@ -90,7 +93,13 @@ def test_run_directory_names_are_spelled_only_by_the_layout():
     names = {layout.RECORD, layout.RECIPE_SOURCE, layout.RECIPE_RESOLVED, layout.SCRIPT, layout.DATA_REPORT,
              layout.SPEC, layout.ATTEMPTS, layout.EVENTS, layout.EXIT_STATUS, layout.METRICS, layout.TRACKING,
              layout.SUMMARY, layout.LAUNCH_FAILURES, layout.RECEIPT,
-             layout.RECEIPT_SIGNATURE}
+             layout.RECEIPT_SIGNATURE, layout.CHECKPOINT_STATUS, layout.SRUN_ERRORS, layout.LOST_NODES,
+             layout.WARM_SRUN_ERRORS}
+    # Names with a job, node or rank in them: neither their start nor their end spelled elsewhere.
+    patterns = [layout.SLURM_LOG, layout.NODE_LOG, layout.RANK_LOG, layout.WARM_LOG, layout.SUCCESSOR,
+                layout.STACK_DUMP]
+    SUFFIXES = {".log", ".out", ".json", ".txt", "."}  # ends that say nothing on their own
+    pieces = {piece for pattern in patterns for piece in pattern.split("{")[0:1] + pattern.split("}")[1:] if piece}
     offenders = []
     for path in sorted(TOOLKIT.rglob("*.py")):
         if path.name == "layout.py":
@@ -103,8 +112,14 @@ def test_run_directory_names_are_spelled_only_by_the_layout():
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
                 offenders += [(str(path.relative_to(TOOLKIT.parent)), name) for name in names
                               if node.value == name or node.value.endswith("/" + name)]
+            if isinstance(node, ast.JoinedStr):  # f"node-{host}.log" and the like
+                literal = [part.value for part in node.values if isinstance(part, ast.Constant)]
+                offenders += [(str(path.relative_to(TOOLKIT.parent)), piece) for piece in pieces
+                              if piece not in SUFFIXES and any(text == piece or text.startswith(piece)
+                                                                or text.endswith("/" + piece) for text in literal)]
     template = (TOOLKIT.parent / "sbatch_templates" / "job.sbatch.j2").read_text()
-    offenders += [("sbatch_templates/job.sbatch.j2", name) for name in names if name in template]
+    offenders += [("sbatch_templates/job.sbatch.j2", name) for name in names | pieces
+                  if name in template and name not in SUFFIXES]
     assert offenders == []
 
 

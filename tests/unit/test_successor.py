@@ -1,5 +1,5 @@
 """A lost batch host's job goes on (toolkit/launch/handover.py, toolkit/job/successor.py,
-toolkit/watch/adopted.py): the launcher that reports the loss marks the node DOWN and starts a
+toolkit/job/adopted.py): the launcher that reports the loss marks the node DOWN and starts a
 successor, every launcher retargets its heartbeats to it, and the successor's supervisor adopts
 the training step as it runs. Real heartbeats on loopback, real files; Slurm is a stand-in here
 (tests/lab/test_recovery.py crashes a real batch host under a real job)."""
@@ -19,10 +19,10 @@ import pytest
 
 from tests.support.run_specs import run_spec, write_run_spec
 from tests.unit.test_watch import FAKE_SRUN, SECRET, FakeSlurm
+from toolkit.job.adopted import AdoptedStep, StepListing
 from toolkit.launch.handover import Handover, successor_node, wait_for_handover
 from toolkit.slurm import steps
 from toolkit.slurm.client import JobInfo
-from toolkit.watch.adopted import AdoptedStep, StepListing
 from toolkit.watch.heartbeat import Receiver, Sender
 
 
@@ -144,7 +144,7 @@ def test_a_successor_adopts_the_running_step_and_hears_its_launchers_to_the_end(
     """The lost batch host n3 was the spare: training on n1, n2 goes on. The successor's supervisor
     writes where it listens, hears the launchers of the start the batch host began, starts no step
     of its own, keeps the templates that run, and ends as the step does."""
-    from toolkit.watch.supervise import Adoption, Supervisor
+    from toolkit.job.supervise import Adoption, Supervisor
 
     write_run_spec(tmp_path, run_spec(2, {"heartbeat_timeout": 2, "startup_timeout": 30}))
     adoption_env(tmp_path, monkeypatch)
@@ -179,7 +179,7 @@ def test_a_successor_adopts_the_running_step_and_hears_its_launchers_to_the_end(
 
 def test_a_successor_leaves_out_what_its_batch_host_left_out_and_what_slurm_took_from_the_job(tmp_path,
                                                                                                monkeypatch):
-    from toolkit.watch.supervise import EXCLUDED, Adoption, Supervisor
+    from toolkit.job.supervise import EXCLUDED, Adoption, Supervisor
 
     write_run_spec(tmp_path, run_spec(2, {"heartbeat_timeout": 2}))
     adoption_env(tmp_path, monkeypatch)

@@ -1,4 +1,4 @@
-"""The warm template (toolkit/train/warm.py): a real template process that imports the real training
+"""The warm template (toolkit/launch/warm.py): a real template process that imports the real training
 runtime, and ranks forked from it for a launcher (this test process) through warm.spawn. A rank that
 must stay alive waits on the compiled-op lock this test holds (toolkit/train/compiled_ops.prepare,
 the first thing a rank does that can wait); Slurm is not needed here: the lab tests run every ft
@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 
 from tests.support.run_specs import run_spec, write_run_spec
-from toolkit.train import warm
-from toolkit.watch import exits
-from toolkit.watch.supervise import warm_command
+from toolkit.job.supervise import warm_command
+from toolkit.launch import warm
+from toolkit.runs import exits
+from toolkit.runs.layout import RunLayout
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0", "SLURMD_NODENAME": "node-a"}
@@ -46,7 +47,7 @@ def start_template(folder: Path) -> dict:
     write_run_spec(run_dir, run_spec(nodes=2))
     env = dict(os.environ, TMPDIR=str(folder), FT_RUN_DIR=str(run_dir), **JOB)
     with open(log, "w") as output:
-        process = subprocess.Popen([sys.executable, "-m", "toolkit.train.warm"], env=env, cwd=REPO, stdout=output,
+        process = subprocess.Popen([sys.executable, "-m", "toolkit.launch.warm"], env=env, cwd=REPO, stdout=output,
                                    stderr=subprocess.STDOUT)
     wait_for(lambda: "serving ranks" in log.read_text() or process.poll() is not None, 240, "the template's start")
     assert process.poll() is None, log.read_text()
@@ -135,7 +136,7 @@ def test_a_ranks_exit_status_and_output_come_back_to_its_launcher(template, laun
     assert worker.wait(timeout=60) == exits.USER_ERROR  # a damaged spec: never restarted
     # The spec it read is the one in the run folder its launcher named.
     assert f"{launcher['run_dir']}/recipe.json does not hold a usable run spec" in launcher["log"].read_text()
-    assert exits.read_exit_status(launcher["run_dir"]) == exits.USER_ERROR
+    assert RunLayout(launcher["run_dir"]).read_exit_status() == exits.USER_ERROR
     assert os.read(progress, 100) == b""  # the rank's end closed its pipe
     os.close(progress)
 
@@ -182,7 +183,7 @@ def test_the_template_step_keeps_the_training_steps_options_on_one_node():
     assert argv == ["srun", "--nodelist=n3", "--nodes=1", "--ntasks=1", "--overlap",
                     "--output=/runs/x/logs/warm-%N.log", "--open-mode=append",  # a failed template's log kept
                     "--container-image=nvcr.io#nvidia/pytorch:24.07-py3",
-                    "--mpi=pmix", "/opt/ft/bin/python", "-m", "toolkit.train.warm"]
+                    "--mpi=pmix", "/opt/ft/bin/python", "-m", "toolkit.launch.warm"]
     assert warm_command(["srun", "python", "train.py"], "n1", "x") is None  # not ft's launcher: no template
 
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from tests.support.run_specs import run_spec, write_run_spec
+from toolkit.job.supervise import FLOOD_DATAGRAMS
 from toolkit.recipe.schema import WatchdogSpec
 from toolkit.runs.layout import RunLayout
 from toolkit.watch.heartbeat import Receiver, Sender, seal
 from toolkit.watch.progress import HangRule, NodeProgress, Reporter
-from toolkit.watch.supervise import FLOOD_DATAGRAMS
 
 SECRET = b"s" * 64
 
@@ -251,7 +251,7 @@ def test_a_launcher_hears_of_a_lost_peer_and_stops_its_ranks_at_once(tmp_path):
     """The supervisor found node3 lost: its answers say so, and node2's launcher kills its ranks
     within a heartbeat (they would wait on node3's collectives until Slurm's KILL). A new start
     begins with no node lost."""
-    from toolkit.train.workers import supervise
+    from toolkit.launch.workers import supervise
 
     receiver = Receiver(SECRET, host="127.0.0.1").listen()
     sender = Sender("127.0.0.1", receiver.port, SECRET, "node2", receiver.next_start(), state=dict).start()
@@ -275,8 +275,8 @@ def test_a_launcher_hears_of_a_lost_peer_and_stops_its_ranks_at_once(tmp_path):
 
 
 def test_a_hung_worker_has_its_stacks_dumped_then_is_stopped(tmp_path):
-    from toolkit.train.workers import read_progress, supervise
-    from toolkit.watch import exits
+    from toolkit.launch.workers import read_progress, supervise
+    from toolkit.runs import exits
 
     (tmp_path / "logs").mkdir()
     read_end, write_end = os.pipe()
@@ -290,7 +290,7 @@ def test_a_hung_worker_has_its_stacks_dumped_then_is_stopped(tmp_path):
     code = supervise(RunLayout(tmp_path), "here", {0: worker}, progress, lock, watching=True)
 
     assert code == exits.HUNG and worker.poll() is not None
-    assert exits.read_exit_status(tmp_path) == exits.HUNG  # srun would report 15 for the ranks it stopped
+    assert RunLayout(tmp_path).read_exit_status() == exits.HUNG  # srun would report 15 for the ranks it stopped
     assert 2 < time.monotonic() - began < 20
     (dump,) = (tmp_path / "logs" / "stacks").glob("rank-0.*.txt")
     assert "stuck_in_a_collective" in dump.read_text()
@@ -303,7 +303,7 @@ FAKE_SRUN = textwrap.dedent("""
     from toolkit.watch.heartbeat import Sender
     nodes = next(a for a in sys.argv if a.startswith("--nodelist=")).split("=", 1)[1].split(",")
     plans = json.loads(open(os.environ["FAKE_PLAN"]).read())
-    if sys.argv[-1] == "toolkit.train.warm":  # a node's template step: runs until stopped, or fails at once
+    if sys.argv[-1] == "toolkit.launch.warm":  # a node's template step: runs until stopped, or fails at once
         with open(os.path.join(os.path.dirname(os.environ["FAKE_LOG"]), "warm.log"), "a") as log:
             log.write(json.dumps({"nodes": nodes, "time": time.time()}) + "\\n")
         if nodes[0] in plans.get("warm_fails", []):
@@ -403,7 +403,7 @@ class FakeSlurm:
 
 def supervised(tmp_path, monkeypatch, allocation: list[str], nodes: int, plan: dict, srun_options=(), drains=None,
                during=None, batch_host="localhost", **watchdog):
-    from toolkit.watch.supervise import Supervisor
+    from toolkit.job.supervise import Supervisor
 
     write_run_spec(tmp_path, run_spec(nodes, {"heartbeat_timeout": 2, "startup_timeout": 30, "max_restarts": 3,
                                               **watchdog}))
@@ -517,7 +517,7 @@ def test_a_node_that_keeps_hanging_is_drained_and_left_out_for_the_spare(tmp_pat
 
 
 def test_a_node_that_keeps_hanging_with_no_spare_is_handed_back_for_a_requeue_without_it(tmp_path, monkeypatch):
-    from toolkit.watch import exits
+    from toolkit.runs import exits
 
     plan = {str(start): {"exit": 6, "hung_on": ["n1"], "seconds": 0.3} for start in (1, 2)}
     code, starts, events, slurm, _ = supervised(tmp_path, monkeypatch, ["n1", "n2"], 2, plan,
@@ -530,7 +530,7 @@ def test_the_batch_host_waits_as_the_last_spare(tmp_path, monkeypatch):
     """Its loss is a requeue whatever the spares (the job script dies with it): training nodes fail
     first, and are replaced inside the job. Each start's nodes in the allocation's order (srun's
     task order: task 0's node is the rendezvous)."""
-    from toolkit.watch import supervise
+    from toolkit.job import supervise
 
     monkeypatch.setattr(supervise, "reachable_address", lambda node, peers: "127.0.0.1")  # n1 has no address here
     code, starts, events, _, _ = supervised(tmp_path, monkeypatch, ["n1", "n2", "n3"], 2,
@@ -551,7 +551,7 @@ def test_a_template_that_failed_is_started_again_with_the_next_start(tmp_path, m
 
 
 def test_a_lost_node_without_a_spare_is_handed_back_for_a_requeue(tmp_path, monkeypatch):
-    from toolkit.watch import exits
+    from toolkit.runs import exits
 
     code, starts, events, slurm, _ = supervised(tmp_path, monkeypatch, ["n1", "n2"], 2, {"1": {"lose": "n1"}})
     assert code == exits.NODES_LOST and len(starts) == 1
@@ -634,7 +634,7 @@ def test_a_stop_signal_in_the_restart_pause_is_not_lost(tmp_path, monkeypatch):
     code, starts, events, _, _ = supervised(tmp_path, monkeypatch, ["n1"], 1, {"1": {"exit": 1, "seconds": 0.3},
                                                                               "2": {"exit": 1, "seconds": 0.3}},
                                             during=signal_in_the_pause)
-    from toolkit.watch import exits
+    from toolkit.runs import exits
 
     assert code == exits.STOPPED and len(starts) == 2  # no new start after the signal
 
@@ -652,12 +652,12 @@ def test_a_finished_run_is_never_restarted_and_a_quiet_node_at_a_success_is_not_
 
 
 def test_the_supervisors_own_verdict_is_what_the_job_script_reads(tmp_path, monkeypatch):
-    from toolkit.watch import exits
+    from toolkit.runs import exits
 
     code, _, _, _, _ = supervised(tmp_path, monkeypatch, ["n1", "n2"], 2, {"1": {"lose": "n2"}})
-    assert code == exits.NODES_LOST and exits.read_exit_status(tmp_path) == exits.NODES_LOST
+    assert code == exits.NODES_LOST and RunLayout(tmp_path).read_exit_status() == exits.NODES_LOST
     (tmp_path / "exit-status").write_text("²\n")
-    assert exits.read_exit_status(tmp_path) is None
+    assert RunLayout(tmp_path).read_exit_status() is None
 
 
 def test_a_step_that_did_not_start_on_every_node_goes_back_to_the_job_script(tmp_path, monkeypatch):
@@ -700,7 +700,7 @@ def test_the_last_scrape_is_waited_for_only_at_the_runs_end_for_good(tmp_path, m
                                                                       final):
     """Waiting up to a scrape interval for Prometheus's last look holds up the job script: when it has
     more to do (requeue without a node lost at launch before Slurm notices the node itself), no wait."""
-    from toolkit.watch.supervise import Supervisor
+    from toolkit.job.supervise import Supervisor
 
     exporter = RecordedExporter()
     monkeypatch.setattr(Supervisor, "start_exporter", lambda self: exporter)
@@ -771,8 +771,8 @@ def test_a_node_silent_under_a_flood_is_lost_only_on_slurms_word(tmp_path, monke
 def test_junk_from_outside_the_job_is_no_flood_and_slurm_silent_is_no_word():
     """Refusals from addresses that are not the job's do not excuse a silence (anyone could send
     them); and where sinfo fails, a silent node is not taken as answering."""
-    from toolkit.errors import FtError
-    from toolkit.watch.supervise import Supervisor
+    from toolkit.base.errors import FtError
+    from toolkit.job.supervise import Supervisor
 
     receiver = Receiver(SECRET, host="127.0.0.1", sources={"10.9.9.9"}).listen()
     for flooder in flooding(receiver.port, 1, senders=1):

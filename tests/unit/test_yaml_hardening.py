@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
 from toolkit.recipe.resolve import resolve
 
 BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(

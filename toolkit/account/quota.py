@@ -15,7 +15,7 @@ from collections.abc import Callable
 from datetime import datetime
 
 from toolkit.account import usage
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
 from toolkit.slurm import accounting, commands, jobs
 
 

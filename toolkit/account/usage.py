@@ -28,12 +28,12 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
 from toolkit.slurm import accounting, commands, job_comment
 from toolkit.slurm import nodes as slurm_nodes
 
 JOB_NAME = re.compile(r"ft-([A-Za-z0-9][A-Za-z0-9._-]*)")
-USER_ERRORS = {4, 5}  # toolkit/watch/exits.py: USER_ERROR, OUT_OF_MEMORY
+USER_ERRORS = {4, 5}  # toolkit/runs/exits.py: USER_ERROR, OUT_OF_MEMORY
 
 
 @dataclass(frozen=True)

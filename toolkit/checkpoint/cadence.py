@@ -1,4 +1,5 @@
-"""How often to checkpoint when the recipe says `checkpoint.every_minutes: auto`.
+"""How often a run checkpoints: the recipe's steps and minutes, and `checkpoint.every_minutes: auto`
+(Cadence, at the end, is the one owner of the decision).
 
 Young (1974) and Daly (2006): with a save costing training C seconds and a failure every M seconds
 on average, the interval that loses the least time to saves and to work redone after failures is
@@ -17,7 +18,9 @@ save comes after FIRST_INTERVAL_S. No torch here: `ft recipe explain` shows the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 # Published interruption rates of large training clusters: Llama 3 405B saw 419 unexpected
 # interruptions in 54 days on 16,384 GPUs (2,048 nodes), one per ~6,300 node-hours. ft assumes
@@ -64,3 +67,49 @@ class AutoCadence:
                  else " (ft's shortest interval)" if interval == MIN_INTERVAL_S else "")
         return (f"every {interval / 60:.1f} min{bound}: Young/Daly for a save costing training {cost_s:.2f} s "
                 f"and a failure every {mtbf / 3600:.1f} h ({source})")
+
+
+@dataclass
+class Cadence:
+    """When a run saves, decided here alone: every `every_steps` steps, and on the clock every
+    `every_s` seconds or, with `auto`, Young/Daly's interval from the saves measured so far. The
+    recipe's checkpoint.every_steps and every_minutes (a number, "auto", or unset: no clock) make it
+    (`of`); the training loop only asks it, and saves at the last step and on a stop besides."""
+
+    every_steps: int | None = None
+    every_s: float | None = None
+    auto: AutoCadence | None = None
+    history: tuple[int, float] = (0, 0.0)  # the run's (faults, wall seconds) before this start
+    started: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def of(cls, every_steps: int | None, every_minutes: float | str | None, job_mtbf_hours: float | None,
+           history: Callable[[], tuple[int, float]] = lambda: (0, 0.0)) -> Cadence:
+        """From the recipe's two settings. `history` (read only for auto) is what the run met so far,
+        over its requeues and restarts."""
+        if every_minutes == "auto":
+            return cls(every_steps, auto=AutoCadence(job_mtbf_hours or DEFAULT_NODE_MTBF_HOURS), history=history())
+        return cls(every_steps, every_s=float(every_minutes) * 60 if every_minutes else None)
+
+    def steps_due(self, step: int) -> bool:
+        return bool(self.every_steps and step % self.every_steps == 0)
+
+    def seen(self) -> tuple[int, float]:
+        """The run's faults and wall clock so far: its history, and this start's time since."""
+        faults, wall = self.history
+        return faults, wall + time.monotonic() - self.started
+
+    def interval_s(self, save_cost_s: float | None, write_s: float) -> float:
+        """Seconds between saves on the clock (0: none): the recipe's, or Young/Daly's from the save
+        cost measured so far."""
+        if self.auto is None:
+            return self.every_s or 0.0
+        return self.auto.interval_s(save_cost_s, write_s, *self.seen())
+
+    def clock_due(self, since_last_save_s: float, save_cost_s: float | None, write_s: float) -> bool:
+        interval = self.interval_s(save_cost_s, write_s)
+        return interval > 0 and since_last_save_s >= interval
+
+    def describe(self, save_cost_s: float | None, write_s: float) -> str | None:
+        """The auto interval in words (None where the recipe fixed it)."""
+        return self.auto.describe(save_cost_s, write_s, *self.seen()) if self.auto else None

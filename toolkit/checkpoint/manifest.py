@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.digests import sha256_file
+from toolkit.base.digests import sha256_file
 
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 4 << 20

@@ -185,7 +185,7 @@ def user_prefix(s3_prefix: str) -> str:
     users' checkpoints apart (toolkit/checkpoint/seal.py)."""
     import os
 
-    from toolkit.shared_dirs import login_name
+    from toolkit.base.shared_dirs import login_name
 
     return f"{s3_prefix.rstrip('/')}/users/{login_name(os.getuid()) or f'uid-{os.getuid()}'}"
 

@@ -25,8 +25,8 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from toolkit.base.shared_dirs import open_regular, user_keys
 from toolkit.checkpoint.manifest import Manifest
-from toolkit.shared_dirs import open_regular, user_keys
 
 KEY_NAME = "checkpoint-seal.key"
 KEY_BYTES = 32

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.cache_entries import discard
+from toolkit.base.cache_entries import discard
 from toolkit.checkpoint import manifest
 from toolkit.checkpoint.manifest import FileEntry, Manifest, is_tag, step_of
 from toolkit.checkpoint.seal import Sealer

@@ -42,7 +42,7 @@ class StatusBoard:
                     mine["behind_since"] = found["behind_since"]  # the mirror was behind before this start
 
     def _update(self, tier: str, **values) -> None:
-        from toolkit.shared_dirs import write_atomically
+        from toolkit.base.shared_dirs import write_atomically
 
         with self.lock:
             if self.state.get(tier) is None:

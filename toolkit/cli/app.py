@@ -10,7 +10,8 @@ os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
 
 import typer
 
-from toolkit import __version__
+from toolkit.base.build import VERSION
+from toolkit.base.errors import FtError
 from toolkit.cli import (
     adapters,
     chaos,
@@ -26,7 +27,6 @@ from toolkit.cli import (
     usage,
 )
 from toolkit.cli.output import print_error
-from toolkit.errors import FtError
 
 app = typer.Typer(
     name="ft",
@@ -59,7 +59,7 @@ app.command()(doctor.doctor)
 
 def show_version(value: bool) -> None:
     if value:
-        print(f"ft {__version__}")
+        print(f"ft {VERSION}")
         raise typer.Exit()
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import typer
 
+from toolkit.base.errors import UsageError
 from toolkit.cli.output import console, plain, print_json, task_spinner
-from toolkit.errors import UsageError
 
 app = typer.Typer(help="Cluster profiles: add (discovered), ls, show, set, rm, prepare.", no_args_is_help=True)
 
@@ -55,7 +55,7 @@ def _ask_missing(proposal, found, interactive: bool) -> None:
 
 def _check_shared_root(body: dict) -> None:
     """A shared root that is not there or not writable is refused now, not at the first job."""
-    from toolkit.shared_dirs import unusable_root
+    from toolkit.base.shared_dirs import unusable_root
 
     root = body.get("shared_root")
     if not root:

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from toolkit.base.errors import FtError
 from toolkit.cli.output import console, plain, print_json, task_spinner
-from toolkit.errors import FtError
 
 if TYPE_CHECKING:
     from rich.table import Table

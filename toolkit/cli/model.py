@@ -1,5 +1,5 @@
 """`ft model …`: models in the cluster's object store, which jobs fetch into the shared cache once
-per cluster and copy to node-local disk once per node (toolkit/model_cache.py)."""
+per cluster and copy to node-local disk once per node (toolkit/models/cache.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import typer
 
+from toolkit.base.errors import FtError, UsageError
 from toolkit.cli.output import console, plain, task_spinner
-from toolkit.errors import FtError, UsageError
 
 app = typer.Typer(help="Models in the cluster's object store (profile s3_models).", no_args_is_help=True)
 
@@ -22,13 +22,13 @@ def push(
 ) -> None:
     """Upload a model to the cluster's object store, files first and its manifest (sha256 of each
     file) last: until the manifest is there no job takes it. Then record on the shared filesystem who
-    pushed which manifest (toolkit/model_records.py): jobs take only that one, and nobody else may
+    pushed which manifest (toolkit/models/records.py): jobs take only that one, and nobody else may
     push the same name."""
     from toolkit.checkpoint import manifest
     from toolkit.checkpoint.remote import put_folder
     from toolkit.cluster.profile import load_profile
-    from toolkit.model_cache import entry_name
-    from toolkit.model_folder import model_folder_problems
+    from toolkit.models.cache import entry_name
+    from toolkit.models.folder import model_folder_problems
     from toolkit.storage.object_store import ObjectStore
 
     profile = load_profile(cluster)
@@ -51,7 +51,7 @@ def push(
     if problems:
         raise FtError(f"{folder} is not a whole model folder: {'; '.join(problems)}",
                       hint="push a folder that loads with transformers' from_pretrained (safetensors weights)")
-    from toolkit import model_records
+    from toolkit.models import records as model_records
 
     entry = entry_name(base, revision or None)
     record = model_records.claim(profile.shared_root, entry)  # another user's name: refused before any upload

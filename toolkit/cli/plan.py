@@ -17,10 +17,10 @@ def plan(recipe: Path = typer.Argument(..., help="Recipe file (YAML)."),
          max_wait: float = typer.Option(30.0, "--max-wait", min=0, help="minutes the cheapest may wait to start"),
          as_json: bool = typer.Option(False, "--json")) -> None:
     """Where a run would start soonest or cost least, on every configured cluster and tier."""
+    from toolkit.base.errors import FtError
     from toolkit.cli.output import task_spinner
     from toolkit.cluster import broker
     from toolkit.cluster.profile import available_profiles
-    from toolkit.errors import FtError
 
     with task_spinner("plan") as step:
         step("asking Slurm for each cluster and tier")

@@ -94,10 +94,10 @@ def show(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, "-
 
 def _recorded(layout: RunLayout) -> tuple[list[dict], dict | None]:
     """The receipt's entries as they parse (a line that does not: {line, unreadable}), and its signature."""
-    from toolkit.errors import FtError
+    from toolkit.base.errors import FtError
+    from toolkit.base.shared_dirs import open_regular
     from toolkit.receipts.chain import parse_entry, read_receipt
     from toolkit.receipts.verify import MAX_SIGNATURE_BYTES
-    from toolkit.shared_dirs import open_regular
 
     try:
         data = read_receipt(layout.receipt)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import typer
 
+from toolkit.base.errors import FtError
 from toolkit.cli.output import console, plain, print_json
-from toolkit.errors import FtError
 
 app = typer.Typer(help="Recipes: check them and see every resolved value.", no_args_is_help=True)
 
@@ -92,10 +92,10 @@ def render_command(
     preflight: bool = typer.Option(False, "--preflight", help="Render a job that only checks the allocation."),
 ) -> None:
     """Render the standalone sbatch script of a recipe."""
+    from toolkit.base.shared_dirs import private_dir, write_output
     from toolkit.recipe.resolve import resolve
     from toolkit.render.sbatch import RunPlacement, render
     from toolkit.runs.store import RunRecord, RunStore
-    from toolkit.shared_dirs import private_dir, write_output
 
     resolved = resolve(recipe, cluster)
     run_id = run_id or resolved.recipe.name

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import typer
 
+from toolkit.base.errors import FtError
 from toolkit.checkpoint.status import summary_line as checkpoint_summary
 from toolkit.cli.live import STATE_COLOURS
 from toolkit.cli.output import console, err_console, plain, print_json, task_spinner
 from toolkit.cluster.broker import Preference
-from toolkit.errors import FtError
 from toolkit.runs.layout import RunLayout
 
 
@@ -259,10 +259,10 @@ def report(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
                                        help="Where to write the page (default: in the run folder).")) -> None:
     """Write one self-contained HTML page of a run: loss and throughput, starts and faults, where the
     time went, checkpoints, data, cost. Open it in any browser; it fetches nothing."""
+    from toolkit.base.shared_dirs import write_output
     from toolkit.cluster.profile import ProfileError, load_profile
     from toolkit.report.page import render
     from toolkit.runs.status import run_status
-    from toolkit.shared_dirs import write_output
     from toolkit.slurm.client import default_client
 
     current = run_status(_store(cluster), run_id, default_client())

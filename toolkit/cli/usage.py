@@ -11,9 +11,9 @@ from pathlib import Path
 
 import typer
 
+from toolkit.base.shared_dirs import login_name
 from toolkit.cli.output import console, err_console, plain, print_json
 from toolkit.runs.layout import RunLayout
-from toolkit.shared_dirs import login_name
 
 
 class By(StrEnum):
@@ -33,8 +33,8 @@ def usage(account: str = typer.Option(None, "--account", "-A", help="only this S
     """GPU-hours of every job (by run: ft's runs, the rest in a row of their own), their cost, and the
     GPU-hours lost to platform faults Slurm confirms (refundable) apart from those lost to user errors."""
     from toolkit.account import usage as accounting
+    from toolkit.base.errors import FtError
     from toolkit.cluster.profile import load_profile
-    from toolkit.errors import FtError
     from toolkit.runs.store import RunStore
 
     profile = load_profile(cluster)

@@ -25,7 +25,7 @@ from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
 
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
 from toolkit.slurm import commands
 from toolkit.slurm import jobs as slurm_jobs
 from toolkit.slurm import nodes as slurm_nodes

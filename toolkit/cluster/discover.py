@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
 from toolkit.slurm import accounting as slurm_accounting
 from toolkit.slurm import commands
 from toolkit.slurm import nodes as slurm_nodes

@@ -24,12 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit import __version__
-from toolkit.build import build_id
-from toolkit.cluster.profile import ClusterProfile, ProfileError
-from toolkit.errors import FtError
-from toolkit.paths import resource_dir
-from toolkit.shared_dirs import (
+from toolkit.base.build import VERSION, build_id
+from toolkit.base.errors import FtError
+from toolkit.base.paths import resource_dir
+from toolkit.base.shared_dirs import (
     SharedFolderError,
     private_dir,
     require_trusted,
@@ -37,6 +35,7 @@ from toolkit.shared_dirs import (
     user_folder,
     write_atomically,
 )
+from toolkit.cluster.profile import ClusterProfile, ProfileError
 from toolkit.slurm import commands
 from toolkit.slurm import jobs as slurm_jobs
 
@@ -126,7 +125,7 @@ def gather_wheels(place: EnvPlace, log: Path, run: Callable = subprocess.run) ->
         old.unlink()  # the wheel of another build of the same version would be taken for this one
     shutil.copyfile(constraints_file(), place.wheelhouse / "constraints.txt")
     source = source_tree()
-    requirement = f"{source}[train]" if source else f"ft[train]=={__version__}"
+    requirement = f"{source}[train]" if source else f"ft[train]=={VERSION}"
     # pip's own settings (PIP_INDEX_URL, PIP_FIND_LINKS: a site's mirror) apply: none given here.
     # --use-pep517: an older pip (Debian's venvs have 23.0, without `wheel`) builds deepspeed's
     # source package the way current ones do, instead of failing on bdist_wheel.
@@ -138,9 +137,9 @@ def gather_wheels(place: EnvPlace, log: Path, run: Callable = subprocess.run) ->
     if completed.returncode != 0:
         raise PrepareError(f"gathering the training stack's wheels failed (pip, exit {completed.returncode}): "
                            f"{tail(log)}", hint=f"the whole log: {log}")
-    wheels = sorted(place.wheelhouse.glob(f"ft-{__version__}-*.whl"))
+    wheels = sorted(place.wheelhouse.glob(f"ft-{VERSION}-*.whl"))
     if not wheels:
-        raise PrepareError(f"pip built no wheel of ft {__version__} into {place.wheelhouse}", hint=f"see {log}")
+        raise PrepareError(f"pip built no wheel of ft {VERSION} into {place.wheelhouse}", hint=f"see {log}")
     return wheels[-1]
 
 
@@ -159,7 +158,7 @@ def render_job(profile: ClusterProfile, place: EnvPlace, build: str, wheel: Path
 
     standard = profile.standard_tier
     return template_environment().get_template("prepare_env.sbatch.j2").render(
-        version=__version__, profile=profile, partition=standard.partition, qos=standard.qos,
+        version=VERSION, profile=profile, partition=standard.partition, qos=standard.qos,
         account=profile.default_account, time_limit=f"{time_minutes // 60:02d}:{time_minutes % 60:02d}:00",
         machine=platform.machine(), log=str(place.log(build)),
         target=str(place.venv(build)), wheelhouse=str(place.wheelhouse), base_python=base_python,

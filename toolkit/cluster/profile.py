@@ -11,11 +11,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from toolkit.base.digests import key_id, public_key_bytes
+from toolkit.base.errors import FtError
+from toolkit.base.names import ENV_NAME_PATTERN, NAME_PATTERN
+from toolkit.base.yaml_source import YamlError, load_trusted_yaml, load_yaml
 from toolkit.checkpoint.cadence import DEFAULT_NODE_MTBF_HOURS
-from toolkit.errors import FtError
-from toolkit.receipts.keys import key_id, public_key_bytes
-from toolkit.recipe.schema import ENV_NAME_PATTERN, NAME_PATTERN
-from toolkit.recipe.yaml_source import YamlError, load_trusted_yaml, load_yaml
 from toolkit.storage.object_store import parse_s3_url
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
@@ -368,7 +368,7 @@ def update_user_entry(name: str, change: Callable[[dict | None], dict | None]) -
 
     import yaml
 
-    from toolkit.shared_dirs import write_atomically
+    from toolkit.base.shared_dirs import write_atomically
 
     path = user_profiles_path()
     path.parent.mkdir(parents=True, exist_ok=True)

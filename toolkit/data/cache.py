@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.cache_entries import discard, exclusive
-from toolkit.digests import sha256_stream
+from toolkit.base.cache_entries import discard, exclusive
+from toolkit.base.digests import sha256_stream
 from toolkit.storage.object_store import ObjectStore
 
 FLUSH_EVERY = 1 << 20  # values buffered before they go to disk: memory stays bounded

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from toolkit.base.shared_dirs import SharedFolderError, user_cache
 from toolkit.data.cache import TokenCache, cache_key, file_digest
 from toolkit.data.tokenizer import LengthCounter, TokenizerNotFound, load_length_counter
 from toolkit.data.validate import (
@@ -18,7 +19,6 @@ from toolkit.data.validate import (
 )
 from toolkit.recipe.resolve import ResolvedRecipe
 from toolkit.recipe.schema import DATA_FILES
-from toolkit.shared_dirs import SharedFolderError, user_cache
 from toolkit.storage.object_store import ObjectStore
 
 FORMATS_FOR = {"sft": {"prompt_completion", "chat"}, "dpo": {"preference"}}

@@ -95,7 +95,7 @@ def load_length_counter(spec: str, shared_root: str = "", models_url: str = "",
         return _from_dir(path.parent)
     if path.is_dir():
         return _from_dir(path)
-    from toolkit.model_cache import cache_dirs
+    from toolkit.models.cache import cache_dirs
 
     name = spec.replace("/", "--")
     for tier in cache_dirs(shared_root or "/nonexistent"):
@@ -106,7 +106,7 @@ def load_length_counter(spec: str, shared_root: str = "", models_url: str = "",
             if (candidate / "tokenizer.json").is_file():
                 return _from_dir(candidate)
     if models_url and cache is not None:
-        from toolkit.model_cache import fetch_tokenizer
+        from toolkit.models.cache import fetch_tokenizer
 
         fetched = fetch_tokenizer(name, models_url, cache, shared_root, store or ObjectStore())
         if fetched is not None:

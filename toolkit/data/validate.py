@@ -12,6 +12,7 @@ from array import array
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from toolkit.base.errors import UsageError
 from toolkit.data import pii
 from toolkit.data.chat_template import ChatTemplateError
 from toolkit.data.encode import encode_rows, sequences_per_row
@@ -19,7 +20,6 @@ from toolkit.data.readers import Row, UnsupportedFile, open_rows, row_bytes
 from toolkit.data.schemas import FORMATS, check_row, detect_format
 from toolkit.data.split import is_eval
 from toolkit.data.tokenizer import LengthCounter
-from toolkit.errors import UsageError
 from toolkit.storage.object_store import ObjectStore
 
 BATCH_ROWS = 2048

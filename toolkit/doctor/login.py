@@ -10,12 +10,12 @@ import re
 import sys
 from pathlib import Path
 
-from toolkit.build import build_id
+from toolkit.base.build import build_id
+from toolkit.base.shared_dirs import shared_root_path, unusable_root
 from toolkit.cluster.discover import Discovery
 from toolkit.cluster.prepare import ready_build
 from toolkit.cluster.profile import ClusterProfile
 from toolkit.doctor.findings import Finding, blocker, ok, warn
-from toolkit.shared_dirs import shared_root_path, unusable_root
 
 TRAINING_STACK = ("torch", "transformers", "peft", "deepspeed")
 

@@ -11,11 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from toolkit.build import build_id
+from toolkit.base.build import build_id
+from toolkit.base.errors import FtError
+from toolkit.base.shared_dirs import user_cache
 from toolkit.cluster.profile import ClusterProfile
 from toolkit.doctor.findings import Finding, blocker, merge_nodes, ok, warn
-from toolkit.errors import FtError
-from toolkit.shared_dirs import user_cache
 from toolkit.slurm import commands
 from toolkit.slurm.steps import ShortStep
 
@@ -23,8 +23,8 @@ from toolkit.slurm.steps import ShortStep
 WRAPPER = r"""
 python=$1 node=$(hostname)
 if ! command -v "$python" >/dev/null 2>&1; then echo "FT-DOCTOR-MISSING $node python"; exit 0; fi
-if ! "$python" -c 'import toolkit.train.doctor' >/dev/null 2>&1; then echo "FT-DOCTOR-MISSING $node ft"; exit 0; fi
-exec "$python" -m toolkit.train.doctor "$2"
+if ! "$python" -c 'import toolkit.doctor.node' >/dev/null 2>&1; then echo "FT-DOCTOR-MISSING $node ft"; exit 0; fi
+exec "$python" -m toolkit.doctor.node "$2"
 """
 # Beside a container: the job script's own steps run on the host, with the login node's install.
 BATCH_WRAPPER = r"""

@@ -1,8 +1,8 @@
 """The job on its batch host, from the job script's last line (`python -m toolkit.job`) to its end.
 
-It starts the training step (under ft's watchdog, toolkit/watch/supervise.py, which restarts
+It starts the training step (under ft's watchdog, toolkit/job/supervise.py, which restarts
 training inside the allocation), passes Slurm's signals on to it, and decides what the step's
-ending costs, by the codes of toolkit/watch/exits.py:
+ending costs, by the codes of toolkit/runs/exits.py:
 
 - the time limit near (USR2, `--signal=B:USR2@...`): the ranks checkpoint, and the job requeues
   itself to go on from that checkpoint;
@@ -34,13 +34,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
 from toolkit.job import losses
-from toolkit.runs.layout import RunLayout, RunSpecError
+from toolkit.job.supervise import STEP_COMMAND, Adoption, Supervisor
+from toolkit.runs import exits
+from toolkit.runs.layout import SRUN_ERRORS, RunLayout, RunSpecError
 from toolkit.runs.timeline import record
 from toolkit.slurm.client import CliSlurmClient, SlurmClient
-from toolkit.watch import exits, requeue
-from toolkit.watch.supervise import SRUN_ERRORS, STEP_COMMAND, Adoption, Supervisor
+from toolkit.watch import requeue
 
 T = TypeVar("T")
 TERMINATED = 143  # 128 + SIGTERM: the job ended by Slurm (a preemption, a cancel, a requeue)
@@ -145,7 +146,7 @@ class JobController:
             self.step_command = json.loads((self.marks / STEP_COMMAND).read_text())
             argv = self.step_command
         else:
-            exits.clear_exit_status(self.layout.root)
+            self.layout.clear_exit_status()
             # Each launcher leaves a mark here as it starts, and srun's own messages are kept here too:
             # together they tell a node lost before the step started from a failure of the run.
             after = f".after-{self.adoption.lost}" if self.adoption else ""
@@ -153,7 +154,8 @@ class JobController:
             self.marks.mkdir(parents=True, exist_ok=True)
             os.environ["FT_LAUNCH_MARKS"] = str(self.marks)
             # A successor's own step has one CPU: the training step is the batch host's, as it was.
-            argv = self.step_command or self.spec.step.srun(self.spec.recipe.resources.nodes, str(self.layout.logs),
+            argv = self.step_command or self.spec.step.srun(self.spec.recipe.resources.nodes,
+                                                            str(self.layout.node_log("%N")),
                                                             os.environ.get("SLURM_CPUS_ON_NODE", "1"),
                                                             os.environ.get("SLURM_CPUS_PER_TASK", ""))
         self.passed_on = False
@@ -161,7 +163,7 @@ class JobController:
         with contextlib.suppress(OSError):  # srun's messages, into the batch log
             sys.stderr.write((self.marks / SRUN_ERRORS).read_text(errors="replace"))
             sys.stderr.flush()
-        left = exits.read_exit_status(self.layout.root)
+        left = self.layout.read_exit_status()
         return left if status != 0 and left is not None else status
 
     def supervised(self, argv: list[str]) -> int:
@@ -254,7 +256,7 @@ class JobController:
     def lost_nodes(self, status: int) -> tuple[list[str], str]:
         if status == exits.NODES_LOST and self.supervisor is not None and self.supervisor.excluded:
             return list(self.supervisor.excluded), "training"  # named by the watchdog
-        if status != 0 and exits.read_exit_status(self.layout.root) is None:
+        if status != 0 and self.layout.read_exit_status() is None:
             errors = ""
             with contextlib.suppress(OSError):
                 errors = (self.marks / SRUN_ERRORS).read_text(errors="replace")

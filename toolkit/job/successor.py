@@ -23,11 +23,11 @@ import threading
 import time
 from pathlib import Path
 
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
 from toolkit.job.controller import JobController, say
+from toolkit.job.supervise import Adoption
 from toolkit.runs.layout import RunLayout, RunSpecError
 from toolkit.slurm.client import CliSlurmClient, SlurmClient
-from toolkit.watch.supervise import Adoption
 
 END_TIME_LOOK_S = 30.0  # the time limit asked again this often (an admin may extend it)
 
@@ -44,7 +44,7 @@ def parse(argv: list[str]) -> Adoption:
 
 def write_batch_log(run_dir: Path, job_id: str) -> None:
     """This process's output into the job's batch log, as the job script's was (appended)."""
-    log = RunLayout(run_dir).logs / f"slurm-{job_id}.out"
+    log = RunLayout(run_dir).slurm_log(job_id)
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
 from toolkit.lab.lifecycle import crash, require_root
 from toolkit.lab.manifest import LabManifest, state_dir
 from toolkit.lab.processes import netns_pids
@@ -80,7 +80,7 @@ def crash_rank_node(run_dir: Path, rank: int) -> RankProcess:
 
 def crash_batch_host(run_dir: Path) -> str:
     """Crash the node the run's job script runs on (its batch host; not a training node while the
-    job holds a spare: toolkit/watch/supervise.py keeps it as the last one). The node's name."""
+    job holds a spare: toolkit/job/supervise.py keeps it as the last one). The node's name."""
     require_root("ft chaos", CHAOS_NEEDS_ROOT)
     starts = read_lines(RunLayout(run_dir).attempts, {"job_id": str})  # each start's, watchdog or not
     job = starts[-1]["job_id"] if starts else ""

@@ -10,7 +10,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.errors import FtError, UsageError
+from toolkit.base.errors import FtError, UsageError
 from toolkit.lab.manifest import BUILT_SLURMS, PACKAGE_SLURM, LabManifest, state_dir
 from toolkit.lab.processes import kill_netns
 from toolkit.lab.provision import PlaybookFailed, PlaybookResult, ansible_dir, run_playbook

@@ -8,8 +8,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from toolkit.errors import FtError
-from toolkit.shared_dirs import login_name, open_regular
+from toolkit.base.errors import FtError
+from toolkit.base.shared_dirs import login_name, open_regular
 
 
 def state_dir() -> Path:
@@ -31,7 +31,7 @@ class LabDaemon:
     pidfile: str
     netns: str | None = None
     node: str | None = None
-    code: str | None = None  # ft's own daemons: the record of ft's files it loads (toolkit/code_files.py)
+    code: str | None = None  # ft's own daemons: the record of ft's files it loads (toolkit/base/code_files.py)
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ class LabManifest:
         (the controller's daemons are everyone's)."""
         chosen = next((s for s in self.slices if s.index == index), None)
         if chosen is None:
-            from toolkit.errors import UsageError
+            from toolkit.base.errors import UsageError
 
             raise UsageError(f"the lab has no slice {index}",
                              hint=f"bring it up in slices: `ft lab up --nodes N --slices {index}`")
@@ -161,7 +161,7 @@ class LabManifest:
         for node in self.nodes:
             if node.name == name:
                 return node
-        from toolkit.errors import UsageError
+        from toolkit.base.errors import UsageError
 
         known = ", ".join(n.name for n in self.nodes)
         raise UsageError(f"the lab has no node {name!r}", hint=f"lab nodes: {known}")

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from toolkit.errors import FtError
-from toolkit.paths import resource_dir, state_home
+from toolkit.base.errors import FtError
+from toolkit.base.paths import resource_dir, state_home
 
 _TASK = re.compile(r"^TASK \[(?P<name>.+?)\] \*+$")
 _RECAP = re.compile(r"^(?P<host>\S+)\s+:\s+ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+"

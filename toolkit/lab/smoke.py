@@ -9,8 +9,8 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-from toolkit.errors import FtError
-from toolkit.paths import state_home
+from toolkit.base.errors import FtError
+from toolkit.base.paths import state_home
 from toolkit.slurm import commands
 from toolkit.slurm.client import CliSlurmClient
 from toolkit.slurm.commands import SlurmCommandError, SlurmUnavailable

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
-from toolkit.code_files import runs_old_code
+from toolkit.base.code_files import runs_old_code
 from toolkit.lab.manifest import LabDaemon, LabManifest
 from toolkit.lab.processes import daemon_pid, netns_exists
 from toolkit.slurm.client import CliSlurmClient
@@ -21,7 +21,7 @@ class DaemonStatus:
     name: str
     pid: int | None
     node: str | None = None
-    stale: bool = False  # ft's code it loaded has changed since (toolkit/code_files.py)
+    stale: bool = False  # ft's code it loaded has changed since (toolkit/base/code_files.py)
 
     @property
     def running(self) -> bool:

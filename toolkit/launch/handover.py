@@ -1,6 +1,6 @@
 """A lost batch host's job goes on: a successor takes over from the survivors.
 
-While the job holds a spare, its batch host trains on no rank (toolkit/watch/supervise.py keeps it
+While the job holds a spare, its batch host trains on no rank (toolkit/job/supervise.py keeps it
 as the last spare), and Slurm keeps a --no-kill job RUNNING without it: only the job script and its
 supervisor die with it. The survivors hear the supervisor go quiet; the first to report it marks
 the node DOWN and starts a successor controller (toolkit/job/successor.py) as a step of the job on
@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
+from toolkit.runs.layout import SUCCESSOR
 from toolkit.slurm import steps
 from toolkit.slurm.client import SlurmClient, job_nodes
 
@@ -40,7 +41,7 @@ class Handover:
 
     @staticmethod
     def path(marks: Path, lost: str) -> Path:
-        return marks / f"successor-of-{lost}.json"
+        return marks / SUCCESSOR.format(node=lost)
 
     def write(self, marks: Path) -> None:
         """Whole or not at all (a reader must never see half of it)."""

@@ -17,12 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.launch.log import log
 from toolkit.launch.rendezvous import RendezvousError, barrier, job_secret
+from toolkit.runs import exits
 from toolkit.runs.layout import RunLayout, RunSpecError
 from toolkit.watch.heartbeat import Sender
-
-EXIT_FAILED = 1
-EXIT_NODE_UNFIT = 3
 
 
 def step_placement() -> tuple[int, int]:
@@ -30,10 +29,6 @@ def step_placement() -> tuple[int, int]:
     task's rank in the step. (The allocation may hold spare nodes that the step does not use.)"""
     return (int(os.environ.get("SLURM_PROCID", os.environ.get("SLURM_NODEID", "0"))),
             int(os.environ.get("SLURM_NTASKS", os.environ.get("SLURM_JOB_NUM_NODES", "1"))))
-
-
-def log(message: str) -> None:
-    print(f"[ft-launch {socket.gethostname()} {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def record_attempt(run_dir: Path, job_id: str, restart: int, nodes: list[str]) -> None:
@@ -72,7 +67,7 @@ def preflight(run_dir: Path) -> int:
         log(f"preflight: {problem}")
     if not problems:
         log(f"preflight passed: {len(visible)} GPUs, shared run directory writable")
-    return EXIT_NODE_UNFIT if problems else 0
+    return exits.NODE_UNFIT if problems else 0
 
 
 @dataclass
@@ -303,10 +298,10 @@ def lift_requeue_hold() -> None:
 
 def train(run_dir: Path, node_rank: int, nodes: int, beat: Sender | None) -> int:
     try:
-        from toolkit.train.workers import run_workers  # the training runtime (ft[train])
+        from toolkit.launch.workers import run_workers  # the training runtime (ft[train])
     except ImportError as exc:
         log(f"the training runtime is not installed on this node ({exc}); install ft[train]")
-        return EXIT_NODE_UNFIT
+        return exits.NODE_UNFIT
     return run_workers(run_dir, node_rank, nodes, beat)
 
 
@@ -352,7 +347,7 @@ def run_node(run_dir: Path, mode: str, node_rank: int, nodes: int, host: str, be
                           node_rank, nodes, host, log=log)
     except RendezvousError as exc:
         log(str(exc))
-        return EXIT_FAILED
+        return exits.LAUNCH_FAILED
     if node_rank == 0:
         record_attempt(run_dir, os.environ.get("SLURM_JOB_ID", ""), int(os.environ.get("SLURM_RESTART_COUNT", "0")),
                        [host, *(arrived[rank] for rank in sorted(arrived))])

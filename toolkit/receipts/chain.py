@@ -1,5 +1,5 @@
 """A run's receipt: what it used and made, as hash-linked entries in <run>/receipt.jsonl, signed by
-the site's signer (toolkit/receipts/signer.py) and checked by `ft receipt verify` (verify.py).
+the site's signer (toolkit/services/signer.py) and checked by `ft receipt verify` (verify.py).
 
 Each line is one entry, written as its canonical JSON (sorted keys, no spaces: a line read back must
 be byte for byte what canonical() makes of it):
@@ -30,11 +30,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.digests import sha256_stream
-from toolkit.errors import FtError
+from toolkit.base.digests import sha256_stream
+from toolkit.base.shared_dirs import open_regular, write_atomically
+from toolkit.receipts.canonical import ReceiptError, canonical
+from toolkit.receipts.signing import request_signature
 from toolkit.runs.layout import RunLayout
 from toolkit.runs.store import locked
-from toolkit.shared_dirs import open_regular, write_atomically
 
 GENESIS = "0" * 64
 ENTRY_KEYS = {"seq", "kind", "time", "body", "artifacts", "prev", "hash"}
@@ -47,10 +48,6 @@ SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
 SEAL_TIMEOUT_S = 20.0
 
 
-class ReceiptError(FtError):
-    """A receipt that cannot be appended to, read or sealed."""
-
-
 @dataclass(frozen=True)
 class Digest:
     """A file whose size and sha256 are already known (a data file the data checks hashed): recorded
@@ -58,11 +55,6 @@ class Digest:
     path: Path
     bytes: int
     sha256: str
-
-
-def canonical(value: object) -> bytes:
-    """The one JSON form entries are hashed, written and signed in."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
 def entry_hash(entry: Mapping) -> str:
@@ -252,7 +244,6 @@ class Receipt:
         run for this user, whose batch script is the job script the first entry records. Returns
         what was signed with its signature; ReceiptError when the signer refuses or does not answer
         (the receipt stays as it was)."""
-        from toolkit.receipts.signer import request_signature
 
         try:
             with locked(self.layout.receipt_lock):  # no entry slips in between what is signed and the file

@@ -22,11 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-from toolkit import __version__
-from toolkit.errors import FtError
+from toolkit.base.build import VERSION
+from toolkit.base.errors import FtError
 from toolkit.receipts.chain import Digest, Receipt
+from toolkit.runs import exits
 from toolkit.runs.layout import RunLayout
-from toolkit.watch import exits
 
 EXIT_CLASSES = {exits.DONE: "done", exits.USER_ERROR: "user error", exits.OUT_OF_MEMORY: "out of memory",
                 exits.HUNG: "hung rank", exits.NODES_LOST: "nodes lost", exits.STOPPED: "stopped, checkpointed"}
@@ -58,7 +58,7 @@ def submitted(run_dir: Path, resolved, data_digests: dict[str, Digest | str]) ->
     layout, profile = RunLayout(run_dir), resolved.profile
     artifacts = {"recipe": layout.recipe_resolved, "job_script": layout.script}
     artifacts |= {f"data.{role}": digest for role, digest in data_digests.items() if isinstance(digest, Digest)}
-    body = {"run_id": run_dir.name, "ft_version": __version__, "code_commit": code_commit(),
+    body = {"run_id": run_dir.name, "ft_version": VERSION, "code_commit": code_commit(),
             "recipe": resolved.recipe.name,
             "cluster": profile.name, "account": resolved.recipe.resources.account or profile.default_account,
             "data": {role: digest.sha256 if isinstance(digest, Digest) else digest

@@ -14,34 +14,19 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-from toolkit.receipts.chain import canonical
-from toolkit.shared_dirs import open_regular
+from toolkit.base.digests import key_id
+from toolkit.base.shared_dirs import open_regular
+from toolkit.receipts.canonical import canonical
 
 MAX_KEY_FILE_BYTES = 4096
 # What is signed is prefixed with this: a signature over a receipt is never one over anything else.
 SIGNING_CONTEXT = b"ft-receipt-v1\n"
-
-
-def public_key_bytes(text: str) -> bytes:
-    """The raw 32 bytes of a public key written as base64, or ValueError."""
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError(f"{text!r} is not base64") from None
-    if len(raw) != 32:
-        raise ValueError(f"an ed25519 public key is 32 bytes, this one {len(raw)}")
-    return raw
-
-
-def key_id(public_raw: bytes) -> str:
-    return hashlib.sha256(public_raw).hexdigest()[:16]
 
 
 def signed_message(payload: dict) -> bytes:

@@ -15,6 +15,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from toolkit.base.digests import public_key_bytes
+from toolkit.base.shared_dirs import open_regular, user_name
 from toolkit.checkpoint.manifest import safe_name
 from toolkit.cluster.profile import ReceiptSigning
 from toolkit.receipts.chain import (
@@ -28,10 +30,10 @@ from toolkit.receipts.chain import (
     parse_entry,
     read_receipt,
 )
-from toolkit.receipts.keys import public_key_bytes, verify_signature
-from toolkit.receipts.signer import LEDGER_MAX_BYTES, REPLY_MAX_BYTES, Ledger
+from toolkit.receipts.keys import verify_signature
+from toolkit.receipts.ledger import LEDGER_MAX_BYTES, Ledger
+from toolkit.receipts.signing import REPLY_MAX_BYTES
 from toolkit.runs.layout import RunLayout
-from toolkit.shared_dirs import open_regular, user_name
 
 FAILED_EXIT = 3  # `ft receipt verify`'s exit when the receipt does not verify (2: usage, 1: ft could not check)
 MAX_SIGNATURE_BYTES = REPLY_MAX_BYTES + 1  # the signer's reply as it came, and its newline

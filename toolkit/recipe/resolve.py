@@ -12,14 +12,14 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from toolkit.base.errors import FtError
+from toolkit.base.yaml_source import SourceMap, load_yaml
 from toolkit.checkpoint.cadence import AutoCadence
 from toolkit.checkpoint.remote import mirror_url
 from toolkit.cluster.profile import ClusterProfile, load_profile
-from toolkit.errors import FtError
 from toolkit.recipe import memory_plan
 from toolkit.recipe.run_spec import Derived, RunSpec, batch_plan
 from toolkit.recipe.schema import DATA_FILES, Method, Objective, Recipe
-from toolkit.recipe.yaml_source import SourceMap, load_yaml
 
 TINY_MODEL = "tiny-llama"
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]

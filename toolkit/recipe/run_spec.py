@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from pydantic import ConfigDict, Field, model_validator
 
-from toolkit.job.plan import SitePlan, StepPlan
+from toolkit.recipe.job_plan import SitePlan, StepPlan
 from toolkit.recipe.schema import Recipe, Strict, TrainingSpec
 
 

@@ -9,10 +9,9 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from toolkit.base.names import ENV_NAME_PATTERN, NAME_PATTERN
 from toolkit.storage.object_store import is_s3_url, parse_s3_url
 
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
-ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 REVISION_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}(/[A-Za-z0-9_][A-Za-z0-9._-]{0,99}){0,4}"
 # Environment names that carry secrets (a word of the name, so TOKENIZERS_PARALLELISM is not one):
 # passed from the submitting environment by name, never written into a script.
@@ -236,9 +235,10 @@ class ResourceSpec(Strict):
 
 class CheckpointSpec(Strict):
     every_steps: Annotated[int, Field(ge=1)] | None = 100
-    every_minutes: Annotated[float, Field(gt=0)] | Literal["auto"] | None = Field(30.0, description=(
-        "Minutes between saves, or auto: the interval that loses the least time to saves and to work redone "
-        "after failures (Young/Daly, from the measured save cost and the cluster's failure rate)"))
+    every_minutes: Annotated[float, Field(gt=0)] | Literal["auto"] | None = Field(None, description=(
+        "Minutes between saves besides every_steps, or auto: the interval that loses the least time to saves "
+        "and to work redone after failures (Young/Daly, from the measured save cost and the cluster's failure "
+        "rate); unset: no saves by the clock"))
     keep_last: Annotated[int, Field(ge=1)] = 3
     staging: str | None = Field(None, description="Checkpoint folder on the shared filesystem "
                                                   "(default: the run directory)")

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from toolkit.errors import FtError
-from toolkit.model_folder import safetensors_problem
+from toolkit.base.errors import FtError
+from toolkit.models.folder import safetensors_problem
 from toolkit.registry.records import FileDigest, LoraShape
 
 CONFIG = "adapter_config.json"

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from toolkit.digests import sha256_stream
+from toolkit.base.digests import sha256_stream
+from toolkit.base.shared_dirs import open_regular
 from toolkit.registry.adapter import digest_of, read_bounded
 from toolkit.registry.layout import ADAPTER, RegistryLayout
 from toolkit.registry.records import FileDigest, VersionRecord
 from toolkit.registry.states import MAX_LOG_BYTES
-from toolkit.shared_dirs import open_regular
 
 MAX_RECORD_BYTES = 4 << 20  # version.json (the evaluation's result is at most 256 KiB) and serving.json
 

@@ -11,9 +11,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from toolkit import __version__
-from toolkit.recipe.schema import NAME_PATTERN, REVISION_PATTERN
-from toolkit.runs.layout import RUN_ID_PATTERN
+from toolkit.base.build import VERSION
+from toolkit.base.names import NAME_PATTERN, RUN_ID_PATTERN
+from toolkit.recipe.schema import REVISION_PATTERN
 
 SHA256 = r"^[0-9a-f]{64}$"
 MAX_EVAL_BYTES = 256 << 10
@@ -47,7 +47,7 @@ class AdapterRecord(Frozen):
     run_id: str | None = Field(None, pattern=RUN_ID_PATTERN.pattern)
     data_digests: dict[str, str] = Field(default_factory=dict, description="data file name -> its sha256")
     eval: dict = Field(default_factory=dict)
-    ft_version: str = Field(__version__, max_length=100)
+    ft_version: str = Field(VERSION, max_length=100)
 
     @field_validator("base_model")
     @classmethod

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from toolkit.base.shared_dirs import flock_within
 from toolkit.registry.layout import ID_PATTERN
-from toolkit.shared_dirs import flock_within
 
 MAX_LOG_BYTES = 16 << 20  # some 50,000 moves
 LOCK_WAIT_S = 30.0

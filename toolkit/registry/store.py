@@ -31,9 +31,18 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from toolkit.cache_entries import discard, staging_path
-from toolkit.errors import FtError, UsageError
-from toolkit.recipe.schema import NAME_PATTERN
+from toolkit.base.cache_entries import discard, staging_path
+from toolkit.base.errors import FtError, UsageError
+from toolkit.base.names import NAME_PATTERN
+from toolkit.base.shared_dirs import (
+    common_dir,
+    login_name,
+    private_dir,
+    require_trusted,
+    shared_root_path,
+    user_name,
+    write_atomically,
+)
 from toolkit.registry import handoff
 from toolkit.registry.adapter import (
     AdapterRefused,
@@ -48,15 +57,6 @@ from toolkit.registry.layout import ADAPTER, ID_PATTERN, REGISTRY, SERVING, SHOR
 from toolkit.registry.mirror import MirrorProblem, RegistryMirror
 from toolkit.registry.records import MAX_EVAL_BYTES, AdapterRecord, VersionRecord, promotion_problem
 from toolkit.registry.states import History, State, Transition, append, locked, read_history
-from toolkit.shared_dirs import (
-    common_dir,
-    login_name,
-    private_dir,
-    require_trusted,
-    shared_root_path,
-    user_name,
-    write_atomically,
-)
 from toolkit.storage.object_store import Answer, within
 
 MIRROR_DEADLINE_S = 600.0  # an upload past it goes on in the background; `ft adapters sync` finishes it

@@ -15,17 +15,17 @@ from pathlib import Path
 import jinja2
 import jinja2.bccache
 
-from toolkit import __version__
+from toolkit.base.build import VERSION
+from toolkit.base.errors import FtError
+from toolkit.base.names import RUN_ID_PATTERN
+from toolkit.base.paths import resource_dir
+from toolkit.base.shared_dirs import SharedFolderError, private_dir
 from toolkit.cluster.profile import SBATCH_UNSAFE
-from toolkit.errors import FtError
-from toolkit.job.plan import SitePlan, StepPlan
-from toolkit.paths import resource_dir
+from toolkit.recipe.job_plan import SitePlan, StepPlan
 from toolkit.recipe.resolve import ResolvedRecipe
 from toolkit.recipe.run_spec import RunSpec
 from toolkit.render.node_request import node_request
 from toolkit.runs import layout
-from toolkit.runs.layout import RUN_ID_PATTERN
-from toolkit.shared_dirs import SharedFolderError, private_dir
 from toolkit.slurm import job_comment
 
 # Names passed from the submitting environment, by name only.
@@ -72,7 +72,7 @@ def environment(resolved: ResolvedRecipe) -> list[tuple[str, str]]:
 
 
 def site_plan(resolved: ResolvedRecipe) -> SitePlan:
-    """What the job takes from the cluster profile (toolkit/job/plan.py)."""
+    """What the job takes from the cluster profile (toolkit/recipe/job_plan.py)."""
     profile = resolved.profile
     return SitePlan(cluster=profile.name, shared_root=profile.shared_root,
                     distributed_backend=profile.distributed_backend, s3_prefix=profile.s3_prefix,
@@ -82,7 +82,7 @@ def site_plan(resolved: ResolvedRecipe) -> SitePlan:
 
 
 def step_plan(resolved: ResolvedRecipe, login_python: str, whole_nodes: bool) -> StepPlan:
-    """The training step the job starts (toolkit/job/plan.py): the profile's interpreter and srun options."""
+    """The training step the job starts (toolkit/recipe/job_plan.py): the profile's interpreter and srun options."""
     options = list(resolved.profile.srun_extra_args)
     if resolved.profile.container_runtime == "pyxis" and resolved.profile.container_image:
         options += [f"--container-image={resolved.profile.container_image}",
@@ -163,7 +163,7 @@ def render(resolved: ResolvedRecipe, placement: RunPlacement, mode: str = "train
     step = step_plan(resolved, login_python or sys.executable, node.exclusive)
     spec = RunSpec(recipe=resolved.recipe, derived=resolved.derived, site=site_plan(resolved), step=step)
     context = {
-        "version": __version__,
+        "version": VERSION,
         "recipe": resolved.recipe,
         "profile": resolved.profile,
         "run_id": placement.run_id,

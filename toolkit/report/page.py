@@ -9,12 +9,12 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from toolkit.base.shared_dirs import open_regular
 from toolkit.report.charts import Marker, Span, breakdown_bar, line_chart, timeline_chart
 from toolkit.runs.layout import RunLayout
 from toolkit.runs.progress import number, restarted
 from toolkit.runs.status import RunStatus
 from toolkit.runs.timeline import plausible_time, read_lines
-from toolkit.shared_dirs import open_regular
 
 SMOOTH = 10  # steps the throughput curve is averaged over
 MAX_POINTS = 2000  # a week-long run's curve, thinned to what a page can draw

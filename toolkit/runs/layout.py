@@ -10,7 +10,7 @@
                       script from the copy inside it
     attempts.jsonl    one line per start of the job: its nodes, when
     events.jsonl      the watchdog's events: nodes lost, restarts (what `ft status` counts as faults)
-    exit-status       why the current step ended (toolkit/watch/exits.py)
+    exit-status       why the current step ended (toolkit/runs/exits.py)
     done              the run finished: a requeue after it never reruns it
     metrics.jsonl     every step's loss, learning rate, tokens (rank 0)
     tracking.json     where else the metrics went (W&B page or offline folder)
@@ -33,12 +33,15 @@ Only this module spells these names; everything else asks a RunLayout.
 
 from __future__ import annotations
 
-import re
+import contextlib
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
+from toolkit.runs import exits
 
 if TYPE_CHECKING:
     from toolkit.recipe.run_spec import RunSpec
@@ -73,27 +76,56 @@ RANKS = "ranks"
 RECEIPT = "receipt.jsonl"
 RECEIPT_LOCK = ".receipt.lock"
 RECEIPT_SIGNATURE = "receipt.sig"
+# In logs/: one per Slurm job (sbatch's %j), per node (srun's %N), per rank, per node's warm template.
+SLURM_LOG = "slurm-{job}.out"
+NODE_LOG = "node-{node}.log"
+RANK_LOG = "rank-{rank}.log"
+WARM_LOG = "warm-{node}.log"
+WARM_SRUN_ERRORS = "warm-srun.err"
+STACKS = "stacks"
+STACK_DUMP = "rank-{rank}.{stamp}.txt"  # in stacks/: a hung rank's threads, per job and start
+# In a start's folder of launch/ (FT_LAUNCH_MARKS): srun's messages, the nodes an older job script
+# requeues without, where the successor of a lost batch host listens.
+SRUN_ERRORS = "srun.err"
+LOST_NODES = "lost-nodes"
+SUCCESSOR = "successor-of-{node}.json"
 
-# A run id names a folder and a Slurm comment, and is typed by users: plain characters only.
-RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
 
 # What the job script needs, by the names its template uses.
 TEMPLATE_NAMES = {"spec": SPEC, "exit_status": EXIT_STATUS, "done": DONE, "logs": LOGS,
                   "launch_marks": LAUNCH_MARKS, "launch_failures": LAUNCH_FAILURES,
-                  "checkpoint_status": CHECKPOINT_STATUS}
+                  "checkpoint_status": CHECKPOINT_STATUS, "slurm_log": SLURM_LOG.format(job="%j")}
 
 
 MAX_SPEC_BYTES = 16 << 20  # a recipe's env may carry values up to 128 KiB each
 
 
 class RunSpecError(FtError):
-    """The run spec a job reads is missing or damaged: no restart can help (exit 4, not requeued)."""
+    """The run spec a job reads is missing or damaged: no restart can help (a user error, not requeued)."""
 
-    exit_code = 4
+    exit_code = exits.USER_ERROR
 
     def __init__(self, message: str):
         super().__init__(message, hint="render the job script again (ft render / ft submit); "
                                        "edit the recipe, not the JSON inside the script")
+
+
+MAX_RECORD_BYTES = 1 << 20
+
+
+def read_private_file(path: Path, limit: int = MAX_RECORD_BYTES) -> str:
+    """A file of this user's run: its folder must be theirs (anyone may make a folder in a common
+    runs root, with a record claiming anything), the file a regular one of bounded size (never a
+    FIFO that blocks, a symlink, or /dev/zero)."""
+    folder = os.lstat(path.parent)
+    if not stat.S_ISDIR(folder.st_mode) or folder.st_uid != os.getuid():
+        raise OSError(f"{path.parent} is not a run folder of yours")
+    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(descriptor, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+            raise OSError(f"{path} is not a run record (not a regular file, or over {limit >> 20} MiB)")
+        return handle.read(limit + 1).decode(errors="replace")
 
 
 @dataclass(frozen=True)
@@ -216,7 +248,7 @@ class RunLayout:
 
     @property
     def stacks(self) -> Path:
-        return self.logs / "stacks"
+        return self.logs / STACKS
 
     @property
     def preflight(self) -> Path:
@@ -227,16 +259,45 @@ class RunLayout:
         return self.root / CACHE
 
     def node_log(self, node: str) -> Path:
-        return self.logs / f"node-{node}.log"
+        """A node's launcher log; node "%N" is srun's pattern for it."""
+        return self.logs / NODE_LOG.format(node=node)
+
+    def stack_dump(self, rank: int, stamp: str) -> Path:
+        return self.stacks / STACK_DUMP.format(rank=rank, stamp=stamp)
+
+    def warm_log(self, node: str) -> Path:
+        return self.logs / WARM_LOG.format(node=node)
+
+    @property
+    def warm_srun_errors(self) -> Path:
+        return self.logs / WARM_SRUN_ERRORS
 
     def rank_place(self, rank: int) -> Path:
         return self.root / RANKS / f"{rank}.json"
 
     def rank_log(self, rank: int) -> Path:
-        return self.logs / f"rank-{rank}.log"
+        return self.logs / RANK_LOG.format(rank=rank)
 
     def slurm_log(self, job_id: str) -> Path:
-        return self.logs / f"slurm-{job_id}.out"
+        return self.logs / SLURM_LOG.format(job=job_id)
+
+    def leave_exit_status(self, status: int) -> None:
+        """Say why this step ends, for the supervisor and the job (toolkit/runs/exits.py; written
+        whole: renamed in)."""
+        staged = self.exit_status.with_name(f".{self.exit_status.name}.{os.getpid()}")
+        staged.write_text(f"{status}\n")
+        staged.replace(self.exit_status)
+
+    def read_exit_status(self) -> int | None:
+        try:
+            text = self.exit_status.read_text(errors="replace").strip()
+        except OSError:
+            return None
+        return int(text) if text.isascii() and text.isdigit() and len(text) <= 3 else None
+
+    def clear_exit_status(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.exit_status.unlink()
 
     def read_spec(self) -> RunSpec:
         """The job's typed recipe and derived values. RunSpecError, naming the file and the fix, when
@@ -244,7 +305,6 @@ class RunLayout:
         from pydantic import ValidationError
 
         from toolkit.recipe.run_spec import RunSpec
-        from toolkit.runs.store import read_private_file
 
         try:
             return RunSpec.model_validate_json(read_private_file(self.spec, limit=MAX_SPEC_BYTES))

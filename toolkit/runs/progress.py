@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.shared_dirs import open_regular
+from toolkit.base.shared_dirs import open_regular
 
 WINDOW = 20  # steps the rates are taken over
 TAIL_BYTES = 16384  # enough for WINDOW metrics lines

@@ -10,9 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+from toolkit.base.shared_dirs import private_dir
 from toolkit.runs.layout import RunLayout
 from toolkit.runs.store import JobRecord, RunRecord, RunStore
-from toolkit.shared_dirs import private_dir
 
 
 def register(run_dir: Path, run_id: str, job_id: str, mode: str) -> RunRecord:

@@ -6,10 +6,10 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from toolkit.base.shared_dirs import open_regular
 from toolkit.runs.layout import RunLayout
 from toolkit.runs.store import RunRecord, RunStore
 from toolkit.runs.timeline import read_lines, timeline
-from toolkit.shared_dirs import open_regular
 from toolkit.slurm.client import JobInfo, SlurmClient
 from toolkit.slurm.commands import SlurmCommandError, SlurmUnavailable
 

@@ -24,9 +24,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from toolkit.errors import FtError, UsageError
-from toolkit.runs.layout import RUN_ID_PATTERN, RunLayout
-from toolkit.shared_dirs import common_dir, flock_within, private_dir, write_atomically
+from toolkit.base.errors import FtError, UsageError
+from toolkit.base.names import RUN_ID_PATTERN
+from toolkit.base.shared_dirs import common_dir, flock_within, private_dir, write_atomically
+from toolkit.runs.layout import RunLayout, read_private_file
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 _ID_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"  # no 0/o/1/l/i: ids are typed by people
@@ -70,24 +71,6 @@ def validate_key(key: str) -> str:
         raise UsageError(f"idempotency key {key!r} is not usable",
                          hint="use 1-128 letters, digits and . _ : @ / + = - (it is stored on the Slurm job)")
     return key
-
-
-MAX_RECORD_BYTES = 1 << 20
-
-
-def read_private_file(path: Path, limit: int = MAX_RECORD_BYTES) -> str:
-    """A file of this user's run: its folder must be theirs (anyone may make a folder in a common
-    runs root, with a record claiming anything), the file a regular one of bounded size (never a
-    FIFO that blocks, a symlink, or /dev/zero)."""
-    folder = os.lstat(path.parent)
-    if not stat.S_ISDIR(folder.st_mode) or folder.st_uid != os.getuid():
-        raise OSError(f"{path.parent} is not a run folder of yours")
-    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(descriptor, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
-            raise OSError(f"{path} is not a run record (not a regular file, or over {limit >> 20} MiB)")
-        return handle.read(limit + 1).decode(errors="replace")
 
 
 class RunStore:

@@ -20,8 +20,8 @@ import os
 import time
 from pathlib import Path
 
+from toolkit.base.shared_dirs import open_regular
 from toolkit.runs.layout import RunLayout
-from toolkit.shared_dirs import open_regular
 
 FAULTS = {"node_lost", "restart", "node_silent"}
 EARLIEST, LATEST = 1e9, 1e11  # plausible Unix times (2001 to the year 5138): anything else is torn or forged

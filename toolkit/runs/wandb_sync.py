@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
 
 
 def offline_runs(run_dir: Path, include_synced: bool = False) -> list[Path]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
 
 DEFAULT_TIMEOUT_S = 20.0
 

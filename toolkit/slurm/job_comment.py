@@ -5,7 +5,7 @@ where the cluster stores job comments (AccountingStoreFlags=job_comment)."""
 
 from __future__ import annotations
 
-from toolkit.runs.layout import RUN_ID_PATTERN
+from toolkit.base.names import RUN_ID_PATTERN
 
 
 def compose(run_id: str, key: str | None = None) -> str:

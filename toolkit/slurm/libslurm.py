@@ -19,7 +19,7 @@ import re
 import shutil
 import subprocess
 
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
 from toolkit.slurm.commands import slurm_env
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.checkpoint import manifest
-from toolkit.checkpoint.cadence import DEFAULT_NODE_MTBF_HOURS, AutoCadence
+from toolkit.checkpoint.cadence import Cadence
 from toolkit.checkpoint.manifest import lineage_of, step_of, tag_for
 from toolkit.checkpoint.mirror import Mirror
 from toolkit.checkpoint.remote import RemoteProblem, RemoteTier, mirror_url
@@ -39,7 +39,7 @@ class Tiers:
 class Checkpointer:
     def __init__(self, tiers: Tiers, engine, dist, rank: int, world: int, progress, log: Callable[[str], None],
                  frozen_excluded: bool, lineage: str, asynchronous: bool, board: StatusBoard,
-                 every: float | AutoCadence | None = None, history: tuple[int, float] = (0, 0.0),
+                 cadence: Cadence | None = None,
                  before_file: Callable[[], None] = lambda: None, run_dir: Path | None = None):
         self.tiers, self.engine, self.dist, self.rank = tiers, engine, dist, rank
         self.run_dir = run_dir if rank == 0 else None  # where each whole checkpoint is recorded (receipt)
@@ -54,8 +54,7 @@ class Checkpointer:
         engine.checkpoint_engine = self.snapshots
         self.last_save = time.monotonic()
         self.seconds, self.written = 0.0, 0  # the time training stood still for saves, and how many
-        self.every, self.history = every, history  # seconds or auto; the run's (faults, seconds) so far
-        self.started = time.monotonic()
+        self.cadence = cadence or Cadence()  # when to save (toolkit/checkpoint/cadence.py)
         self.stalls: list[float] = []
         self.told = ""
 
@@ -141,26 +140,21 @@ class Checkpointer:
     def since_last_save(self) -> float:
         return time.monotonic() - self.last_save
 
-    def interval_s(self) -> float:
-        """Seconds between saves on the clock (0: none): the recipe's, or Young/Daly's from the save
-        cost measured so far (the median of the last five)."""
-        if not isinstance(self.every, AutoCadence):
-            return self.every or 0.0
-        return self.every.interval_s(self.save_cost(), self.writer.last_write_s, *self.seen())
+    def due_by_steps(self, step: int) -> bool:
+        return self.cadence.steps_due(step)
+
+    def due_by_clock(self) -> bool:
+        """Whether this rank's clock says save (the loop has the ranks agree on it)."""
+        return self.cadence.clock_due(self.since_last_save(), self.save_cost(), self.writer.last_write_s)
 
     def save_cost(self) -> float | None:
         """Training's pause per save, the median of the last five (None before the first)."""
         return statistics.median(self.stalls[-5:]) if self.stalls else None
 
-    def seen(self) -> tuple[int, float]:
-        """The run's faults and wall clock so far: its history, and this start's time since."""
-        faults, wall = self.history
-        return faults, wall + time.monotonic() - self.started
-
     def _tell_cadence(self) -> None:
-        if self.rank != 0 or not isinstance(self.every, AutoCadence):
+        told = self.cadence.describe(self.save_cost(), self.writer.last_write_s)
+        if self.rank != 0 or told is None:
             return
-        told = self.every.describe(self.save_cost(), self.writer.last_write_s, *self.seen())
         if told.split(":")[0] != self.told.split(":")[0]:  # the interval changed (to the 0.1 min)
             self.log(f"checkpoint cadence (auto): {told}")
         self.told = told
@@ -214,10 +208,10 @@ def staging_folder(staging: str | None) -> Path | None:
     user made there first would read and move the run's checkpoints. None: the run's own folder."""
     if not staging:
         return None
-    from toolkit.errors import FtError
-    from toolkit.shared_dirs import folder_problem, private_dir
-    from toolkit.train.loop import RunEnds
-    from toolkit.watch import exits
+    from toolkit.base.errors import FtError
+    from toolkit.base.shared_dirs import folder_problem, private_dir
+    from toolkit.runs import exits
+    from toolkit.runs.exits import RunEnds
 
     path = Path(staging)
     try:
@@ -238,9 +232,9 @@ def staging_folder(staging: str | None) -> Path | None:
 def owners_sealer(shared_root: str, scope: str) -> Sealer:
     """The run's owner's seal (toolkit/checkpoint/seal.py), from their key on the cluster's shared root.
     A run that cannot seal stops before training: it could not tell its checkpoints from planted ones."""
-    from toolkit.errors import FtError
-    from toolkit.train.loop import RunEnds
-    from toolkit.watch import exits
+    from toolkit.base.errors import FtError
+    from toolkit.runs import exits
+    from toolkit.runs.exits import RunEnds
 
     try:
         return Sealer.for_shared_root(shared_root, scope)
@@ -266,16 +260,17 @@ def checkpointer_for(layout, spec, engine, dist, progress, log: Callable[[str], 
     remote = (RemoteTier(url, recipe.checkpoint.keep_last, (store or ObjectStore()).filesystem(url)[0], sealer=sealer,
                          lineage=lineage_of(recipe)) if url else None)
     board = StatusBoard(layout.checkpoint_status if rank == 0 else None, url)
-    every = recipe.checkpoint.every_minutes
-    history = (0, 0.0)
-    if every == "auto":
+
+    def history() -> tuple[int, float]:
         from toolkit.runs.timeline import timeline
 
         spent = timeline(layout.root) or {}  # what this run met so far, over its requeues and restarts
-        history = (len(spent.get("faults", [])), float(spent.get("wall_s", 0.0)))
-        every = AutoCadence(spec.derived.job_mtbf_hours or DEFAULT_NODE_MTBF_HOURS)
+        return len(spent.get("faults", [])), float(spent.get("wall_s", 0.0))
+
+    cadence = Cadence.of(recipe.checkpoint.every_steps, recipe.checkpoint.every_minutes, spec.derived.job_mtbf_hours,
+                         history)
     return Checkpointer(Tiers(shared, remote), engine, dist, rank, world, progress, log,
                         frozen_excluded=recipe.method.kind != "full", lineage=lineage_of(recipe),
                         asynchronous=recipe.checkpoint.asynchronous, board=board,
-                        every=every * 60 if isinstance(every, float | int) else every, history=history,
+                        cadence=cadence,
                         before_file=before_file, run_dir=layout.root)

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from toolkit.cache_entries import discard, exclusive
+from toolkit.base.cache_entries import discard, exclusive
 
 TORCH_BATON = "lock"  # torch.utils.cpp_extension's FileBaton in each build folder
 VERIFIED = ".ft-verified"  # {library: sha256} of the libraries seen to load

@@ -19,7 +19,7 @@ JOB_STORE = ObjectStore()
 def cache_root(shared_root: str, run_dir: Path, warn) -> Path:
     """The user's cache on the shared filesystem; the run's own folder when that may not be used
     (another user made it, say): the run goes on, and only the reuse across runs is lost."""
-    from toolkit.shared_dirs import SharedFolderError, private_dir, user_cache
+    from toolkit.base.shared_dirs import SharedFolderError, private_dir, user_cache
 
     try:
         return user_cache(shared_root)
@@ -61,8 +61,8 @@ def load_split(recipe: Recipe, model_path: Path, user_cache: Path, rank: int, di
     try:
         key = dataset_key(recipe, path, counter, role, JOB_STORE)
     except (FileNotFoundError, PermissionError) as exc:  # every rank reads its digest: every rank stops
-        from toolkit.train.loop import RunEnds
-        from toolkit.watch import exits
+        from toolkit.runs import exits
+        from toolkit.runs.exits import RunEnds
 
         raise RunEnds(exits.USER_ERROR, f"the {role} data {path} cannot be read ({exc.strerror or exc}): no "
                                         "restart can help; check the path (ft validate)") from None

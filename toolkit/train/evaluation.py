@@ -133,7 +133,7 @@ def brief(results: dict | None) -> str:
 
 
 def write_json(path, value: dict) -> None:
-    from toolkit.shared_dirs import write_atomically
+    from toolkit.base.shared_dirs import write_atomically
 
     write_atomically(path, json.dumps(value, indent=2) + "\n", mode=0o644)
 

@@ -11,24 +11,17 @@ from typing import TYPE_CHECKING
 
 from toolkit.recipe.run_spec import BatchPlan
 from toolkit.recipe.schema import Recipe
+from toolkit.runs import exits
+from toolkit.runs.exits import RunEnds
 from toolkit.train.data import batch_indices, collate, rank_slice
 from toolkit.train.engine import seed_step, step_seed
 from toolkit.train.faults import Faults
 from toolkit.train.objectives import Objective
 from toolkit.train.step_signals import Agreement, LossWindow
 from toolkit.train.tracking import Tracker
-from toolkit.watch import exits
 
 if TYPE_CHECKING:
     from toolkit.train.checkpoint import Checkpointer
-
-
-class RunEnds(Exception):
-    """Training ends before its last step: `code` is the exit status (toolkit/watch/exits.py)."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -60,7 +53,6 @@ class Loop:
     def run(self, start: int, steps: int) -> int:
         """Steps start+1..steps; the last step done. Raises RunEnds on a NaN, running out of memory,
         or a stop on request (after its checkpoint)."""
-        every_steps = self.recipe.checkpoint.every_steps
         self.log(f"training steps {start}..{steps} world={self.world} micro batch {self.plan.micro_batch} "
                  f"accumulation={self.plan.gradient_accumulation} backend={self.backend}")
         step = start
@@ -69,10 +61,9 @@ class Loop:
             self.progress.report("step", step)
             self.window.add(step, losses, accuracies, self.engine.get_lr()[0], self.tokens * self.world,
                             self.grad_norm())
-            stop_now, clock_due = self.agreement.agree(self.stop_requested(),
-                                                       self.checkpointer.since_last_save() >=
-                                                       self.checkpointer.interval_s() > 0)
-            save_now = bool(every_steps and step % every_steps == 0) or clock_due or stop_now or step == steps
+            # The clock may differ between ranks: they agree, or one would save alone and wait forever.
+            stop_now, clock_due = self.agreement.agree(self.stop_requested(), self.checkpointer.due_by_clock())
+            save_now = self.checkpointer.due_by_steps(step) or clock_due or stop_now or step == steps
             if save_now or self.window.due(step) or step == start + 1:
                 self.read_losses(start, steps)
             if save_now:

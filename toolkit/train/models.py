@@ -1,5 +1,5 @@
 """Where a base model comes from: a local path, the cluster's model cache (node-local disk, the
-shared filesystem, the site's object store: toolkit/model_cache.py), or the hub; or 'tiny-llama',
+shared filesystem, the site's object store: toolkit/models/cache.py), or the hub; or 'tiny-llama',
 built locally in the user's own cache. And the model loaded as the recipe's method trains it."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from toolkit.cache_entries import discard, exclusive, staging_path
-from toolkit.model_cache import ModelFolderBroken, entry_name, find_model, shared_models
-from toolkit.model_folder import model_folder_problems
+from toolkit.base.cache_entries import discard, exclusive, staging_path
+from toolkit.base.shared_dirs import trusted_owner_dir
+from toolkit.models.cache import ModelFolderBroken, entry_name, find_model, shared_models
+from toolkit.models.folder import model_folder_problems
 from toolkit.recipe.schema import MethodSpec, TrainingSpec
-from toolkit.shared_dirs import trusted_owner_dir
 from toolkit.train.tiny import ensure_tiny_llama
 
 
@@ -22,7 +22,7 @@ class ModelNotFound(RuntimeError):
 def resolve_model(base: str, revision: str | None, shared_root: str, user_cache: Path, models_url: str = "",
                   log=lambda message: print(message, flush=True)) -> Path:
     """The folder to load a base model from: a local path as is, 'tiny-llama' built in the user's
-    cache, else the nearest cache tier that has it whole (toolkit/model_cache.py), else the hub."""
+    cache, else the nearest cache tier that has it whole (toolkit/models/cache.py), else the hub."""
     if base == "tiny-llama":
         return ensure_tiny_llama(user_cache / "models")
     if Path(base).is_dir():

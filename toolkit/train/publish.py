@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
 from toolkit.receipts import entries as receipt_entries
 from toolkit.recipe.schema import Recipe
 from toolkit.runs.layout import RunLayout

@@ -9,9 +9,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from toolkit.cache_entries import discard, exclusive, staging_path
+from toolkit.base.cache_entries import discard, exclusive, staging_path
 from toolkit.data.tiny_tokenizer import TINY_CHAT_TEMPLATE, train_tiny_tokenizer
-from toolkit.model_folder import model_folder_problems
+from toolkit.models.folder import model_folder_problems
 
 COMPLETE = ".complete"  # written last, after the folder was seen to load
 

@@ -1,8 +1,8 @@
 """One training rank: DeepSpeed + transformers + peft; LoRA, QLoRA or full fine-tuning; SFT or DPO.
 
-Started by toolkit.train.workers with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set. Resumes by
+Started by toolkit.launch.workers with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set. Resumes by
 itself from the newest valid checkpoint, so a requeue, a restart or a resubmit continues the run.
-Exit status (toolkit/watch/exits.py): 0 done (or checkpointed on request: 8), 4 user error (NaN
+Exit status (toolkit/runs/exits.py): 0 done (or checkpointed on request: 8), 4 user error (NaN
 loss), 5 out of memory, 1 anything else.
 
 The parts, each in its module: the typed run spec (toolkit/recipe/run_spec.py, read through
@@ -20,11 +20,12 @@ import sys
 import time
 from pathlib import Path
 
-from toolkit.launch import cores
 from toolkit.recipe.run_spec import RunSpec
+from toolkit.runs import exits
+from toolkit.runs.exits import RunEnds
 from toolkit.runs.layout import RunLayout, RunSpecError
-from toolkit.train.loop import RunEnds
-from toolkit.watch import exits, stacks
+from toolkit.train import cores
+from toolkit.watch import stacks
 from toolkit.watch.progress import Reporter
 
 _stop_requested = False
@@ -57,7 +58,7 @@ def main() -> None:
     else:
         return
     print(f"[rank {os.environ.get('RANK', '?')} {time.strftime('%H:%M:%S')}] {ending}", flush=True)
-    exits.leave_exit_status(layout.root, ending.code)  # every rank: whichever srun stops last
+    layout.leave_exit_status(ending.code)  # every rank: whichever srun stops last
     sys.exit(ending.code)
 
 
@@ -73,7 +74,7 @@ def keep_to_planned_cores() -> None:
               f"{threads or 'default'} thread(s)", flush=True)
 
 
-# What train() imports, loaded ahead by the node's warm template (toolkit/train/warm.py): a rank
+# What train() imports, loaded ahead by the node's warm template (toolkit/launch/warm.py): a rank
 # forked from it starts without the import time (5-12 s on the lab's CPUs). transformers loads a
 # model's code only when asked for it: the Llama family's (the tiny model's, and most recipes').
 PRELOAD = ("torch", "torch.distributed", "deepspeed", "peft", "transformers",

@@ -7,7 +7,7 @@ nodes' heartbeats). A scrape costs the ranks nothing, whatever its interval.
 How Prometheus finds a run (jobs come and go, on whichever batch host Slurm picks): file-based
 service discovery. The supervisor writes a claim, <shared root>/monitoring/targets/<run>.<job>.json,
 when it starts serving and removes it when it ends; the cluster exporter publishes the claims Slurm
-vouches for, labelled with Slurm's word (run, user, slurm_job: toolkit/watch/run_targets.py), and
+vouches for, labelled with Slurm's word (run, user, slurm_job: toolkit/services/run_targets.py), and
 Prometheus reads what it published (file_sd_configs, ansible/roles/prometheus). A pull keeps
 Prometheus's own `up` and staleness semantics (a push gateway would keep serving a dead run's last
 values), and needs no agent beside the job (a textfile collector needs node_exporter on every
@@ -16,7 +16,7 @@ compute node and a shared clock for freshness).
 Every series below also carries the target's labels run, user and slurm_job, which Prometheus adds:
 the exporter serves none of them itself (what a user's process serves is not proof of who it is).
 Prometheus scrapes each scope apart (scoped_app): the run's own series, and each node's, whose
-`node` label is then Slurm's name for a node the job holds (toolkit/watch/run_targets.py).
+`node` label is then Slurm's name for a node the job holds (toolkit/services/run_targets.py).
 
     ft_run_info{recipe, method, tier, cluster}  1
     ft_run_step, ft_run_loss, ft_run_learning_rate                 the newest step's
@@ -270,7 +270,7 @@ class RunCollector:
 
 def run_labels(run_dir: Path) -> dict[str, str]:
     """What the run serves about itself. Who it is (run, user, slurm_job) is Prometheus's target labels,
-    from Slurm (toolkit/watch/run_targets.py): a label served here under those names would be renamed."""
+    from Slurm (toolkit/services/run_targets.py): a label served here under those names would be renamed."""
     spec = RunLayout(run_dir).read_spec()
     return {"recipe": spec.recipe.name, "method": spec.recipe.method.kind, "tier": spec.recipe.resources.tier,
             "cluster": spec.site.cluster}
@@ -297,7 +297,7 @@ class Scoped:
 
 def scoped_app(collector):
     """prometheus_client's WSGI app for a collector, serving the scope Prometheus asks for
-    (toolkit/watch/run_targets.py): ?scope=job the run's own series, ?scope=node&node=N node N's
+    (toolkit/services/run_targets.py): ?scope=job the run's own series, ?scope=node&node=N node N's
     alone, nothing: all of them (a person's curl). Prometheus labels a node's series with Slurm's
     node name, whatever is served."""
     from urllib.parse import parse_qs
@@ -399,7 +399,7 @@ class RunExporter:
         self.scrapes = ScrapeCounter(scoped_app(self.collector))
         folder = targets if targets is not None else RunLayout(run_dir).read_spec().site.monitoring_targets
         # Named for its run and job: the cluster exporter publishes it if Slurm runs that job for the
-        # file's owner (toolkit/watch/run_targets.py). Outside a Slurm job nothing could vouch for it.
+        # file's owner (toolkit/services/run_targets.py). Outside a Slurm job nothing could vouch for it.
         job = os.environ.get("SLURM_JOB_ID", "")
         run = os.environ.get("FT_RUN_ID") or run_dir.name
         self.target_file = Path(folder) / f"{run}.{job}.json" if folder and job.isdigit() else None
@@ -408,7 +408,7 @@ class RunExporter:
         self.server = None
 
     def start(self) -> int:
-        from toolkit.shared_dirs import write_atomically
+        from toolkit.base.shared_dirs import write_atomically
 
         self.server = serve(self.scrapes, self.listen)
         port = self.server.server_port

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
 from toolkit.slurm.client import JobInfo, SlurmClient
 from toolkit.slurm.commands import expand_hostlist
 

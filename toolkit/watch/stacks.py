@@ -38,7 +38,7 @@ def main_thread_frames(dump_text: str) -> bool:
     return FRAME_LINE.search(dump_text) is not None  # no thread names (an older py-spy): any frame
 FAULTHANDLER_SIGNAL = signal.SIGUSR1  # registered by the worker (toolkit/train/worker.py)
 # A hung rank in one of these states hangs by itself, not waiting on a peer: its node is to blame
-# (toolkit/watch/supervise.py leaves a node out that keeps hanging). A rank waiting in a collective
+# (toolkit/job/supervise.py leaves a node out that keeps hanging). A rank waiting in a collective
 # sleeps (S) or spins (R); which of those waits on whom, no state tells.
 BLAMED_STATES = {"T": "stopped (SIGSTOP, or a debugger)", "t": "stopped by a debugger",
                  "D": "stuck in the kernel (a driver call, or I/O that does not return)"}
@@ -102,8 +102,7 @@ def blame(pid: int) -> str | None:
 
 
 def dump_all(layout: RunLayout, pids: dict[int, int], log: Callable[[str], None]) -> None:
-    folder = layout.stacks
-    folder.mkdir(parents=True, exist_ok=True)
+    layout.stacks.mkdir(parents=True, exist_ok=True)
     stamp = f"{os.environ.get('SLURM_JOB_ID', 'job')}.{os.environ.get('FT_WATCH_START', '0')}"
     for rank, pid in sorted(pids.items()):
-        log(f"rank {rank}: {dump(pid, folder / f'rank-{rank}.{stamp}.txt')}")
+        log(f"rank {rank}: {dump(pid, layout.stack_dump(rank, stamp))}")

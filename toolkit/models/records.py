@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from toolkit.errors import FtError
-from toolkit.shared_dirs import (
+from toolkit.base.errors import FtError
+from toolkit.base.shared_dirs import (
     SharedFolderError,
     common_dir,
     require_trusted,
@@ -117,7 +117,7 @@ def claim(shared_root: str, entry: str) -> Path:
 def write(path: Path, entry: str, raw_manifest: bytes) -> None:
     """After the manifest is uploaded: the record, replaced whole (a temporary file renamed over it;
     in the sticky folder only its owner, or root, may)."""
-    from toolkit.shared_dirs import login_name
+    from toolkit.base.shared_dirs import login_name
 
     body = {"model": entry, "manifest_sha256": manifest_sha256(raw_manifest),
             "pushed_by": login_name(os.getuid()) or str(os.getuid()), "pushed_at": time.time()}

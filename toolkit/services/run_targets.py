@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.shared_dirs import login_name, write_atomically
+from toolkit.base.shared_dirs import login_name, write_atomically
 from toolkit.slurm import commands, job_comment, jobs
 
 CLAIM_MAX_BYTES = 4096  # a claim is one address; anything larger is not one of ours

@@ -5,6 +5,8 @@ the model cache, and receipts. The registry reads exactly a file's size on its o
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 from pathlib import Path
 
@@ -23,3 +25,20 @@ def sha256_stream(handle) -> tuple[int, str]:
 def sha256_file(path: Path) -> str:
     with open(path, "rb") as handle:
         return sha256_stream(handle)[1]
+
+
+# A site key's public half as the cluster profile writes it (receipts.public_key), and its id: the
+# profile checks them with the standard library alone (toolkit/receipts/keys.py uses the key).
+def public_key_bytes(text: str) -> bytes:
+    """The raw 32 bytes of a public key written as base64, or ValueError."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{text!r} is not base64") from None
+    if len(raw) != 32:
+        raise ValueError(f"an ed25519 public key is 32 bytes, this one {len(raw)}")
+    return raw
+
+
+def key_id(public_raw: bytes) -> str:
+    return hashlib.sha256(public_raw).hexdigest()[:16]

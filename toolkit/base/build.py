@@ -6,10 +6,13 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from toolkit import __version__
-from toolkit.paths import resource_dir
+from toolkit.base.paths import resource_dir
 
-_PACKAGE = Path(__file__).resolve().parent
+# The one place ft's version is spelled: pyproject.toml reads it (tool.hatch.version), and
+# `toolkit.__version__` is this.
+VERSION = "0.1.0"
+
+_PACKAGE = Path(__file__).resolve().parents[1]  # toolkit/
 
 
 def _files() -> list[tuple[str, Path]]:
@@ -27,7 +30,7 @@ def build_id() -> str:
     digest = hashlib.sha256()
     for name, path in _files():
         digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return f"{__version__}+{digest.hexdigest()[:12]}"
+    return f"{VERSION}+{digest.hexdigest()[:12]}"
 
 
 if __name__ == "__main__":

@@ -44,9 +44,10 @@ class StepPlan(Strict):
     whole_nodes: bool = Field(False, description="The job holds whole nodes (--exclusive): each node's step "
                                                  "gets every core of it, not the job's --cpus-per-task")
 
-    def srun(self, nodes: int, logs: str, cpus_on_node: str, cpus_per_task: str) -> list[str]:
+    def srun(self, nodes: int, node_log: str, cpus_on_node: str, cpus_per_task: str) -> list[str]:
         """The step: one ft launcher per node, with every core of the node where the job holds it
-        whole, else the job's own (Slurm's SLURM_CPUS_ON_NODE and SLURM_CPUS_PER_TASK)."""
+        whole, else the job's own (Slurm's SLURM_CPUS_ON_NODE and SLURM_CPUS_PER_TASK). `node_log` is
+        each node's log, with srun's %N for the node (the run's layout names it)."""
         cpus = cpus_on_node if self.whole_nodes else (cpus_per_task or "1")
-        return steps.training_step(nodes, cpus, f"{logs}/node-%N.log", self.srun_options,
+        return steps.training_step(nodes, cpus, node_log, self.srun_options,
                                    [self.python, "-m", "toolkit.launch"])

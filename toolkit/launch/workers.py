@@ -26,23 +26,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from toolkit.launch import cores
-from toolkit.launch.node import log
+from toolkit.base.shared_dirs import write_atomically
+from toolkit.launch import warm
+from toolkit.launch.log import log
+from toolkit.launch.warm import WarmWorker, runtime_env
+from toolkit.runs import exits
 from toolkit.runs.layout import RunLayout, RunSpecError
 from toolkit.runs.timeline import record
-from toolkit.shared_dirs import write_atomically
-from toolkit.train import warm
-from toolkit.train.warm import WarmWorker
-from toolkit.watch import exits, stacks
+from toolkit.train import cores
+from toolkit.watch import stacks
 from toolkit.watch.heartbeat import Sender
 from toolkit.watch.progress import PROGRESS_FD, HangRule, NodeProgress
 
-# Training on CPUs (the lab): glibc hands each large freed buffer back to the kernel, and the next
-# step faults it in again, zeroed. A third of a CPU step went to the kernel so (a 768x6 Llama: 20 s
-# of 61 s); with the buffers kept in the heap the same loop ran 1.3-1.5x faster (benchmarks/TRAINING.md).
-# The mmap threshold is glibc's largest; the heap keeps its peak, which every step reaches again.
-CPU_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(16 << 30),
-              "MALLOC_TOP_PAD_": str(256 << 20)}
 HANG_KILL_DELAY_S = 1.0  # see supervise(): the other nodes read their ranks' stacks meanwhile
 
 
@@ -56,16 +51,6 @@ def worker_env(node_rank: int, local_rank: int, per_node: int, nodes: int, backe
         "NODE_RANK": str(node_rank),
     })
     return runtime_env(env, backend)
-
-
-def runtime_env(env: dict[str, str], backend: str) -> dict[str, str]:
-    """What a rank's process must have from its first instruction: glibc reads its malloc
-    settings, and DeepSpeed picks its accelerator, as they load."""
-    if backend == "gloo":
-        env.setdefault("DS_ACCELERATOR", "cpu")
-        for name, value in CPU_MALLOC.items():  # the site's own settings win
-            env.setdefault(name, value)
-    return env
 
 
 def start_workers(layout: RunLayout, node_rank: int, per_node: int, nodes: int, backend: str
@@ -136,7 +121,7 @@ def run_workers(run_dir: Path, node_rank: int, nodes: int, beat: Sender | None =
         spec = layout.read_spec()
     except RunSpecError as exc:
         print(f"[ft-launch {socket.gethostname()}] {exc}", flush=True)
-        exits.leave_exit_status(run_dir, exits.USER_ERROR)
+        RunLayout(run_dir).leave_exit_status(exits.USER_ERROR)
         return exits.USER_ERROR
     host = socket.gethostname()
     layout.logs.mkdir(parents=True, exist_ok=True)
@@ -201,7 +186,7 @@ def supervise(layout: RunLayout, host: str, workers: dict[int, subprocess.Popen]
             # and their stacks would show the error instead of where they waited.
             time.sleep(HANG_KILL_DELAY_S)
             stop(workers, grace=0)
-            exits.leave_exit_status(layout.root, exits.HUNG)
+            layout.leave_exit_status(exits.HUNG)
             return exits.HUNG
         time.sleep(0.2)
 

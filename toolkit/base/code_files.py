@@ -5,7 +5,7 @@ ft's daemons (the receipt signer, the cluster exporter) are started by Ansible, 
 daemon started before a file it reads changed (ft.cluster.daemon's `config_files`; systemd units on
 a change of this file). The roles write this record beside the daemon's command line:
 
-    python -m toolkit.code_files toolkit.receipts.signer
+    python -m toolkit.base.code_files toolkit.services.signer
     {"files": [... ft's files the module loads ...], "digest": "<sha256 of their paths and contents>"}
 
 The record changes only when the code does, so a provisioning run restarts the daemon then and
@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from toolkit.digests import sha256_file
+from toolkit.base.digests import sha256_file
 
 
 def loaded_by(module: str) -> list[str]:

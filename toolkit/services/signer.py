@@ -1,7 +1,7 @@
 """The site's receipt signer: a small daemon on each compute node (ansible/roles/ft_signer starts it)
 that signs a run's receipt for the run's own job, and for nobody else.
 
-    python -m toolkit.receipts.signer --key /etc/ft/signing/receipt.key \\
+    python -m toolkit.services.signer --key /etc/ft/signing/receipt.key \\
         --socket /run/ft-signer/receipt.sock --user ft-signer
 
 It starts as root, loads the key (only its user reads it), binds a Unix socket every user may
@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -54,27 +53,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.errors import FtError
-from toolkit.privileges import drop_privileges
+from toolkit.base.errors import FtError
+from toolkit.base.names import RUN_ID_PATTERN
+from toolkit.base.privileges import drop_privileges
+from toolkit.base.shared_dirs import login_name
 from toolkit.receipts import keys
-from toolkit.receipts.chain import ENTRY_KEYS, GENESIS, SHA256_PATTERN, ReceiptError, canonical, entry_hash
-from toolkit.runs.layout import RUN_ID_PATTERN
-from toolkit.shared_dirs import login_name
+from toolkit.receipts.canonical import canonical
+from toolkit.receipts.chain import ENTRY_KEYS, GENESIS, SHA256_PATTERN, entry_hash
+from toolkit.receipts.ledger import Ledger, Refused
+from toolkit.receipts.signing import read_line
+from toolkit.services import run_targets
 from toolkit.slurm import commands, jobs
-from toolkit.watch import run_targets
 
 REQUEST_MAX_BYTES = 64 << 10  # the first entry: the submit's recipe, job script and data digests
-LEDGER_MAX_BYTES = 4 << 20
-REPLY_MAX_BYTES = 64 << 10
 CLIENT_TIMEOUT_S = 5.0  # for the whole request: a client that trickles bytes is cut off
 MAX_CLIENTS = 64
 MAX_PER_USER = 4  # a user's jobs seal at a start's end and at the run's end: a few at once at most
 SQUEUE_TIMEOUT_S = 10.0
 PEERCRED = struct.Struct("3i")  # pid, uid, gid
-
-
-class Refused(Exception):
-    """Why a request is not signed (said to the client)."""
 
 
 @dataclass(frozen=True)
@@ -127,27 +123,6 @@ def submit_entry(entry: object, run_id: str) -> tuple[str, str]:
     return own_hash, script["sha256"]
 
 
-def read_line(connection: socket.socket, limit: int, deadline: float) -> bytes:
-    """One line (or all until the other side stops writing) of at most `limit` bytes, by `deadline`
-    (time.monotonic): ValueError when longer, TimeoutError when later."""
-    received = bytearray()
-    while b"\n" not in received:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("too slow")
-        connection.settimeout(remaining)
-        chunk = connection.recv(4096)
-        if not chunk:
-            break
-        received += chunk
-        if len(received) > limit + 1:
-            raise ValueError(f"over {limit} bytes")
-    line = bytes(received).split(b"\n", 1)[0]
-    if len(line) > limit:
-        raise ValueError(f"over {limit} bytes")
-    return line
-
-
 def peer_uid(connection: socket.socket) -> int:
     return PEERCRED.unpack(connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))[1]
 
@@ -167,64 +142,6 @@ class RunningJobs:
                 started = time.monotonic()
                 self.jobs, self.asked = run_targets.running_ft_jobs(self.run, timeout=SQUEUE_TIMEOUT_S), started
             return self.jobs
-
-
-class Ledger:
-    """The points the signer signed, per user and run: <root>/<uid>/<run>.jsonl, one {entries, head,
-    job_id, signed_at} per line, appended under the file's flock (signers on several nodes share it).
-    World-readable: `ft receipt verify` reads a run's newest point there (a receipt cut back to an
-    earlier seal, with that seal's receipt.sig, is found); only the signer writes it. No root: no
-    memory (a signature carries no history)."""
-
-    MAX_POINTS = 500  # seals of one run: each start's end and the run's end; a signature carries them all
-
-    def __init__(self, root: Path | None):
-        self.root = root
-
-    def path(self, uid: int, run_id: str) -> Path:
-        return self.root / str(uid) / f"{run_id}.jsonl"
-
-    @staticmethod
-    def point(line: bytes) -> tuple[int, str, str]:
-        """One line's (entries, head, job); ValueError (or TypeError, KeyError, RecursionError) for
-        anything else."""
-        point = json.loads(line)
-        return int(point["entries"]), str(point["head"]), str(point["job_id"])
-
-    @contextlib.contextmanager
-    def points(self, uid: int, run_id: str):
-        """The run's signed points as (points [[entries, head], ...], the job that first signed, a
-        function recording a new one), all under the run's lock. Refused where the ledger cannot be
-        read whole: nothing is signed on a history ft cannot vouch for."""
-        if self.root is None:
-            yield [], None, lambda *_: None
-            return
-        path = self.path(uid, run_id)
-        path.parent.mkdir(mode=0o755, exist_ok=True)
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(descriptor, "r+b") as handle:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-            handle.seek(0)
-            text = handle.read(LEDGER_MAX_BYTES + 1)
-            if len(text) > LEDGER_MAX_BYTES:
-                raise Refused(f"the ledger of run {run_id} is over {LEDGER_MAX_BYTES} bytes")
-            found, first_job = [], None
-            for line in text.splitlines():
-                try:
-                    entries, head, job = self.point(line)
-                except (ValueError, TypeError, KeyError, RecursionError):
-                    raise Refused(f"the ledger of run {run_id} has a line that is not a point: ask the admins "
-                                  "(the signer signs nothing on a history it cannot read)") from None
-                first_job = first_job or job
-                if [entries, head] not in found:
-                    found.append([entries, head])
-
-            def add(entries: int, head: str, job_id: str, signed_at: float) -> None:
-                handle.write(canonical({"entries": entries, "head": head, "job_id": job_id,
-                                        "signed_at": signed_at}) + b"\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-            yield found, first_job, add
 
 
 class Signer:
@@ -379,39 +296,8 @@ def remove_stale_socket(path: Path) -> None:
     os.unlink(path)
 
 
-def request_signature(socket_path: Path, run_id: str, entries: int, head: str, first: dict,
-                      timeout: float) -> dict:
-    """Ask the signer at `socket_path` to sign a receipt of `entries` entries ending in `head`, whose
-    first entry is `first`: {payload, signature}, or ReceiptError saying why not."""
-    deadline = time.monotonic() + timeout
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-            connection.settimeout(timeout)
-            while True:  # a queue full for a moment (another user's burst) is waited out, to the deadline
-                try:
-                    connection.connect(str(socket_path))
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise
-                    time.sleep(0.05)
-            connection.sendall(canonical({"run_id": run_id, "entries": entries, "head": head, "first": first}) + b"\n")
-            reply = json.loads(read_line(connection, REPLY_MAX_BYTES, deadline))
-    except (OSError, ValueError, RecursionError) as exc:
-        raise ReceiptError(f"the receipt signer at {socket_path} did not answer: {exc}",
-                           hint="ask the cluster's admins (Ansible role ft_signer)") from None
-    if isinstance(reply, dict) and "error" in reply:
-        raise ReceiptError(f"the receipt signer refused: {reply['error']}")
-    payload = reply.get("payload") if isinstance(reply, dict) else None
-    if not isinstance(payload, dict) or not isinstance(reply.get("signature"), str) \
-            or (payload.get("run_id"), payload.get("entries"), payload.get("head")) != (run_id, entries, head):
-        raise ReceiptError(f"the receipt signer at {socket_path} answered something else than a signature of "
-                           "this receipt")
-    return {"payload": payload, "signature": reply["signature"]}
-
-
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m toolkit.receipts.signer",
+    parser = argparse.ArgumentParser(prog="python -m toolkit.services.signer",
                                      description="Sign runs' receipts for their running jobs.")
     parser.add_argument("--key", type=Path, required=True, help="the site's ed25519 key (PEM)")
     parser.add_argument("--socket", type=Path, required=True, help="the Unix socket jobs connect to")

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
 
 Location = tuple[str | int, ...]
 

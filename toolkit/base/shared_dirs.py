@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
 
 COMMON_MODE = 0o1777
 

@@ -2,7 +2,7 @@
 service tier (pending and running jobs, the oldest pending job's wait), read from Slurm's own tools
 at scrape time (at most every CACHE_S seconds: a scrape never floods slurmctld).
 
-    python -m toolkit.watch.cluster_metrics [--listen 127.0.0.1] [--port 9797] [--cluster NAME]
+    python -m toolkit.services.cluster_metrics [--listen 127.0.0.1] [--port 9797] [--cluster NAME]
 
 runs on the controller (ansible/roles/prometheus starts it); Prometheus scrapes it as job ft-cluster.
 
@@ -28,15 +28,15 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from toolkit.base.errors import FtError
+from toolkit.base.privileges import drop_privileges
 from toolkit.cluster.profile import load_profile
-from toolkit.errors import FtError
-from toolkit.privileges import drop_privileges
+from toolkit.services import run_targets
 from toolkit.slurm import commands
 from toolkit.slurm import jobs as slurm_jobs
 from toolkit.slurm import nodes as slurm_nodes
 from toolkit.slurm.jobs import QueueLine
 from toolkit.slurm.nodes import NodeState
-from toolkit.watch import run_targets
 
 CACHE_S = 10.0
 PUBLISH_EVERY_S = 1.0  # how often the runs' claims folder is listed (a listing, not a Slurm call)
@@ -106,7 +106,7 @@ class ClusterCollector:
 
 
 class RunPublisher:
-    """Publishes the runs' claims Slurm vouches for (toolkit/watch/run_targets.py), in its own thread:
+    """Publishes the runs' claims Slurm vouches for (toolkit/services/run_targets.py), in its own thread:
     the claims folder is listed every PUBLISH_EVERY_S, Slurm asked when it changed (a run appears
     within seconds) and at least every CACHE_S (a run that ended goes)."""
 
@@ -161,7 +161,7 @@ class RunPublisher:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m toolkit.watch.cluster_metrics",
+    parser = argparse.ArgumentParser(prog="python -m toolkit.services.cluster_metrics",
                                      description="Serve the cluster's metrics for Prometheus, and publish "
                                                  "the runs' targets Slurm vouches for.")
     parser.add_argument("--listen", default="127.0.0.1")

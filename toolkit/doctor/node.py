@@ -1,5 +1,5 @@
 """What `ft doctor` checks on a compute node, run there by the preflight step with the interpreter
-jobs will use: `python -m toolkit.train.doctor ARGS-JSON`. Prints a JSON line per finding.
+jobs will use: `python -m toolkit.doctor.node ARGS-JSON`. Prints a JSON line per finding.
 
 It imports the training stack (that is the point: the job will), so it never runs on the login node."""
 
@@ -98,7 +98,7 @@ def check_shared(args: dict, node: str) -> list[Finding]:
 def check_versions(args: dict) -> list[Finding]:
     from importlib import metadata
 
-    from toolkit.build import build_id
+    from toolkit.base.build import build_id
 
     versions = {}
     for name in ("torch", "transformers", "peft", "deepspeed"):

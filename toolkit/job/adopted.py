@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from toolkit.errors import FtError
+from toolkit.base.errors import FtError
 from toolkit.slurm.client import SlurmClient
 
 LISTING_TTL_S = 1.0  # Slurm is asked this often at most, whatever the number of steps watched

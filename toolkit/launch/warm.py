@@ -5,7 +5,7 @@ log says how long), most of what a restart inside the allocation cost before (be
 and seconds on any cluster. The
 supervisor starts one long-lived step over every node of the allocation, spares included:
 
-    srun --overlap --no-kill ... python -m toolkit.train.warm
+    srun --overlap --no-kill ... python -m toolkit.launch.warm
 
 On each node it imports the runtime once (toolkit.train.worker.preload) and then serves that node's
 launchers over a Unix socket in a folder of the user's alone: a launcher hands it a rank's
@@ -44,12 +44,28 @@ from pathlib import Path
 
 from toolkit.watch.stacks import process_state
 
+# Training on CPUs (the lab): glibc hands each large freed buffer back to the kernel, and the next
+# step faults it in again, zeroed. A third of a CPU step went to the kernel so (a 768x6 Llama: 20 s
+# of 61 s); with the buffers kept in the heap the same loop ran 1.3-1.5x faster (benchmarks/TRAINING.md).
+# The mmap threshold is glibc's largest; the heap keeps its peak, which every step reaches again.
+CPU_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(16 << 30),
+              "MALLOC_TOP_PAD_": str(256 << 20)}
 WANTED = "FT_WARM"  # set by the supervisor for the training step when it started the warm step
 SERVER_WAIT_S = 30.0  # how long a launcher waits for its node's template to listen
 REPLY_WAIT_S = 600.0  # the first start waits while the template imports (as a cold rank would)
 MAX_REQUEST = 1 << 20
 PR_SET_PTRACER = 0x59616D61  # Yama: who may attach to this process (py-spy, for the hang dumps)
 PR_SET_PDEATHSIG = 1  # the signal this process gets when its parent dies
+
+
+def runtime_env(env: dict[str, str], backend: str) -> dict[str, str]:
+    """What a rank's process must have from its first instruction: glibc reads its malloc
+    settings, and DeepSpeed picks its accelerator, as they load."""
+    if backend == "gloo":
+        env.setdefault("DS_ACCELERATOR", "cpu")
+        for name, value in CPU_MALLOC.items():  # the site's own settings win
+            env.setdefault(name, value)
+    return env
 
 
 def log(message: str) -> None:
@@ -471,7 +487,6 @@ def prctl(option: int, value: int) -> None:
 
 def main() -> int:
     from toolkit.runs.layout import RunLayout, RunSpecError
-    from toolkit.train.workers import runtime_env
 
     try:
         backend = RunLayout(Path(os.environ["FT_RUN_DIR"])).read_spec().site.distributed_backend
@@ -480,7 +495,7 @@ def main() -> int:
         return 0
     wanted = runtime_env(dict(os.environ, PYTORCH_NVML_BASED_CUDA_CHECK="1"), backend)  # asking for GPUs must not
     if wanted != dict(os.environ):  # initialise CUDA; the rest is read as the process starts: again, with it
-        os.execve(sys.executable, [sys.executable, "-m", "toolkit.train.warm"], wanted)
+        os.execve(sys.executable, [sys.executable, "-m", "toolkit.launch.warm"], wanted)
     path = socket_path()
     if not private_folder(path.parent):
         log(f"{path.parent} is not a private folder of this user's: no warm template (ranks start cold)")

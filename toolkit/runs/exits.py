@@ -3,6 +3,8 @@ launchers, the supervisor and the job script follow.
 
     code  meaning                          what happens
     0     done                             the run is finished (a `done` mark: never rerun)
+    1     a launcher failed                the step ends; restarted as below ("other")
+    3     a node failed its checks         the launcher's node is unfit before any rank starts
     4     user error (NaN loss, bad data)  stop: a restart would fail the same way
     5     out of memory                    the job script retries once with a smaller micro batch
     6     a rank hung                      restart from the latest checkpoint, same nodes
@@ -12,20 +14,17 @@ launchers, the supervisor and the job script follow.
     other a rank died, a collective broke  restart from the latest checkpoint, same nodes, with a
                                            backoff, at most watchdog.max_restarts times
 
-The rank or launcher that ends a step first leaves its code in <run dir>/exit-status: srun itself
+The rank or launcher that ends a step first leaves its code in <run dir>/exit-status
+(RunLayout.leave_exit_status): srun itself
 reports the highest code of its tasks, and the ones it stopped because another failed count as
 terminated (15), which would hide the cause.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from pathlib import Path
-
-from toolkit.runs.layout import RunLayout
-
 DONE = 0
+LAUNCH_FAILED = 1
+NODE_UNFIT = 3
 USER_ERROR = 4
 OUT_OF_MEMORY = 5
 HUNG = 6
@@ -34,22 +33,9 @@ STOPPED = 8
 NOT_RESTARTED = {USER_ERROR, OUT_OF_MEMORY, STOPPED}
 
 
-def leave_exit_status(run_dir: Path, status: int) -> None:
-    """Say why this step ends, for the supervisor and the job script (written whole: renamed in)."""
-    path = RunLayout(run_dir).exit_status
-    staged = path.with_name(f".{path.name}.{os.getpid()}")
-    staged.write_text(f"{status}\n")
-    staged.replace(path)
+class RunEnds(Exception):
+    """Training ends before its last step: `code` is the exit status (the table above)."""
 
-
-def read_exit_status(run_dir: Path) -> int | None:
-    try:
-        text = RunLayout(run_dir).exit_status.read_text(errors="replace").strip()
-    except OSError:
-        return None
-    return int(text) if text.isascii() and text.isdigit() and len(text) <= 3 else None
-
-
-def clear_exit_status(run_dir: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        RunLayout(run_dir).exit_status.unlink()
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code

@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from toolkit.cache_entries import discard, exclusive, staging_path
-from toolkit.model_folder import model_folder_problems
-from toolkit.shared_dirs import shared_root_path, trusted_owner_dir
+from toolkit.base.cache_entries import discard, exclusive, staging_path
+from toolkit.base.shared_dirs import shared_root_path, trusted_owner_dir
+from toolkit.models.folder import model_folder_problems
 from toolkit.storage.object_store import ObjectStore, within
 
 COPY_MARK = ".ft-copy"  # in a node-local copy: where it came from, and its size
@@ -155,10 +155,10 @@ def fetch_from_store(name: str, models_url: str, tier: Path, log: Callable[[str]
                      shared_root: str, store: ObjectStore) -> Path | None:
     """Bring a model from the object store into a tier (the shared one: once per cluster; the first
     node to ask downloads it, verified, while the others wait on the lock and then find it whole).
-    Its manifest must be the one its pusher's record names (toolkit/model_records.py). None when the
+    Its manifest must be the one its pusher's record names (toolkit/models/records.py). None when the
     store does not have it."""
-    from toolkit import model_records
     from toolkit.checkpoint.remote import RemoteProblem, get_folder
+    from toolkit.models import records as model_records
 
     filesystem, base = store.filesystem(f"{models_url.rstrip('/')}/{name}")
     target = tier / name
@@ -236,9 +236,9 @@ def fetch_tokenizer(name: str, models_url: str, cache: Path, shared_root: str, s
 def _fetch_tokenizer(name: str, models_url: str, cache: Path, shared_root: str, store: ObjectStore) -> Path | None:
     """The store's trouble (no such model, no record, credentials, the endpoint) raises: `within`
     makes it None."""
-    from toolkit import model_records
+    from toolkit.base.digests import sha256_file
     from toolkit.checkpoint.remote import read_manifest
-    from toolkit.digests import sha256_file
+    from toolkit.models import records as model_records
 
     target = cache / "tokenizers" / name
     if (target / "tokenizer.json").is_file():
