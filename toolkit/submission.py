@@ -66,10 +66,9 @@ def mirror_warnings(resolved: ResolvedRecipe, run_id: str) -> list[str]:
     """What the user should know before the job runs: checkpoints bound for an object store that
     this environment (which the job inherits) has no credentials for."""
     from toolkit.checkpoint.remote import mirror_url
-    from toolkit.storage.object_store import ObjectStore
 
     url = mirror_url(resolved.recipe.checkpoint.s3_mirror, resolved.profile.s3_prefix, run_id)
-    if url is None or ObjectStore(resolved.profile.s3_endpoint).credentials_visible():
+    if url is None or resolved.profile.object_store.credentials_visible():
         return []
     lab = ' (the lab\'s: eval "$(ft lab env)")' if resolved.profile.name == "lab" else ""
     return [f"checkpoints will be mirrored to {url}, but this environment has no S3 credentials (AWS_ACCESS_KEY_ID "
@@ -124,9 +123,8 @@ def data_digests(resolved: ResolvedRecipe) -> dict:
     receipt verify` reads it again); the data checks hashed it already (one read, remembered)."""
     from toolkit.data.cache import file_digest
     from toolkit.receipts.chain import Digest
-    from toolkit.storage.object_store import ObjectStore
 
-    store, found = ObjectStore(resolved.profile.s3_endpoint), {}
+    store, found = resolved.profile.object_store, {}
     for role, path in resolved.recipe.data_files().items():
         try:
             digest = file_digest(path, store)

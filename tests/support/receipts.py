@@ -14,10 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.base.shared_dirs import login_name
-from toolkit.cluster.profile import ReceiptSigning
 from toolkit.receipts import keys
 from toolkit.receipts.chain import GENESIS, Receipt, entry_hash
 from toolkit.receipts.ledger import Ledger
+from toolkit.receipts.site import ReceiptSigning
 from toolkit.services import signer
 from toolkit.slurm.commands import CommandResult
 

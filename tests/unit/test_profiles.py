@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import yaml
 
@@ -71,3 +73,33 @@ def test_profile_strings_that_would_reach_an_sbatch_line_are_checked(tmp_path, m
     with pytest.raises(ProfileError) as raised:
         load_profile(name)
     assert str(clusters) in str(raised.value)
+
+
+def test_the_profile_is_its_parts_each_typed_beside_its_reader():
+    """One flat file section (the format users write is unchanged), made of the parts each reader
+    needs: every field belongs to exactly one part, and a reader of one part takes that part alone."""
+    from toolkit.account.prices import PriceSite
+    from toolkit.checkpoint.cadence import CadenceSite
+    from toolkit.cluster.profile import ClusterProfile, base_profiles
+    from toolkit.receipts.site import MonitoringSite
+    from toolkit.recipe.resolve import rank_budget
+    from toolkit.slurm.runtime import RuntimeSite
+    from toolkit.slurm.site import SchedulerSite
+    from toolkit.storage.site import StorageSite
+
+    parts = [SchedulerSite, StorageSite, RuntimeSite, MonitoringSite, PriceSite, CadenceSite]
+    owned = [name for part in parts for name in part.model_fields]
+    assert len(owned) == len(set(owned))  # no field in two parts
+    assert set(ClusterProfile.model_fields) == {*owned, "name"}
+    lab = base_profiles()["lab"]
+    for part in parts:  # each part's view of a real profile validates on its own
+        alone = part.model_validate({name: getattr(lab, name) for name in part.model_fields})
+        dumped = lab.model_dump()
+        assert alone.model_dump() == {name: dumped[name] for name in part.model_fields}
+    scheduler = SchedulerSite(gpus_per_node=0, cpu_workers_per_node=2, memory_per_node_mb=4096,
+                              tiers={"standard": {"partition": "cpu"}})
+    assert rank_budget(scheduler, 2) == int(4096 * 2**20 / 2 * 0.9)
+    assert StorageSite(s3_endpoint="http://127.0.0.1:8333").object_store.endpoint in (
+        "http://127.0.0.1:8333", os.environ.get("AWS_ENDPOINT_URL"))
+    with pytest.raises(ValueError, match="is not an S3 prefix"):
+        StorageSite(s3_prefix="s3://No_Such/x")

@@ -14,9 +14,10 @@ import pytest
 from tests.support.run_specs import run_spec
 from tests.support.sacct import sacct_json
 from toolkit.account import quota
-from toolkit.cluster.profile import AccountQuota, load_profile
+from toolkit.cluster.profile import load_profile
 from toolkit.recipe.resolve import ResolvedRecipe
 from toolkit.slurm.commands import CommandResult
+from toolkit.slurm.site import AccountQuota
 
 NOW = datetime(2026, 11, 24, 12, 0, 0).timestamp()
 # This month: a run of ft's and a hand-made job of account physics (Slurm counts both), one of research.

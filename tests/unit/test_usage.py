@@ -234,7 +234,7 @@ def test_ft_usage_says_it_used_the_run_records_where_slurm_does_not_answer(tmp_p
 
 def test_an_account_over_its_budget_is_flagged():
     from toolkit.cli.usage import _quota
-    from toolkit.cluster.profile import AccountQuota
+    from toolkit.slurm.site import AccountQuota
 
     assert _quota(AccountQuota(budget_gpu_hours=10, cap_gpu_hours=12), 10.5) == {
         "budget_gpu_hours": 10, "cap_gpu_hours": 12, "over_budget": True}

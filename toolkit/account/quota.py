@@ -17,13 +17,14 @@ from datetime import datetime
 from toolkit.account import usage
 from toolkit.base.errors import FtError
 from toolkit.slurm import accounting, commands, jobs
+from toolkit.slurm.site import SchedulerSite
 
 
 class QuotaExceeded(FtError):
     exit_code = 2
 
 
-def account_of(resources, profile, run: Callable = commands.run) -> str | None:
+def account_of(resources, profile: SchedulerSite, run: Callable = commands.run) -> str | None:
     """The account a job is charged to: the recipe's, the profile's default, else the user's own default."""
     if resources.account or profile.default_account:
         return (resources.account or profile.default_account).lower()  # Slurm's account names are lowercase

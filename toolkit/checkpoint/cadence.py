@@ -22,12 +22,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pydantic import BaseModel, ConfigDict, Field
+
 # Published interruption rates of large training clusters: Llama 3 405B saw 419 unexpected
 # interruptions in 54 days on 16,384 GPUs (2,048 nodes), one per ~6,300 node-hours. ft assumes
 # somewhat worse for clusters it knows nothing about.
 DEFAULT_NODE_MTBF_HOURS = 5000.0
 FIRST_INTERVAL_S = 600.0
 MIN_INTERVAL_S = 60.0  # a save costs more than its pause (the write, the upload): never more often
+
+
+
+class CadenceSite(BaseModel):
+    """The cadence's part of a cluster profile (toolkit/cluster/profile.py)."""
+    model_config = ConfigDict(extra="forbid")
+
+    # Mean time between failures of one node, for `checkpoint.every_minutes: auto` (the site's own
+    # record, if it keeps one; the default follows published large-cluster interruption rates).
+    node_mtbf_hours: float = Field(DEFAULT_NODE_MTBF_HOURS, gt=0)
 
 
 def daly_interval_s(cost_s: float, mtbf_s: float) -> float:

@@ -29,7 +29,6 @@ def push(
     from toolkit.cluster.profile import load_profile
     from toolkit.models.cache import entry_name
     from toolkit.models.folder import model_folder_problems
-    from toolkit.storage.object_store import ObjectStore
 
     profile = load_profile(cluster)
     if not profile.s3_models:
@@ -56,7 +55,7 @@ def push(
     entry = entry_name(base, revision or None)
     record = model_records.claim(profile.shared_root, entry)  # another user's name: refused before any upload
     url = f"{profile.s3_models.rstrip('/')}/{entry}"
-    filesystem, key = ObjectStore(profile.s3_endpoint).filesystem(url)
+    filesystem, key = profile.object_store.filesystem(url)
     with task_spinner("model push") as on_task:
         on_task("hashing the files")
         described = manifest.describe(folder, 0, "")

@@ -4,19 +4,20 @@ written by ft's Ansible role ft_profile), and the user's (~/.config/ft/clusters.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, ValidationError, field_validator
 
-from toolkit.base.digests import key_id, public_key_bytes
+from toolkit.account.prices import PriceSite
 from toolkit.base.errors import FtError
-from toolkit.base.names import ENV_NAME_PATTERN, NAME_PATTERN
+from toolkit.base.names import slurm_name
 from toolkit.base.yaml_source import YamlError, load_trusted_yaml, load_yaml
-from toolkit.checkpoint.cadence import DEFAULT_NODE_MTBF_HOURS
-from toolkit.storage.object_store import parse_s3_url
+from toolkit.checkpoint.cadence import CadenceSite
+from toolkit.receipts.site import MonitoringSite
+from toolkit.slurm.runtime import RuntimeSite
+from toolkit.slurm.site import SchedulerSite
+from toolkit.storage.site import StorageSite
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 
@@ -26,215 +27,18 @@ def site_profile_path() -> Path:
     return Path(os.environ.get("FT_SITE_PROFILE", "/etc/ft/cluster.yaml"))
 
 
-# Characters a path on an #SBATCH line cannot carry: sbatch reads those lines without a shell, and
-# expands '%' itself.
-SBATCH_UNSAFE = "\n\r\"'\\ \t%"
-
-
-def slurm_name(value: str | None) -> str | None:
-    """Slurm names (partitions, QOS, accounts, clusters) reach #SBATCH lines: checked, not quoted,
-    by the same rule as a recipe's names."""
-    if value is not None and not re.fullmatch(NAME_PATTERN, value):
-        raise ValueError(f"{value!r} is not a usable name: 1-63 letters, digits, '.', '_' or '-'")
-    return value
-
-
-class TierTarget(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    partition: str
-    qos: str | None = None
-    # The tier's own price per GPU-hour (a free tier's is lower, a premium one's higher); None: the profile's.
-    price_per_gpu_hour: float | None = Field(None, ge=0, allow_inf_nan=False)
-
-    _names = field_validator("partition", "qos")(slurm_name)
-
-
-class AccountQuota(BaseModel):
-    """An account's share of the cluster (the inventory's slurm_accounting_accounts, through ft_profile)."""
-    model_config = ConfigDict(extra="forbid")
-    # A month's GPU-hours: past the budget ft warns and flags the overage; past the cap ft refuses and
-    # Slurm holds the jobs.
-    budget_gpu_hours: float | None = Field(None, ge=0, allow_inf_nan=False)
-    cap_gpu_hours: float | None = Field(None, ge=0, allow_inf_nan=False)
-    max_running_jobs: int | None = Field(None, ge=0)  # runs at once; more wait in the queue
-
-
-class ReceiptSigning(BaseModel):
-    """The site's receipt signer (ansible/roles/ft_signer writes this section): the key `ft receipt
-    verify` checks signatures with, and the socket a job asks for one on (toolkit/receipts)."""
-    model_config = ConfigDict(extra="forbid")
-    public_key: str  # base64 of the raw 32-byte ed25519 public key
-    key_id: str  # the first 16 hex digits of its sha256: what a signature names
-    socket: str = "/run/ft-signer/receipt.sock"
-    # What the signers signed, per user and run, on the shared filesystem (None: not known here):
-    # verify finds a receipt cut back to an earlier seal there.
-    ledger: str | None = None
-
-    @model_validator(mode="after")
-    def key_id_is_the_key_s(self) -> ReceiptSigning:
-        wanted = key_id(public_key_bytes(self.public_key))  # ValueError: not a public key
-        if self.key_id != wanted:
-            raise ValueError(f"key_id {self.key_id!r} is not this public key's ({wanted}): copy both from the "
-                             "signer's key (python -m toolkit.receipts.keys KEYFILE)")
-        return self
-
-    @field_validator("socket", "ledger")
-    @classmethod
-    def socket_path(cls, value: str | None) -> str | None:
-        if value is not None and (not value.startswith("/") or any(ch in value for ch in "\n\r\0")):
-            raise ValueError(f"{value!r}: the signer's socket and ledger are absolute paths on one line")
-        return value
-
-
-class ClusterProfile(BaseModel):
+class ClusterProfile(SchedulerSite, StorageSite, RuntimeSite, MonitoringSite, PriceSite, CadenceSite):
+    """A cluster, as one flat file section (the format users write is unchanged), made of the parts
+    each reader needs, each typed beside what reads it: the scheduler and its tiers
+    (toolkit/slurm/site.py), storage (toolkit/storage/site.py), fabric and containers
+    (toolkit/slurm/runtime.py), monitoring and signing (toolkit/receipts/site.py), prices
+    (toolkit/account/prices.py) and the nodes' failure rate (toolkit/checkpoint/cadence.py). A
+    function that reads one part takes that part."""
     model_config = ConfigDict(extra="forbid")
 
     name: str
-    gpus_per_node: int = Field(ge=0)
-    # Workers per node where there are no GPUs (the lab: gloo on CPU). None: one per GPU.
-    cpu_workers_per_node: int | None = None
-    max_nodes: int | None = Field(None, ge=1)
-    # The GPU nodes' size, for what a job asks of them: its share of their cores and memory (a job on
-    # 2 of 8 GPUs asks for a quarter). None: not known (`ft cluster add` reads them from sinfo).
-    cpus_per_node: int | None = Field(None, ge=1)
-    memory_per_node_mb: int | None = Field(None, ge=1)
-    # One GPU's memory, for the memory plan (toolkit/recipe/memory_plan.py): the resolver chooses
-    # activation checkpointing and the ZeRO stage from it. None: not known (size rules instead).
-    gpu_memory_gib: float | None = Field(None, gt=0, allow_inf_nan=False)
-    # The site gives GPU nodes whole (HyperPod, SUNK, most GPU clouds): jobs ask --exclusive and all
-    # of each node's memory.
-    exclusive_nodes: bool = False
-    fabric: str = "none"
-    nccl_env: dict[str, str] = {}
-    tiers: dict[str, TierTarget]
-    shared_root: str = ""
-    s3_prefix: str = ""
-    # Where the site keeps models in its object store: <s3_models>/<org>--<name>[@revision]/ with ft's
-    # manifest (`ft model push`). Fetched into the shared cache once per cluster.
-    s3_models: str = ""
-    # An S3-compatible endpoint (MinIO, SeaweedFS, a site's gateway); empty: AWS S3 itself.
-    # AWS_ENDPOINT_URL in the environment overrides it.
-    s3_endpoint: str = ""
-    container_runtime: str = ""
-    container_image: str = ""
-    modules: list[str] = []
-    srun_extra_args: list[str] = []
-    price_per_gpu_hour: float = Field(0.0, ge=0, allow_inf_nan=False)
-    # Whether compute nodes reach the internet. Without (the lab, air-gapped sites), W&B logs offline
-    # and is synced from the login node (`wandb sync`), and `ft doctor` probes no public endpoint.
-    compute_internet: bool = True
-    # Mean time between failures of one node, for `checkpoint.every_minutes: auto` (the site's own
-    # record, if it keeps one; the default follows published large-cluster interruption rates).
-    node_mtbf_hours: float = Field(DEFAULT_NODE_MTBF_HOURS, gt=0)
-    default_account: str | None = None
-    accounts: dict[str, AccountQuota] = {}
-    # How the compute nodes get ft and the training stack (`ft cluster prepare`):
-    #   ""         the site's: ft installed where the login node's interpreter also runs (the lab,
-    #              an admin's shared install); jobs run the login node's Python unless `python` says
-    #   venv       a venv on the shared filesystem, built on a compute node; `python` is its interpreter
-    #   container  `container_image` holds ft[train]; jobs run `python` (default python3) inside it
-    environment: Literal["", "venv", "container"] = ""
-    python: str = ""
-    # The site's receipt signer; None: runs' receipts stay unsigned (`ft receipt verify` says so).
-    receipts: ReceiptSigning | None = None
 
-    _names = field_validator("name", "default_account")(slurm_name)
-
-    @field_validator("shared_root")
-    @classmethod
-    def shared_root_path(cls, value: str) -> str:
-        # Run directories live under it and reach #SBATCH lines, which sbatch reads without a shell
-        # and where it expands '%' itself.
-        if value and (not value.startswith(("/", "~")) or any(ch in value for ch in SBATCH_UNSAFE)):
-            raise ValueError(f"{value!r}: the shared root is an absolute path without spaces, quotes or '%'")
-        return value
-
-    @field_validator("fabric")
-    @classmethod
-    def fabric_name(cls, value: str) -> str:
-        if not re.fullmatch(r"[a-z0-9_-]{1,32}", value):
-            raise ValueError(f"{value!r} is not a fabric name (efa, infiniband, roce, none...)")
-        return value
-
-    @field_validator("s3_prefix", "s3_models")
-    @classmethod
-    def s3_prefix_url(cls, value: str) -> str:
-        if value:
-            parse_s3_url(value, "an S3 prefix")
-        return value
-
-    @field_validator("s3_endpoint")
-    @classmethod
-    def endpoint_url(cls, value: str) -> str:
-        if value and not re.fullmatch(r"https?://[A-Za-z0-9.:\[\]_-]+(/[A-Za-z0-9._~/-]*)?", value):
-            raise ValueError(f"{value!r} is not an http(s):// endpoint URL (scheme, host, optional port and path)")
-        return value
-
-    @field_validator("nccl_env")
-    @classmethod
-    def env_names(cls, value: dict[str, str]) -> dict[str, str]:
-        for name in value:
-            if not re.fullmatch(ENV_NAME_PATTERN, name, re.ASCII):
-                raise ValueError(f"{name!r} is not a valid environment variable name")
-        return value
-
-    @field_validator("python")
-    @classmethod
-    def python_path(cls, value: str) -> str:
-        if value and any(ch in value for ch in "\n\r\0"):
-            raise ValueError(f"{value!r}: an interpreter path is one line")
-        return value
-
-    @field_validator("tiers")
-    @classmethod
-    def has_standard_tier(cls, value: dict[str, TierTarget]) -> dict[str, TierTarget]:
-        if "standard" not in value:
-            raise ValueError("a profile needs at least the standard tier (tiers.standard.partition)")
-        return value
-
-    @field_validator("container_runtime")
-    @classmethod
-    def known_runtime(cls, value: str) -> str:
-        if value not in ("", "pyxis"):
-            raise ValueError(f"{value!r}: ft runs containers through pyxis (srun --container-image); '' for none")
-        return value
-
-    @model_validator(mode="after")
-    def container_has_image(self) -> ClusterProfile:
-        if self.environment == "container" and not (self.container_runtime and self.container_image):
-            raise ValueError("environment 'container' needs container_runtime (pyxis) and container_image")
-        if self.environment == "venv" and not self.python:
-            raise ValueError("environment 'venv' needs python: the venv's interpreter (`ft cluster prepare` sets it)")
-        return self
-
-    def training_python(self, login_python: str) -> str:
-        """The interpreter a job runs ft with on the compute nodes: the recorded one, else the
-        image's python3 inside a container (the login node's path does not exist there), else the
-        login node's own (an install the compute nodes share)."""
-        if self.python:
-            return self.python
-        return "python3" if self.in_container else login_python
-
-    def batch_python(self, login_python: str) -> str:
-        """The interpreter of the job script's own steps on the batch host (registering the run, the
-        watchdog, the requeue helper): pyxis puts only srun's steps in the container, so there it is
-        the login node's install, which must sit on a filesystem the compute nodes share."""
-        return login_python if self.in_container else (self.python or login_python)
-
-    @property
-    def in_container(self) -> bool:
-        """Whether srun's steps run in the profile's image: a venv of its own (`ft cluster prepare`
-        on a profile that extends a container one) runs on the host, where it was built."""
-        return self.environment != "venv" and bool(self.container_runtime and self.container_image)
-
-    @property
-    def standard_tier(self) -> TierTarget:
-        """Where ft's own short jobs (the environment build, doctor's preflight) run."""
-        return self.tiers["standard"]
-
-    @property
-    def distributed_backend(self) -> str:
-        return "gloo" if self.cpu_workers_per_node else "nccl"
+    _name = field_validator("name")(slurm_name)
 
 
 class ProfileError(FtError):

@@ -36,7 +36,7 @@ def tokenizer_for(resolved: ResolvedRecipe, override: str | None = None) -> tupl
         cache = None
     try:
         return load_length_counter(spec, profile.shared_root, profile.s3_models, cache,
-                                   store=ObjectStore(profile.s3_endpoint)), None
+                                   store=profile.object_store), None
     except TokenizerNotFound as exc:
         return None, str(exc)
 
@@ -96,7 +96,7 @@ def validated_file(recipe, role: str, path: str, counter: LengthCounter | None, 
 def missing_file_report(resolved: ResolvedRecipe, role: str, path: str, unreachable: str | None) -> Report:
     report = Report(path, None)
     field = ".".join(DATA_FILES[role])
-    where = ObjectStore(resolved.profile.s3_endpoint).where(path)
+    where = resolved.profile.object_store.where(path)
     if unreachable:
         report.add("error", "object_store_unreachable", Finding(
             str(resolved.path), field,
@@ -113,7 +113,7 @@ def validate_recipe_data(resolved: ResolvedRecipe, tokenizer: str | None = None,
     """Validate the recipe's data files (train, eval, golden). A file already validated with the same tokenizer
     and settings is not read again: its report and tokens come from the cache."""
     recipe = resolved.recipe
-    store = ObjectStore(resolved.profile.s3_endpoint)
+    store = resolved.profile.object_store
     counter, missing = tokenizer_for(resolved, tokenizer)
     cache, cache_unusable = login_token_cache(resolved.profile.shared_root)
     reports = []

@@ -18,7 +18,6 @@ from pathlib import Path
 from toolkit.base.digests import public_key_bytes
 from toolkit.base.shared_dirs import open_regular, user_name
 from toolkit.checkpoint.manifest import safe_name
-from toolkit.cluster.profile import ReceiptSigning
 from toolkit.receipts.chain import (
     GENESIS,
     SHA256_PATTERN,
@@ -33,6 +32,7 @@ from toolkit.receipts.chain import (
 from toolkit.receipts.keys import verify_signature
 from toolkit.receipts.ledger import LEDGER_MAX_BYTES, Ledger
 from toolkit.receipts.signing import REPLY_MAX_BYTES
+from toolkit.receipts.site import ReceiptSigning
 from toolkit.runs.layout import RunLayout
 
 FAILED_EXIT = 3  # `ft receipt verify`'s exit when the receipt does not verify (2: usage, 1: ft could not check)

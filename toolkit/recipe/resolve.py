@@ -14,12 +14,13 @@ from pydantic import BaseModel, ValidationError
 
 from toolkit.base.errors import FtError
 from toolkit.base.yaml_source import SourceMap, load_yaml
-from toolkit.checkpoint.cadence import AutoCadence
+from toolkit.checkpoint.cadence import AutoCadence, CadenceSite
 from toolkit.checkpoint.remote import mirror_url
 from toolkit.cluster.profile import ClusterProfile, load_profile
 from toolkit.recipe import memory_plan
 from toolkit.recipe.run_spec import Derived, RunSpec, batch_plan
 from toolkit.recipe.schema import DATA_FILES, Method, Objective, Recipe
+from toolkit.slurm.site import SchedulerSite
 
 TINY_MODEL = "tiny-llama"
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -345,7 +346,7 @@ def resolve(path: Path, cluster: str | None = None) -> ResolvedRecipe:
     return ResolvedRecipe(recipe, profile, path, derived, sources, resolver.memory)
 
 
-def auto_cadence_example(job_mtbf_hours: float, profile: ClusterProfile) -> str:
+def auto_cadence_example(job_mtbf_hours: float, profile: CadenceSite) -> str:
     """What `every_minutes: auto` will choose, before any save was measured: for two save costs."""
     cadence = AutoCadence(job_mtbf_hours)
     examples = ", ".join(f"a {cost:g} s save -> every {cadence.interval_s(cost, 0) / 60:.0f} min" for cost in (1, 30))
@@ -353,7 +354,7 @@ def auto_cadence_example(job_mtbf_hours: float, profile: ClusterProfile) -> str:
             f"(node MTBF {profile.node_mtbf_hours:g} h over the job's nodes): {examples}")
 
 
-def rank_budget(profile: ClusterProfile, workers: int) -> int | None:
+def rank_budget(profile: SchedulerSite, workers: int) -> int | None:
     """What one rank may plan to hold: a GPU's memory less its CUDA context (~1 GiB, outside what
     torch allocates) and 5% for the allocator's fragments; a CPU rank's share of its node, less 10%
     for the node's own processes. None: not known."""
@@ -366,7 +367,7 @@ def rank_budget(profile: ClusterProfile, workers: int) -> int | None:
     return int((profile.gpu_memory_gib - 1.0) * 0.95 * memory_plan.GIB)
 
 
-def workers_per_node(recipe: Recipe, profile: ClusterProfile) -> int:
+def workers_per_node(recipe: Recipe, profile: SchedulerSite) -> int:
     return profile.cpu_workers_per_node or recipe.resources.gpus_per_node or 1
 
 

@@ -17,10 +17,9 @@ import jinja2.bccache
 
 from toolkit.base.build import VERSION
 from toolkit.base.errors import FtError
-from toolkit.base.names import RUN_ID_PATTERN
+from toolkit.base.names import RUN_ID_PATTERN, SBATCH_UNSAFE
 from toolkit.base.paths import resource_dir
 from toolkit.base.shared_dirs import SharedFolderError, private_dir
-from toolkit.cluster.profile import SBATCH_UNSAFE
 from toolkit.recipe.job_plan import SitePlan, StepPlan
 from toolkit.recipe.resolve import ResolvedRecipe
 from toolkit.recipe.run_spec import RunSpec
