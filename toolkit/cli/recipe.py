@@ -75,12 +75,13 @@ def local_slurm_version(profile_name: str) -> tuple[int, int, int] | None:
     """This machine's Slurm version when rendering for this site's own cluster; None otherwise."""
     from toolkit.cluster.profile import default_profile_name
     from toolkit.slurm.client import CliSlurmClient
+    from toolkit.slurm.commands import SlurmCommandError, SlurmUnavailable
 
     if profile_name != default_profile_name():
         return None
     try:
         return CliSlurmClient(timeout=5).version()
-    except Exception:  # noqa: BLE001 - no Slurm here (not installed, not configured): render for none
+    except (SlurmUnavailable, SlurmCommandError, ValueError):  # no Slurm here, or no version it says: render for none
         return None
 
 

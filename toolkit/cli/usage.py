@@ -13,7 +13,7 @@ import typer
 
 from toolkit.base.shared_dirs import login_name
 from toolkit.cli.output import console, err_console, plain, print_json
-from toolkit.runs.layout import RunLayout
+from toolkit.runs.layout import RunLayout, RunSpecError
 
 
 class By(StrEnum):
@@ -124,7 +124,7 @@ def _limit_of(run_dir: Path) -> float:
     """A run's time limit in seconds (unbounded where its spec is unreadable)."""
     try:
         return RunLayout(run_dir).read_spec().recipe.resources.time_limit_seconds()
-    except Exception:  # noqa: BLE001 - as _gpus_of
+    except (RunSpecError, ValueError):  # a damaged or foreign spec: its limit is unknown
         return float("inf")
 
 
@@ -133,7 +133,7 @@ def _gpus_of(run_dir: Path) -> int | None:
 
     try:
         return allocated_gpus(RunLayout(run_dir).read_spec().recipe.resources)
-    except Exception:  # noqa: BLE001 - a damaged or foreign spec: its GPUs are unknown
+    except RunSpecError:  # a damaged or foreign spec: its GPUs are unknown
         return None
 
 

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from toolkit.base.shared_dirs import open_regular
-from toolkit.runs.layout import RunLayout
+from toolkit.runs.layout import RunLayout, RunSpecError
 from toolkit.runs.store import RunRecord, RunStore
 from toolkit.runs.timeline import read_lines, timeline
 from toolkit.slurm.client import JobInfo, SlurmClient
@@ -35,7 +35,7 @@ class RunStatus:
         """The service tier the run asked for (its recipe's resources.tier); '' where unreadable."""
         try:
             return str(RunLayout(self.run_dir).read_spec().recipe.resources.tier)  # a str, or a Tier (a StrEnum)
-        except Exception:  # noqa: BLE001 - a damaged or foreign spec: the run is still listed
+        except RunSpecError:  # a damaged or foreign spec: the run is still listed
             return ""
 
     def to_dict(self) -> dict:
