@@ -1,5 +1,5 @@
-"""The object store's tier (S3 through fsspec + s3fs): where a checkpoint outlives the shared
-filesystem and the cluster.
+"""The object store's tier (S3, reached through toolkit/storage/object_store.py): where a checkpoint
+outlives the shared filesystem and the cluster.
 
 A checkpoint is <url>/<tag>/<files> with <url>/<tag>/manifest.json uploaded last: a tag without its
 manifest is an upload that never finished and is never taken. A re-upload of a tag removes the old

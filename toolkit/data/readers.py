@@ -1,6 +1,6 @@
-"""Stream rows out of JSONL, CSV and Parquet files, plain or compressed (gzip, zstd), local or
-s3:// (fsspec), each with its location, in bounded memory. Rows that cannot be read come out as
-problems with their line, never as exceptions."""
+"""Stream rows out of JSONL, CSV and Parquet files, plain or compressed (gzip, zstd), local or s3://
+(toolkit/storage/object_store.py), each with its location, in bounded memory. Rows that cannot be
+read come out as problems with their line, never as exceptions."""
 
 from __future__ import annotations
 
