@@ -421,7 +421,7 @@ def run_deepspeed(model, args, config: dict) -> None:
         signals = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)  # the worker's per-step collective
         dist.all_reduce(signals)
         probes["all_reduce_cpu_float64"] = "ok"
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - a probe: whatever the backend raises is the finding
         probes["all_reduce_cpu_float64"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     probes["flash_with_attention_mask"] = flash_available(engine.module, args.device, args.shape["vocab_size"], True)
     probes["flash_without_mask"] = flash_available(engine.module, args.device, args.shape["vocab_size"], False)

@@ -236,3 +236,13 @@ def test_doctor_says_in_one_line_whether_ft_uses_pyslurm_and_why_not(monkeypatch
     other = login.check_backend("24.11.5")
     assert other.level == "ok" and "built for Slurm 25.11; this cluster runs 24.11.5" in other.detail
     assert "through pyslurm" in login.check_backend("25.11.2").detail
+
+
+def test_a_training_environment_of_another_ft_is_named_as_such(tmp_path):
+    """An environment built by an ft from before a module moved imports toolkit, not what this ft's
+    preflight runs: named as another ft, not as no ft at all."""
+    stdout = "\n".join(["0: FT-DOCTOR-MISSING n1 other-ft", "1: FT-DOCTOR-MISSING n2 ft"])
+    findings = preflight.read_reports(srun_output(stdout), profile(tmp_path), "/envs/py", None, nodes=2)
+    details = {f.where: f.detail for f in findings if f.check == "environment"}
+    assert "holds another ft" in details["n1"] and "ft does not import" in details["n2"]
+    assert preflight.WRAPPER.index("'import toolkit'") < preflight.WRAPPER.index("'import toolkit.doctor.node'")

@@ -129,18 +129,45 @@ def test_no_two_modules_import_each_other_however_indirectly():
     assert circles(graph()) == []
 
 
+PLACES = {"anywhere", "login node", "job", "login node, job", "service host", "compute node"}
+
+
+def test_each_part_says_where_it_runs_in_words_the_checks_know():
+    assert {part: runs for part, (_, runs) in read_table().items() if runs not in PLACES} == {}
+
+
+def reachable(edges: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for target in edges.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
 def test_the_login_node_and_the_job_keep_to_their_own_parts():
+    """However indirectly: a login-node command that reaches the job's parts through a part that runs
+    anywhere loads them all the same."""
     table = read_table()
     login = {part for part, (_, runs) in table.items() if runs == "login node"}
     assert {part for part, (_, runs) in table.items() if runs == "job"} >= JOB_ONLY
-    crossings = []
-    for module, targets in graph().items():
+    edges, crossings = graph(), []
+    for module in edges:
         source = part_of(module, table)
-        for target in targets:
+        if source not in login | JOB_ONLY:
+            continue
+        for target in reachable(edges, module):
             into = part_of(target, table)
             if (source in login and into in JOB_ONLY) or (source in JOB_ONLY and into in login):
                 crossings.append(f"{module} -> {target}")
     assert crossings == []
+
+
+def test_no_relative_imports_hide_from_the_graph():
+    relative = [f"{module}:{node.lineno}" for module, path in modules().items()
+                for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom) and node.level]
+    assert relative == []
 
 
 def test_the_site_daemons_are_imported_by_nothing_in_ft():

@@ -18,15 +18,22 @@ TOOLKIT = Path(__file__).resolve().parents[2] / "toolkit"
     ("s3://my-bucket/", "my-bucket", ""),
     ("s3://data.example/a/b/train.jsonl", "data.example", "a/b/train.jsonl"),
     ("s3://abc/prefix/", "abc", "prefix"),
+    ("s3://ab/x", "ab", "x"),  # short and legacy names: other stores and us-east-1 have them
+    ("s3://Legacy_Bucket/ckpt", "Legacy_Bucket", "ckpt"),
+    ("s3://b-1/runs/a=1/part+2@v,3~/f.jsonl", "b-1", "runs/a=1/part+2@v,3~/f.jsonl"),
 ])
 def test_an_s3_url_names_a_bucket_and_maybe_a_key(url, bucket, key):
     parsed = parse_s3_url(url)
     assert (parsed.bucket, parsed.key) == (bucket, key)
 
 
-@pytest.mark.parametrize("url", ["s3://", "s3://ab", "s3://Upper/key", "s3://-bad/key", "s3:/one-slash/key",
-                                 "https://bucket/key", "s3://bucket/line\nbreak", "s3://" + "b" * 64])
+@pytest.mark.parametrize("url", ["s3://", "s3://a", "s3://-bad/key", "s3:/one-slash/key", "https://bucket/key",
+                                 "s3://bucket/line\nbreak", "s3://" + "b" * 256, "s3://bucket/site::x",
+                                 "s3://bucket/key?versionId=1", "s3://bucket/a b", "s3://bucket/part-*",
+                                 "s3://bucket/$(id)", "s3://bucket/it's", "s3://bucket/k#frag"])
 def test_what_is_not_an_s3_url_is_refused_with_the_shape_wanted(url):
+    """'::' chains filesystems in fsspec and '?versionId=' picks an object version: a prefix holding
+    them lost every run's own part of the path (all runs' checkpoints in one place)."""
     with pytest.raises(ValueError, match=r"s3://bucket\[/prefix\]"):
         parse_s3_url(url)
 
@@ -40,9 +47,10 @@ def test_a_data_file_needs_a_key_and_the_recipe_and_the_profile_share_the_rule()
     from toolkit.recipe.schema import DataSpec
 
     with pytest.raises(ValidationError, match="is not a data file's S3 URL"):
-        DataSpec(train="s3://Bad_Bucket/train.jsonl")
+        DataSpec(train="s3://bucket/a::b/train.jsonl")
     with pytest.raises(ValidationError, match="is not an S3 prefix"):
-        ClusterProfile(name="c", s3_prefix="s3://Bad_Bucket/ckpt")
+        ClusterProfile(name="c", s3_prefix="s3://ft-checkpoints/site::x", gpus_per_node=0,
+                       tiers={"standard": {"partition": "p"}})
 
 
 def test_the_environment_names_the_endpoint_before_the_profile(monkeypatch):

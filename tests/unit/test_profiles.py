@@ -102,4 +102,4 @@ def test_the_profile_is_its_parts_each_typed_beside_its_reader():
     assert StorageSite(s3_endpoint="http://127.0.0.1:8333").object_store.endpoint in (
         "http://127.0.0.1:8333", os.environ.get("AWS_ENDPOINT_URL"))
     with pytest.raises(ValueError, match="is not an S3 prefix"):
-        StorageSite(s3_prefix="s3://No_Such/x")
+        StorageSite(s3_prefix="s3://bucket/x?versionId=2")

@@ -123,6 +123,24 @@ def test_run_directory_names_are_spelled_only_by_the_layout():
     assert offenders == []
 
 
+
+# Joins onto folders that are not a run's: the lab's provisioning logs, the registry's own layout, a
+# checkpoint tier's folder, the run store's root.
+OTHER_FOLDERS = {"lab/provision.py", "registry/store.py", "checkpoint/shared.py", "runs/store.py"}
+
+
+def test_no_module_joins_a_name_onto_a_run_folder_but_the_layout():
+    """A name the layout does not know yet is caught too: a literal joined onto a run's folder, its
+    logs or a start's marks (`marks / "x.json"`, `run_dir / f"..."`) anywhere but the layout."""
+    import re
+
+    join = re.compile(r"\b(marks|logs|run_dir|launch_marks|layout\.[a-z_]+) / f?[\"']")
+    offenders = [f"{path.relative_to(TOOLKIT)}:{number}: {line.strip()}"
+                 for path in sorted(TOOLKIT.rglob("*.py"))
+                 if path.name != "layout.py" and str(path.relative_to(TOOLKIT)) not in OTHER_FOLDERS
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if join.search(line)]
+    assert offenders == []
+
 SLURM_COMMANDS = {"sacct", "sacctmgr", "salloc", "sattach", "sbatch", "sbcast", "scancel", "scontrol", "sdiag",
                   "sinfo", "sprio", "squeue", "sreport", "srun", "sshare", "sstat", "strigger", "scrontab"}
 # What follows a Slurm command's name in a command line (scontrol show job 7, sacctmgr modify qos ...).

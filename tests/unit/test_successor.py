@@ -179,7 +179,8 @@ def test_a_successor_adopts_the_running_step_and_hears_its_launchers_to_the_end(
 
 def test_a_successor_leaves_out_what_its_batch_host_left_out_and_what_slurm_took_from_the_job(tmp_path,
                                                                                                monkeypatch):
-    from toolkit.job.supervise import EXCLUDED, Adoption, Supervisor
+    from toolkit.job.supervise import Adoption, Supervisor
+    from toolkit.runs.layout import EXCLUDED
 
     write_run_spec(tmp_path, run_spec(2, {"heartbeat_timeout": 2}))
     adoption_env(tmp_path, monkeypatch)

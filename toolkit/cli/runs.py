@@ -266,7 +266,7 @@ def report(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, 
     from toolkit.slurm.client import default_client
 
     current = run_status(_store(cluster), run_id, default_client())
-    target = output or current.run_dir / "report.html"
+    target = output or RunLayout(current.run_dir).report
     if not target.parent.is_dir():
         raise FtError(f"{target.parent} is not a folder", hint="give --output a path in an existing folder")
     try:

@@ -23,7 +23,8 @@ from toolkit.slurm.steps import ShortStep
 WRAPPER = r"""
 python=$1 node=$(hostname)
 if ! command -v "$python" >/dev/null 2>&1; then echo "FT-DOCTOR-MISSING $node python"; exit 0; fi
-if ! "$python" -c 'import toolkit.doctor.node' >/dev/null 2>&1; then echo "FT-DOCTOR-MISSING $node ft"; exit 0; fi
+if ! "$python" -c 'import toolkit' >/dev/null 2>&1; then echo "FT-DOCTOR-MISSING $node ft"; exit 0; fi
+if ! "$python" -c 'import toolkit.doctor.node' >/dev/null 2>&1; then echo "FT-DOCTOR-MISSING $node other-ft"; exit 0; fi
 exec "$python" -m toolkit.doctor.node "$2"
 """
 # Beside a container: the job script's own steps run on the host, with the login node's install.
@@ -141,6 +142,8 @@ def read_reports(done: subprocess.CompletedProcess, profile: ClusterProfile, pyt
             answered.append(node)
             findings.append(blocker(
                 "environment", f"{python} does not exist on the compute nodes" if what == "python"
+                else f"{python} on the compute nodes holds another ft, built before this one's checks (no "
+                     "toolkit.doctor.node there)" if what == "other-ft"
                 else f"ft does not import with {python} on the compute nodes (no training environment there)",
                 prepare, where=node))
         elif line.startswith("FT-DOCTOR-DONE "):

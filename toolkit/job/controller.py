@@ -36,9 +36,9 @@ from typing import TypeVar
 
 from toolkit.base.errors import FtError
 from toolkit.job import losses
-from toolkit.job.supervise import STEP_COMMAND, Adoption, Supervisor
+from toolkit.job.supervise import Adoption, Supervisor
 from toolkit.runs import exits
-from toolkit.runs.layout import SRUN_ERRORS, RunLayout, RunSpecError
+from toolkit.runs.layout import SRUN_ERRORS, STEP_COMMAND, RunLayout, RunSpecError
 from toolkit.runs.timeline import record
 from toolkit.slurm.client import CliSlurmClient, SlurmClient
 from toolkit.watch import requeue
@@ -149,8 +149,8 @@ class JobController:
             self.layout.clear_exit_status()
             # Each launcher leaves a mark here as it starts, and srun's own messages are kept here too:
             # together they tell a node lost before the step started from a failure of the run.
-            after = f".after-{self.adoption.lost}" if self.adoption else ""
-            self.marks = self.layout.launch_marks / f"{self.job_id}.{self.restart}{after}.{self.launches}"
+            self.marks = self.layout.start_marks(self.job_id, self.restart, self.launches,
+                                                 self.adoption.lost if self.adoption else None)
             self.marks.mkdir(parents=True, exist_ok=True)
             os.environ["FT_LAUNCH_MARKS"] = str(self.marks)
             # A successor's own step has one CPU: the training step is the batch host's, as it was.

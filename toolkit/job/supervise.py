@@ -51,7 +51,7 @@ from toolkit.launch.handover import Handover
 from toolkit.launch.rendezvous import job_secret
 from toolkit.receipts import entries as receipt_entries
 from toolkit.runs import exits
-from toolkit.runs.layout import LOST_NODES, SRUN_ERRORS, RunLayout, RunSpecError
+from toolkit.runs.layout import EXCLUDED, LOST_NODES, SRUN_ERRORS, STEP_COMMAND, RunLayout, RunSpecError
 from toolkit.runs.timeline import read_lines, record
 from toolkit.slurm import steps
 from toolkit.slurm.client import CliSlurmClient, SlurmClient, job_nodes
@@ -61,8 +61,6 @@ from toolkit.watch.silence import SilenceRule, keep_down
 SILENT_AT_END_S = 3.0  # a node quiet this long before srun ended was lost, whatever srun says
 WATCH_EVERY_S = 0.1  # the watch loop's beat: a loss is acted on within this of its detection
 STOP_GRACE_S = 5.0
-STEP_COMMAND = "step.json"  # in FT_LAUNCH_MARKS: the training step's srun command, for a successor
-EXCLUDED = "excluded.json"  # in FT_LAUNCH_MARKS: the nodes the supervisor left out, for a successor
 LAUNCH_FAILED = b"Application launch failed"  # srun's words for a step that did not launch everywhere
 LOST_STOP_GRACE_S = 1.0  # a step with a lost node: nothing worth waiting for (no checkpoint can be taken)
 DRAIN_CHECK_S = 5.0  # how often the step's nodes are checked for a drain
@@ -755,10 +753,10 @@ class Supervisor:
 
 def main(argv: list[str]) -> int:
     """What a job script rendered by an older ft runs (`python -m toolkit.watch.supervise -- srun ...`,
-    which toolkit/watch/supervise.py hands here),
-    its requeue logic in bash): a job requeued across an upgrade of ft reruns the script it was
-    submitted with. The supervisor as it was then; the lost nodes for that script in
-    FT_LAUNCH_MARKS/lost-nodes. New scripts run the job itself (python -m toolkit.job)."""
+    which toolkit/watch/supervise.py hands here; its requeue logic in bash): a job requeued across an
+    upgrade of ft reruns the script it was submitted with. The supervisor as it was then; the lost
+    nodes for that script in FT_LAUNCH_MARKS/lost-nodes. New scripts run the job itself (python -m
+    toolkit.job)."""
     if "--" not in argv or argv.index("--") == len(argv) - 1:
         print("usage: python -m toolkit.watch.supervise -- srun [options] COMMAND", file=sys.stderr)
         return 2

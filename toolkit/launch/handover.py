@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.base.errors import FtError
-from toolkit.runs.layout import SUCCESSOR
+from toolkit.runs.layout import SUCCESSION, SUCCESSOR
 from toolkit.slurm import steps
 from toolkit.slurm.client import SlurmClient, job_nodes
 
@@ -67,7 +67,7 @@ def claim(marks: Path, lost: str, who: str) -> bool:
     anything) or the reporter giving up on it ("abandoned", before it requeues the job instead).
     True for the first; the other then stands down. The file says which."""
     try:
-        descriptor = os.open(marks / f"succession-of-{lost}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        descriptor = os.open(marks / SUCCESSION.format(node=lost), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         return False
     with os.fdopen(descriptor, "w") as out:
@@ -77,7 +77,7 @@ def claim(marks: Path, lost: str, who: str) -> bool:
 
 def claimed_by(marks: Path, lost: str) -> str:
     try:
-        return (marks / f"succession-of-{lost}").read_text()
+        return (marks / SUCCESSION.format(node=lost)).read_text()
     except OSError:
         return ""
 

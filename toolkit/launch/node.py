@@ -202,10 +202,10 @@ def succeed(node: str, batch_host: str, why: str, sender: Sender, marks: Path,
     where = handover.successor_node(slurm, job, training, batch_host, node)
     step = f"{job}.{os.environ.get('SLURM_STEP_ID', '0')}"
     log(f"starting a successor to the job script on {where}; it takes over training step {step}")
-    logs = RunLayout(Path(os.environ["FT_RUN_DIR"])).logs
+    errors = RunLayout(Path(os.environ["FT_RUN_DIR"])).successor_srun_errors(node)
     try:
         successor = handover.start_successor(job, where, batch_host, step, os.environ.get("FT_WATCH_START", "0"),
-                                             training, logs / f"successor-srun-{node}.err")
+                                             training, errors)
     except OSError as exc:
         log(f"could not start a successor ({exc}): requeueing instead")
         return False
@@ -214,7 +214,7 @@ def succeed(node: str, batch_host: str, why: str, sender: Sender, marks: Path,
         found = handover.wait_for_handover(marks, batch_host, alive=lambda: successor.poll() is None)
     if found is None:
         log(f"the successor on {where} did not take over within {handover.HANDOVER_WAIT_S:.0f} s "
-            f"(see {logs}/successor-srun-{node}.err): requeueing instead")
+            f"(see {errors}): requeueing instead")
         with contextlib.suppress(OSError):
             successor.kill()
         return False

@@ -82,13 +82,22 @@ NODE_LOG = "node-{node}.log"
 RANK_LOG = "rank-{rank}.log"
 WARM_LOG = "warm-{node}.log"
 WARM_SRUN_ERRORS = "warm-srun.err"
+SUCCESSOR_SRUN_ERRORS = "successor-srun-{node}.err"  # srun's messages for a successor started from a node
 STACKS = "stacks"
 STACK_DUMP = "rank-{rank}.{stamp}.txt"  # in stacks/: a hung rank's threads, per job and start
-# In a start's folder of launch/ (FT_LAUNCH_MARKS): srun's messages, the nodes an older job script
-# requeues without, where the successor of a lost batch host listens.
+# In launch/, a folder per start of the step (FT_LAUNCH_MARKS), named by the job, its restart, the
+# batch host it came after (a successor's) and the launch: srun's messages, the nodes an older job
+# script requeues without, the step's srun command and the nodes left out (for a successor), the
+# one claim to succeed a lost batch host, and where its successor listens.
+START_MARKS = "{job}.{restart}{after}.{launch}"
 SRUN_ERRORS = "srun.err"
 LOST_NODES = "lost-nodes"
+STEP_COMMAND = "step.json"
+EXCLUDED = "excluded.json"
+SUCCESSION = "succession-of-{node}"
 SUCCESSOR = "successor-of-{node}.json"
+WANDB = "wandb"  # W&B's own folder (wandb.init(dir=<run dir>)): offline runs wait there for `ft sync`
+REPORT = "report.html"  # `ft report`'s page, unless -o says elsewhere
 
 
 # What the job script needs, by the names its template uses.
@@ -233,6 +242,12 @@ class RunLayout:
         """A folder per start of the step: its launchers' marks and srun's messages (toolkit/job)."""
         return self.root / LAUNCH_MARKS
 
+    def start_marks(self, job_id: str, restart: int, launch: int, after: str | None = None) -> Path:
+        """The folder of one start of the step (`after`: the lost batch host a successor's start
+        follows)."""
+        return self.launch_marks / START_MARKS.format(job=job_id, restart=restart, launch=launch,
+                                                      after=f".after-{after}" if after else "")
+
     @property
     def launch_failures(self) -> Path:
         """Each loss of nodes under the run, with its checkpoint step (toolkit/job/losses.py)."""
@@ -264,6 +279,17 @@ class RunLayout:
 
     def stack_dump(self, rank: int, stamp: str) -> Path:
         return self.stacks / STACK_DUMP.format(rank=rank, stamp=stamp)
+
+    def successor_srun_errors(self, node: str) -> Path:
+        return self.logs / SUCCESSOR_SRUN_ERRORS.format(node=node)
+
+    @property
+    def wandb(self) -> Path:
+        return self.root / WANDB
+
+    @property
+    def report(self) -> Path:
+        return self.root / REPORT
 
     def warm_log(self, node: str) -> Path:
         return self.logs / WARM_LOG.format(node=node)

@@ -11,11 +11,12 @@ import sys
 from pathlib import Path
 
 from toolkit.base.errors import FtError
+from toolkit.runs.layout import RunLayout
 
 
 def offline_runs(run_dir: Path, include_synced: bool = False) -> list[Path]:
     """The run's offline W&B folders, oldest first; those wandb already synced left out."""
-    found = sorted((run_dir / "wandb").glob("offline-run-*"))
+    found = sorted(RunLayout(run_dir).wandb.glob("offline-run-*"))
     return [folder for folder in found if folder.is_dir()
             and (include_synced or not any(folder.glob("*.wandb.synced")))]
 

@@ -3,7 +3,7 @@
 A run's watchdog says where it serves its metrics with a claim, <claims>/<run>.<job id>.json
 (toolkit/watch/metrics.RunExporter), in a folder every user of the cluster writes (like runs/).
 Whatever such a file says, anyone could have written it, so Prometheus never reads it. The cluster
-exporter (toolkit/watch/cluster_metrics, as its own unprivileged user) publishes a claim only when
+exporter (toolkit/services/cluster_metrics.py, as its own unprivileged user) publishes a claim only when
 
   - Slurm runs the job the file names, a job of ft's whose run the file names too (its comment:
     ft-run=<run>; `squeue --json`, where a comment cannot forge a line; any Slurm version's shape:
@@ -175,7 +175,7 @@ def verified_targets(claims: Path, jobs: dict[str, RunningJob],
         for _, name in found[:MAX_CLAIMS_READ]:
             try:
                 address, made = read_claim(claims / name, jobs[job_id])
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:  # noqa: BLE001 - as above: a claim's trouble costs only itself
                 refusals.append(Refusal(name, (str(error) or type(error).__name__)[:WHY_MAX]))
                 continue
             if made >= newest.get(job_id, (float("-inf"), "", ""))[0]:

@@ -15,7 +15,7 @@ for the client the kernel names (SO_PEERCRED: its uid, not anything it says) onl
 job of that user whose comment names that run (`squeue --all --json`; the job's user is Slurm's
 word), and only when that job's batch script, as Slurm holds it (`scontrol write batch_script`: the
 signer's account is a Slurm operator), is the job script the first entry records, and has ft's
-shape for that run (toolkit/watch/run_targets.script_problem): a job that runs anything else (a
+shape for that run (toolkit/services/run_targets.script_problem): a job that runs anything else (a
 `sleep` with a made-up receipt) gets nothing signed. (A script of ft's shape written by hand still
 passes: the signer vouches for what Slurm ran, not for who rendered it.) One job signs one run: its
 script's header names the run, and a job's script never changes (a job whose comment is changed to

@@ -2,10 +2,12 @@
 
 Every fsspec filesystem ft opens is made here, by an `ObjectStore`: the endpoint of an s3:// URL is
 AWS_ENDPOINT_URL when set, else the cluster profile's `s3_endpoint`, else AWS's own, and each
-filesystem is given it with bounded timeouts as its own options. Nothing is set process-wide, so
-what a call reaches never depends on who called first. Calls are bounded in time: an object store
-that does not answer is reported as unreachable within seconds, never as a missing file, and never
-waited on forever. One rule says what an S3 URL is (`parse_s3_url`), for recipes and profiles alike.
+filesystem is given it with bounded timeouts as its own options: fsspec's process-wide configuration
+is never set, so what a call reaches never depends on who called first (one environment variable is
+set, AWS_EC2_METADATA_DISABLED where the endpoint is not AWS's: see `ObjectStore.filesystem`). Calls
+are bounded in time: an object store that does not answer is reported as unreachable within seconds,
+never as a missing file, and never waited on forever. One rule says what an S3 URL is
+(`parse_s3_url`), for recipes, profiles and mirrors alike.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ PRESENCE_DEADLINE_S = 30.0
 CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
                         "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
 
-# S3's bucket naming rules (3-63 lower-case letters, digits, dots and hyphens), then a key or prefix.
-_S3_URL = re.compile(r"s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(?P<key>[^\x00-\x1f]*))?")
+# A bucket as S3 and the stores ft meets name them (legacy us-east-1 buckets may hold upper case and
+# '_'), then a key or prefix in the characters that mean nothing else to fsspec or a shell: fsspec
+# reads '::' as a chain of filesystems and '?versionId=' as an object version, '*' '[' '{' as globs,
+# so a key holding them would reach another object than the one named.
+_S3_URL = re.compile(r"s3://(?P<bucket>[A-Za-z0-9][A-Za-z0-9._-]{1,254})(?:/(?P<key>[A-Za-z0-9._~/=+@,-]*))?")
 
 
 @dataclass(frozen=True)
@@ -51,8 +56,8 @@ def parse_s3_url(value: str, what: str = "an S3 URL", needs_key: bool = False) -
     key = (match["key"] or "").strip("/") if match else ""
     if not match or (needs_key and not key):
         shape = "s3://bucket/path/file" if needs_key else "s3://bucket[/prefix]"
-        raise ValueError(f"{value!r} is not {what} ({shape}; a bucket is 3-63 lower-case letters, digits, "
-                         f"dots and hyphens)")
+        raise ValueError(f"{value!r} is not {what} ({shape}: a bucket of letters, digits, '.', '_' and '-', "
+                         f"and a key of those and '/', '~', '=', '+', '@' or ',')")
     return S3Url(match["bucket"], key)
 
 
@@ -117,7 +122,9 @@ class ObjectStore:
             return fsspec.core.url_to_fs(url, **options)
         if self.endpoint and "amazonaws.com" not in self.endpoint:
             # Instance roles are AWS's: asking EC2's metadata address for credentials of another
-            # store would only send traffic off the machine and wait for it.
+            # store would only send traffic off the machine and wait for it. botocore takes this from
+            # the environment alone, so it holds for the rest of the process and its children: an ft
+            # process talks to one cluster's store, and a user's own setting is kept.
             os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
         return fsspec.core.url_to_fs(url, **(self.s3_options() | options))
 
