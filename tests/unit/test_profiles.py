@@ -103,3 +103,11 @@ def test_the_profile_is_its_parts_each_typed_beside_its_reader():
         "http://127.0.0.1:8333", os.environ.get("AWS_ENDPOINT_URL"))
     with pytest.raises(ValueError, match="is not an S3 prefix"):
         StorageSite(s3_prefix="s3://bucket/x?versionId=2")
+
+
+def test_a_profile_is_shown_name_first_then_part_by_part():
+    from toolkit.cluster.profile import ClusterProfile
+
+    fields = list(ClusterProfile.model_fields)
+    assert fields[0] == "name" and fields[1] == "gpus_per_node" and fields[-1] == "node_mtbf_hours"
+    assert fields.index("tiers") < fields.index("shared_root") < fields.index("fabric") < fields.index("receipts")

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from pydantic import ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from toolkit.account.prices import PriceSite
 from toolkit.base.errors import FtError
@@ -27,7 +27,15 @@ def site_profile_path() -> Path:
     return Path(os.environ.get("FT_SITE_PROFILE", "/etc/ft/cluster.yaml"))
 
 
-class ClusterProfile(SchedulerSite, StorageSite, RuntimeSite, MonitoringSite, PriceSite, CadenceSite):
+class _Named(BaseModel):
+    name: str
+
+    _name = field_validator("name")(slurm_name)
+
+
+# pydantic lists inherited fields from the last base to the first: in this order `ft cluster show`
+# prints the name, then the scheduler's part, storage, runtime, monitoring, prices, the cadence's.
+class ClusterProfile(CadenceSite, PriceSite, MonitoringSite, RuntimeSite, StorageSite, SchedulerSite, _Named):
     """A cluster, as one flat file section (the format users write is unchanged), made of the parts
     each reader needs, each typed beside what reads it: the scheduler and its tiers
     (toolkit/slurm/site.py), storage (toolkit/storage/site.py), fabric and containers
@@ -35,10 +43,6 @@ class ClusterProfile(SchedulerSite, StorageSite, RuntimeSite, MonitoringSite, Pr
     (toolkit/account/prices.py) and the nodes' failure rate (toolkit/checkpoint/cadence.py). A
     function that reads one part takes that part."""
     model_config = ConfigDict(extra="forbid")
-
-    name: str
-
-    _name = field_validator("name")(slurm_name)
 
 
 class ProfileError(FtError):

@@ -30,10 +30,11 @@ CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TO
                         "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
 
 # A bucket as S3 and the stores ft meets name them (legacy us-east-1 buckets may hold upper case and
-# '_'), then a key or prefix in the characters that mean nothing else to fsspec or a shell: fsspec
-# reads '::' as a chain of filesystems and '?versionId=' as an object version, '*' '[' '{' as globs,
-# so a key holding them would reach another object than the one named.
-_S3_URL = re.compile(r"s3://(?P<bucket>[A-Za-z0-9][A-Za-z0-9._-]{1,254})(?:/(?P<key>[A-Za-z0-9._~/=+@,-]*))?")
+# '_'), then a key or prefix on one line. Keys may hold what S3 allows (':' in a timestamp, spaces,
+# '%', a user's login), but not what fsspec reads as something else: '::' chains filesystems (all
+# after it is dropped) and '?' starts a query ('?versionId=' picks an object version), so a key
+# holding them would reach another object than the one named.
+_S3_URL = re.compile(r"s3://(?P<bucket>[A-Za-z0-9][A-Za-z0-9._-]{1,254})(?:/(?P<key>[^\x00-\x1f\x7f?]*))?")
 
 
 @dataclass(frozen=True)
@@ -54,10 +55,10 @@ def parse_s3_url(value: str, what: str = "an S3 URL", needs_key: bool = False) -
     ValueError naming `what` and the shape wanted."""
     match = _S3_URL.fullmatch(value)
     key = (match["key"] or "").strip("/") if match else ""
-    if not match or (needs_key and not key):
+    if not match or "::" in value or (needs_key and not key):
         shape = "s3://bucket/path/file" if needs_key else "s3://bucket[/prefix]"
-        raise ValueError(f"{value!r} is not {what} ({shape}: a bucket of letters, digits, '.', '_' and '-', "
-                         f"and a key of those and '/', '~', '=', '+', '@' or ',')")
+        raise ValueError(f"{value!r} is not {what} ({shape}: a bucket of letters, digits, '.', '_' and '-'; "
+                         f"a key on one line, without '::' or '?', which fsspec reads as something else)")
     return S3Url(match["bucket"], key)
 
 
