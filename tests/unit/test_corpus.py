@@ -61,6 +61,15 @@ def sandbox(tmp_path, monkeypatch):
     monkeypatch.setenv("FT_CLUSTERS_FILE", str(clusters))
     monkeypatch.setenv("FT_RUNS_DIR", str(tmp_path / "runs"))
     monkeypatch.setenv("COLUMNS", "200")
+    # Slurm as it is when its controller is down, answering at once: what the records hold is under
+    # test, not how long this machine's Slurm takes to say it is away (9 s a call with the lab down).
+    away = tmp_path / "slurm-away"
+    away.mkdir()
+    for command in ("squeue", "sacct", "scontrol", "sinfo", "sacctmgr", "sbatch", "scancel"):
+        (away / command).write_text("#!/bin/sh\n"
+                                    "echo 'error: Unable to contact slurm controller (connect failure)' >&2\nexit 1\n")
+        (away / command).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{away}:{os.environ['PATH']}")
     PWNED.unlink(missing_ok=True)
     return tmp_path
 
