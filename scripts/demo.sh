@@ -15,11 +15,29 @@ submitted="$("$ft" submit "$repo/recipes/tiny-lora-sft.yaml" --json)" || {
 run_id="$("$repo/.venv/bin/python" -c 'import json,sys; print(json.loads(sys.argv[1])["run_id"])' "$submitted")"
 echo "[demo] run $run_id submitted; following rank 0 (the first run on a machine compiles DeepSpeed's" \
      "CPU collective before its first step: about a minute of silence)"
-# The rank log appears once the job starts; until then, wait.
-until "$ft" logs "$run_id" --rank 0 >/dev/null 2>&1; do sleep 1; done
+run_state() {
+    "$ft" status "$run_id" --json | "$repo/.venv/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["state"])'
+}
+# The rank log appears once the job starts; until then, wait: not past the job's end, nor forever.
+waited=0
+until "$ft" logs "$run_id" --rank 0 >/dev/null 2>&1; do
+    if (( waited % 10 == 0 )); then
+        case "$(run_state)" in
+            COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE)
+                echo "[demo] run $run_id ended ($(run_state)) before rank 0 wrote a line: see \`ft logs $run_id\`" >&2
+                exit 1 ;;
+        esac
+    fi
+    if (( waited >= 900 )); then
+        echo "[demo] rank 0 of run $run_id has not started in 15 min: see \`ft status $run_id\` and \`ft logs $run_id\`" >&2
+        exit 1
+    fi
+    sleep 1
+    waited=$((waited + 1))
+done
 "$ft" logs "$run_id" --rank 0 -f
 "$ft" status "$run_id"
-state="$("$ft" status "$run_id" --json | "$repo/.venv/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["state"])')"
+state="$(run_state)"
 if [[ "$state" != COMPLETED ]]; then
     echo "[demo] run $run_id ended $state: see \`ft logs $run_id --rank 0\`" >&2
     exit 1
@@ -31,3 +49,5 @@ echo "[demo] adapter: $("$ft" status "$run_id" --json | "$repo/.venv/bin/python"
     echo "[demo] the receipt of run $run_id does not verify (the findings are above)" >&2
     exit 1
 }
+echo "[demo] done. Next: source $repo/.venv/bin/activate; eval \"\$(ft lab env)\"; then ft status $run_id," \
+     "ft adapters ls, ft report $run_id -o report.html, ft usage (README: \"The local lab\")"
