@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from tests.support.run_specs import run_spec
 from toolkit.runs.layout import RunLayout
 from toolkit.runs.progress import read_progress
@@ -94,3 +96,56 @@ def test_the_evaluation_reaches_the_wb_summary_per_model_split_and_gate(tmp_path
                            "eval/adapter/held_out/perplexity": 4.1, "eval/adapter/golden/loss": 1.3,
                            "eval/adapter/golden/exact_match": 1.0, "eval/gates/held_out_loss_drop": 1,
                            "eval/state": "promoted"}
+
+
+class FailingRun(RecordingRun):
+    """A W&B run whose client fails the way wandb's does when its service dies: with its own error
+    type (here a RuntimeError), which no narrower `except` could name for every wandb version."""
+
+    def __init__(self, failing: str):
+        super().__init__()
+        self.failing = failing
+        self.url, self.dir = "https://wandb.example/run", "/nonexistent/wandb/files"
+
+    def log(self, values, **options):
+        if self.failing == "log":
+            raise RuntimeError("The wandb backend process has shutdown")
+        super().log(values, **options)
+
+    def finish(self):
+        if self.failing == "finish":
+            raise RuntimeError("The wandb backend process has shutdown")
+
+    @property
+    def summary(self):
+        if self.failing == "summary":
+            raise RuntimeError("The wandb backend process has shutdown")
+        return super().summary
+
+
+@pytest.mark.parametrize("failing", ["init", "log", "summary", "finish"])
+def test_wb_failing_anywhere_never_stops_training_and_the_metrics_file_keeps_every_line(tmp_path, monkeypatch,
+                                                                                       capsys, failing):
+    """The four blind excepts of toolkit/train/tracking.py: W&B's start, its log, the evaluation's
+    summary and its finish each raise what the wandb client raises; training's own record goes on."""
+    import sys
+    import types
+
+    def init(**options):
+        if failing == "init":
+            raise RuntimeError("wandb.errors.CommError: Run initialization has timed out")
+        return FailingRun(failing)
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    base = run_spec().recipe
+    recipe = base.model_validate(base.model_dump(mode="json") | {"tracking": {"wandb": {"mode": "offline"}}})
+    tracker = Tracker(RunLayout(tmp_path), recipe, rank=0)
+    tracker.starting.join()
+    now = time.time()
+    tracker.log([StepRecord(step, now + step, 1e-4, 100 * step, 3.0 / step, None) for step in (1, 2, 3)])
+    tracker.evaluation({"base": {"held_out": {"loss": 6.2}, "golden": None}, "gates": [], "state": "draft",
+                        "adapter": {"held_out": {"loss": 1.4}, "golden": None}})
+    tracker.finish()
+    lines = RunLayout(tmp_path).metrics.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines if '"step"' in line][-3:] == [1, 2, 3]
+    assert "warning: W&B" in capsys.readouterr().out

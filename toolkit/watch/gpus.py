@@ -101,7 +101,7 @@ class GpuReader:
             try:
                 nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, events)
                 registered += 1
-            except Exception:  # noqa: BLE001 - a GPU (or a driver) without XID events
+            except nvml.NVMLError:  # a GPU (or a driver) without XID events
                 continue
         if not registered:
             self._call(nvml.nvmlEventSetFree, events)
