@@ -334,3 +334,26 @@ def test_the_run_exporter_serves_each_scope_apart(tmp_path):
     assert 'node="node2"' in node and "node1" not in node and "node9" not in node and "ft_run_loss" not in node
     everything = scrape("")
     assert "ft_run_loss" in everything and 'node="node9"' in everything
+
+
+def test_a_bad_turn_never_ends_the_publishing(tmp_path, monkeypatch, capsys):
+    """services/cluster_metrics.py's blind except: a turn that raises anything (here a RuntimeError
+    from deep in a claim's reading) is printed, and the next turn comes."""
+    import threading
+
+    from toolkit.services import cluster_metrics
+
+    monkeypatch.setattr(cluster_metrics, "PUBLISH_EVERY_S", 0.0)
+    stopped, turns = threading.Event(), []
+
+    def once() -> None:
+        turns.append(1)
+        if len(turns) == 1:
+            raise RuntimeError("a claim's reading broke in a way nobody foresaw")
+        stopped.set()
+
+    publisher = cluster_metrics.RunPublisher(tmp_path / "claims", tmp_path / "published")
+    monkeypatch.setattr(publisher, "once", once)
+    publisher.forever(stopped)
+    assert len(turns) == 2
+    assert "publishing the runs' targets failed: RuntimeError" in capsys.readouterr().out

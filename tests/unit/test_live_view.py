@@ -79,3 +79,13 @@ def test_escape_sequences_from_the_runs_files_never_reach_the_terminal(tmp_path)
     text = drawn(live.frame(current, parse_node_states(f"n1|drained|{hostile}\n"), now, now))
     assert "\x1b]" not in text and "\x1b[2J" not in text and "pwned" in text  # shown, made harmless
     assert "4/" not in text  # an absurd plan (a 400-digit "of") is no plan
+
+
+def test_the_view_goes_on_without_the_nodes_whatever_asking_slurm_raises(tmp_path):
+    """cli/live.py's blind except: what reading the nodes raises is Slurm's client's, or rich's, or a
+    parse of a version ft has not met; the view draws the run without them."""
+    def broken(nodelist: str) -> dict:
+        raise RuntimeError(f"sinfo answered something new for {nodelist}")
+
+    assert live.job_nodes(status(tmp_path, "RUNNING"), broken) == {}
+    assert live.job_nodes(status(tmp_path, "PENDING"), broken) == {}  # not asked before the job runs
