@@ -221,6 +221,40 @@ def test_a_writer_whose_mark_cannot_be_written_lives_on_and_the_next_save_does_n
     writer.close()
 
 
+@pytest.mark.parametrize("breaks", ["mark", "publish", "after publishing"])
+def test_a_writer_lives_on_whatever_its_filesystem_or_its_listener_raises(tmp_path, breaks):
+    """snapshot.py's blind excepts: the mark, the publish and the hand-over after it may raise what a
+    filesystem or the status board raises (here a RuntimeError, as torch's writer raises on a full
+    disk): that save is lost or unannounced, the thread lives, the next save does not hang."""
+    from toolkit.checkpoint.shared import SharedTier
+    from toolkit.train.snapshot import BackgroundWriter, SaveJob
+
+    class Breaks(SharedTier):
+        def mark_written(self, *args, **kwargs):
+            if breaks == "mark":
+                raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+            return super().mark_written(*args, **kwargs)
+
+        def publish(self, *args, **kwargs):
+            if breaks == "publish":
+                raise RuntimeError("the shared filesystem said something new")
+            return super().publish(*args, **kwargs)
+
+    def on_published(published):
+        if breaks == "after publishing":
+            raise RuntimeError("the status board broke")
+
+    logged: list[str] = []
+    shared = Breaks(tmp_path, 2)
+    writer = BackgroundWriter(shared, rank=0, world=1, lineage="l", zipfile=True, on_published=on_published,
+                              log=logged.append)
+    for step in (1, 2):
+        tag = f"step-{step:08d}"
+        writer.submit(SaveJob(tag, [(tmp_path / ".staging" / tag / "x.pt", {"w": torch.ones(2)})]))
+        assert writer.wait_marked() < 5 and writer.wait() < 5
+    assert writer.thread.is_alive() and sum("RuntimeError" in line for line in logged) == 2, logged
+    writer.close()
+
 class ByName:
     """Pickles as Debian 12's Python 3.11.2 pickles an enum member: getattr(cls, name)."""
 

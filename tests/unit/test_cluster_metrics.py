@@ -193,6 +193,13 @@ def test_only_claims_slurm_vouches_for_are_published_with_slurms_labels(tmp_path
     newer = claim(claims, "alice-llama.42-0000000a.json", users["alice"], address="node3:40002")
     os.utime(newer, (time.time() + 60, time.time() + 60))
     assert run_targets.verified_targets(claims, jobs)[0][0]["targets"] == ["node3:40002"]
+
+    def unreadable(job):  # Slurm's answer about the script failing in a way nobody foresaw: not published
+        raise RuntimeError("scontrol printed something new")
+
+    groups, refusals = run_targets.verified_targets(claims, jobs, unreadable)
+    assert groups == [] and any("its batch script could not be read (scontrol printed something new)" in r.why
+                                for r in refusals)
     doubled = json.loads(RUNNING)
     doubled["jobs"].append(dict(doubled["jobs"][0], user_name="bob"))  # job 42 twice: no one's
     assert set(run_targets.ft_running(parse_queue(json.dumps(doubled)))) == {"43"}
