@@ -201,6 +201,20 @@ def test_a_node_slurm_takes_back_on_an_old_word_is_marked_down_again_while_it_st
     keep_down(alive_again, "n3", "ft: lost", lambda: False, said.append, looks=(0.05, 0.1)).join()
     assert alive_again.marks == 0 and len(said) == 1
 
+    class Broken(Slurm):  # Slurm's client failing in a way nobody foresaw: the watch ends, quietly
+        def unresponsive(self, nodes):
+            raise RuntimeError("sinfo printed something new")
+
+    failed = []
+    previous, threading.excepthook = threading.excepthook, failed.append
+    try:
+        broken = Broken(takes_back=1)
+        watcher = keep_down(broken, "n3", "ft: lost", lambda: True, said.append, looks=(0.05, 0.1))
+        watcher.join(5)
+    finally:
+        threading.excepthook = previous
+    assert not watcher.is_alive() and broken.marks == 0 and failed == [] and len(said) == 1
+
 
 def test_half_the_nodes_quiet_at_once_is_the_askers_own_network_and_waits_for_the_timeout():
     """A link flap on the batch host silences every node and fails every probe: no node is lost in
