@@ -9,7 +9,6 @@ transformers, peft or deepspeed. The training runtime lives in modules that only
 """
 
 
-
 def __getattr__(name):
     """`toolkit.__version__`, read where it is spelled (toolkit/base/build.py) only when asked: this
     file imports nothing, because a node's health hook runs a copy of it with toolkit/health/ alone."""

@@ -68,14 +68,14 @@ def test_the_clock_is_off_unless_the_recipe_asks_for_it():
     plain = Recipe.model_validate({"name": "r", "model": {"base": "tiny-llama"}, "data": {"train": "x.jsonl"}})
     assert plain.checkpoint.every_minutes is None and plain.checkpoint.every_steps == 100
     cadence = Cadence.of(plain.checkpoint.every_steps, plain.checkpoint.every_minutes, None)
-    assert cadence.interval_s(1.0, 0.0) == 0
+    assert cadence.interval_s(1.0, 0.0) == 0 and not cadence.on_clock
     assert not cadence.clock_due(since_last_save_s=10 * 86400, save_cost_s=1.0, write_s=0.0)
     assert [step for step in range(1, 301) if cadence.steps_due(step)] == [100, 200, 300]
 
 
 def test_the_cadence_owns_steps_minutes_and_auto_alike():
     fixed = Cadence.of(None, 20.0, job_mtbf_hours=50)
-    assert fixed.interval_s(None, 0.0) == 1200 and fixed.describe(None, 0.0) is None
+    assert fixed.interval_s(None, 0.0) == 1200 and fixed.describe(None, 0.0) is None and fixed.on_clock
     assert not fixed.clock_due(1199, None, 0.0) and fixed.clock_due(1200, None, 0.0)
     assert not any(fixed.steps_due(step) for step in range(1, 1000))
     asked: list[bool] = []

@@ -32,7 +32,6 @@ FIRST_INTERVAL_S = 600.0
 MIN_INTERVAL_S = 60.0  # a save costs more than its pause (the write, the upload): never more often
 
 
-
 class CadenceSite(BaseModel):
     """The cadence's part of a cluster profile (toolkit/cluster/profile.py)."""
     model_config = ConfigDict(extra="forbid")
@@ -105,6 +104,11 @@ class Cadence:
 
     def steps_due(self, step: int) -> bool:
         return bool(self.every_steps and step % self.every_steps == 0)
+
+    @property
+    def on_clock(self) -> bool:
+        """Whether any save comes by the clock (the recipe's minutes, or auto)."""
+        return self.auto is not None or bool(self.every_s)
 
     def seen(self) -> tuple[int, float]:
         """The run's faults and wall clock so far: its history, and this start's time since."""

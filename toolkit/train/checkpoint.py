@@ -144,8 +144,10 @@ class Checkpointer:
         return self.cadence.steps_due(step)
 
     def due_by_clock(self) -> bool:
-        """Whether this rank's clock says save (the loop has the ranks agree on it)."""
-        return self.cadence.clock_due(self.since_last_save(), self.save_cost(), self.writer.last_write_s)
+        """Whether this rank's clock says save (the loop has the ranks agree on it). Asked every step:
+        without a clock (the default) it measures nothing."""
+        return self.cadence.on_clock and self.cadence.clock_due(self.since_last_save(), self.save_cost(),
+                                                                self.writer.last_write_s)
 
     def save_cost(self) -> float | None:
         """Training's pause per save, the median of the last five (None before the first)."""
