@@ -172,6 +172,30 @@ def test_a_check_that_fails_to_run_is_a_warning_and_the_others_still_run(tmp_pat
     assert findings["ft_version"].level == "ok" and findings["fabric"].level == "ok"
 
 
+def test_a_training_library_whose_import_fails_unforeseen_is_a_blocker_naming_it(monkeypatch):
+    """doctor/node.py's blind except: an import of the training stack failing in a way nobody foresaw
+    (not an ImportError: a library's own start-up raising, as torch's does on a CUDA it cannot use) is
+    the finding, never the check's own failure (narrowed to ImportError or OSError, this test fails:
+    checked)."""
+    import builtins
+
+    class Unforeseen(Exception):
+        pass
+
+    real_import = builtins.__import__
+
+    def importing(name, *args, **kwargs):
+        if name == "peft":
+            raise Unforeseen("peft's start-up broke in a way nobody foresaw")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", importing)
+    (finding,) = compute.check_versions({"profile": "mine", "login_build": build_id()})
+    assert (finding.level, finding.check) == ("blocker", "environment")
+    assert finding.detail.startswith("peft does not import with ") and "nobody foresaw" in finding.detail
+    assert finding.fix == "ft cluster prepare mine"
+
+
 def test_the_shared_root_must_hold_the_login_nodes_token(tmp_path):
     token = tmp_path / "token-abc"
     token.write_text("token-abc")

@@ -277,6 +277,26 @@ def test_a_finished_run_is_never_run_again(job, capfd):
     assert "finished already" in batch_log(capfd)
 
 
+def test_a_run_record_that_cannot_be_written_unforeseen_costs_the_job_nothing(job, capfd, monkeypatch):
+    """controller.py's blind except around the run's record: its write failing in a way nobody foresaw
+    (neither an OSError nor a damaged spec) is said, and the job goes on to launch and end as it would
+    (narrowed to OSError, this test fails: checked)."""
+    from toolkit.runs import register
+
+    class Unforeseen(Exception):
+        pass
+
+    def failing(*args, **kwargs):
+        raise Unforeseen("the run store broke in a way nobody foresaw")
+
+    monkeypatch.setattr(register, "register", failing)
+    code, slurm, run_dir = job(LEAVE="4", STATUS="4")
+    assert code == 4 and slurm.requeued == [] and len((run_dir / "launches").read_text().splitlines()) == 1
+    log = batch_log(capfd)
+    assert "could not record job 7 in the run's record: the run store broke in a way nobody foresaw" in log
+    assert "not worth a requeue" in log  # the step ran and its end was judged as ever
+
+
 def test_out_of_memory_is_retried_once_with_the_smaller_micro_batch(job, capfd):
     code, slurm, run_dir = job(LEAVE="5", STATUS="5")
     assert (run_dir / "launches").read_text().splitlines() == ["", "1"]  # FT_OOM_RETRY on the second

@@ -117,6 +117,32 @@ def test_a_model_the_store_does_not_have_is_not_found_and_push_refuses_a_broken_
     assert "the tokenizer is missing" in refused.stderr
 
 
+def test_a_model_push_whose_upload_fails_unforeseen_is_refused_and_records_nothing(tmp_path, monkeypatch):
+    """cli/model.py's blind except: the upload failing in a way nobody foresaw (neither an OSError nor
+    botocore's ClientError) is refused naming where it was going, and no record names a manifest the
+    store may not hold (narrowed to OSError, this test fails: checked)."""
+    from toolkit.base.errors import FtError
+    from toolkit.checkpoint import remote
+    from toolkit.cli.model import push as model_push
+    from toolkit.models import records as model_records
+
+    class Unforeseen(Exception):
+        pass
+
+    def upload(*args, **kwargs):
+        raise Unforeseen("the store answered in a way nobody foresaw")
+
+    clusters = tmp_path / "clusters.yaml"
+    clusters.write_text(yaml.safe_dump({"site": {"extends": "lab", "s3_models": f"s3://{BUCKET}",
+                                                 "shared_root": shared_root(tmp_path)}}))
+    monkeypatch.setenv("FT_CLUSTERS_FILE", str(clusters))
+    monkeypatch.setattr(remote, "put_folder", upload)
+    with pytest.raises(FtError, match=rf"uploading to s3://{BUCKET}/org--unforeseen failed: Unforeseen: the store"):
+        model_push(write_model_folder(tmp_path / "source"), "org/unforeseen", "site")
+    assert not model_records.record_path(shared_root(tmp_path), "org--unforeseen").exists()
+    assert model_records.check(shared_root(tmp_path), "org--unforeseen", b"{}")  # no record: jobs take nothing
+
+
 def test_validation_gets_the_tokenizer_alone_from_the_store_verified(tmp_path, s3_env, store):
     from toolkit.models.cache import fetch_tokenizer
 

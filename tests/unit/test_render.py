@@ -66,6 +66,39 @@ def test_the_compiled_template_is_kept_in_a_private_cache_and_gives_the_same_scr
     assert rendered("llama3-8b-lora-sft", "hyperpod") == first
 
 
+# What follows jinja2's magic bytes in an entry, damaged: each raises something else as it is unpickled.
+DAMAGED_ENTRIES = {"cut short": b"\x80\x05K",  # UnpicklingError
+                   "a number that is none": b"I12x\n.",  # ValueError
+                   "a module that is not there": b"cno_such_module_of_ft\nx\n.",  # ModuleNotFoundError
+                   "unforeseen": None}  # a test's own error class: what no list of kinds could name
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED_ENTRIES))
+def test_a_cache_entry_damaged_past_its_magic_is_compiled_anew(tmp_path, monkeypatch, damage):
+    """sbatch.py's blind except around an entry's load: past jinja2's magic bytes an entry is a pickle,
+    whose damage raises whatever unpickling raises, or anything at all: the template is compiled
+    instead, the same script comes out and a sound entry replaces the damaged one (narrowed to
+    OSError, this test fails: checked)."""
+    import jinja2.bccache
+    from jinja2.bccache import bc_magic
+
+    class Unforeseen(Exception):
+        pass
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = rendered("llama3-8b-lora-sft", "hyperpod")
+    (entry,) = (tmp_path / "cache" / "ft" / "templates").iterdir()
+    sound = entry.read_bytes()
+    if DAMAGED_ENTRIES[damage] is None:
+        def load_bytecode(bucket, handle):
+            raise Unforeseen("an entry broken in a way nobody foresaw")
+        monkeypatch.setattr(jinja2.bccache.Bucket, "load_bytecode", load_bytecode)
+    else:
+        entry.write_bytes(bc_magic + DAMAGED_ENTRIES[damage])
+    assert rendered("llama3-8b-lora-sft", "hyperpod") == first
+    assert entry.read_bytes() == sound  # compiled, and kept again
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes a folder owned by another user")
 def test_a_cache_folder_another_user_owns_is_never_used(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

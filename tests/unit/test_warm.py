@@ -297,3 +297,136 @@ def test_the_templates_folder_is_named_by_the_jobs_secret(monkeypatch, tmp_path)
     assert warm.socket_path().parent != first  # another job: another folder
     monkeypatch.delenv("FT_JOB_SECRET")
     assert warm.socket_path().parent.name == f"ft-warm-{os.getuid()}"  # outside a rendered job
+
+
+class Unforeseen(Exception):
+    """What nobody foresaw: no narrower `except` names it."""
+
+
+def listening_template(tmp_path, monkeypatch) -> warm.Template:
+    """A template of this process's own, listening at its node's socket, without the signal handlers
+    and wake-up pipe of a real one (this is the test's process): what accept() uses, and no more."""
+    for name, value in {**JOB, "TMPDIR": str(tmp_path), warm.WANTED: "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("FT_JOB_SECRET", raising=False)  # the folder's short name: a socket's path is short
+    monkeypatch.setattr(warm, "_cold", False)
+    path = warm.socket_path()
+    assert warm.private_folder(path.parent)
+    template = warm.Template.__new__(warm.Template)
+    template.path, template.listener = path, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    template.listener.bind(str(path))
+    template.listener.listen(4)
+    return template
+
+
+def test_a_request_whose_handling_fails_unforeseen_is_dropped_and_the_template_serves_on(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """warm.py's blind except in accept(): a request whose handling raises what nobody foresaw (not a
+    socket's OSError) is dropped, its launcher starts its rank cold, and the template takes the next
+    request (narrowed to OSError, this test fails: checked)."""
+    import threading
+
+    template = listening_template(tmp_path, monkeypatch)
+
+    def breaks(connection):
+        raise Unforeseen("a request broke in a way nobody foresaw")
+
+    monkeypatch.setattr(template, "take_request", breaks)
+    said, started = [], []
+    read_end, write_end = os.pipe()
+    monkeypatch.setattr(warm, "REPLY_WAIT_S", 10.0)
+    launcher = threading.Thread(target=lambda: started.append(warm.spawn({}, write_end, write_end, "FT_PROGRESS_FD",
+                                                                         say=said.append)), daemon=True)
+    launcher.start()
+    try:
+        template.accept()
+        launcher.join(30)
+        # Closed under it (reset, its request unread): the launcher starts its rank itself.
+        assert started == [None] and said[0].startswith(f"the warm template at {template.path} ")
+        assert said[0].endswith(": starting ranks cold")
+        assert "a request failed (Unforeseen: a request broke in a way nobody foresaw)" in capsys.readouterr().out
+        taken = []
+        monkeypatch.setattr(template, "take_request", taken.append)  # the next launcher's request
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(str(template.path))
+            template.accept()
+        assert len(taken) == 1
+        taken[0].close()
+    finally:
+        template.close_listener()
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_a_rank_that_raises_what_nobody_foresaw_prints_it_into_its_log(tmp_path, monkeypatch):
+    """warm.py's `except BaseException` in the forked rank: whatever the rank raises, even what is not
+    an Exception (KeyboardInterrupt's kin), its traceback is in the rank's log before the child exits 1
+    (narrowed to Exception, this test fails: checked; so it does narrowed to OSError)."""
+
+    class UnforeseenBase(BaseException):
+        pass
+
+    def become_rank(request, fds, launcher, template):
+        sys.stderr = open(fds[0], "w", closefd=False)  # noqa: SIM115 - the rank's log as its stderr, as in become_rank
+        raise UnforeseenBase("the rank broke in a way nobody foresaw")
+
+    monkeypatch.setattr(warm, "become_rank", become_rank)
+    monkeypatch.setattr(warm.Template, "forget", lambda self, keep: None)  # this template holds nothing to close
+    template = warm.Template.__new__(warm.Template)
+    log = tmp_path / "rank-0.log"
+    here, there = socket.socketpair()
+    read_end, write_end = os.pipe()
+    try:
+        with open(log, "w") as handle:
+            child = template.fork({"env": {}}, [handle.fileno(), write_end], here, os.getpid())
+        _, status = os.waitpid(child, 0)
+    finally:
+        for closing in (here, there):
+            closing.close()
+        os.close(read_end)
+        os.close(write_end)
+    assert os.waitstatus_to_exitcode(status) == 1
+    text = log.read_text()
+    assert "Traceback" in text and "UnforeseenBase: the rank broke in a way nobody foresaw" in text
+
+
+def test_a_runtime_that_fails_to_load_unforeseen_leaves_the_ranks_to_start_cold(tmp_path, monkeypatch, capsys):
+    """warm.py's blind except around the preload: the runtime's import failing in a way nobody foresaw
+    (not an ImportError) is said, the template's socket is gone (its launchers start their ranks cold)
+    and the template step ends cleanly (narrowed to ImportError or OSError, this test fails: checked)."""
+    from toolkit.train import worker
+
+    def preload():
+        raise Unforeseen("the runtime broke in a way nobody foresaw")
+
+    run_dir = tmp_path / "job-run"
+    run_dir.mkdir(mode=0o700)
+    write_run_spec(run_dir, run_spec(nodes=2))
+    for name, value in {**JOB, "TMPDIR": str(tmp_path), "FT_RUN_DIR": str(run_dir)}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("FT_JOB_SECRET", raising=False)  # the folder's short name: a socket's path is short
+    monkeypatch.setattr(warm, "runtime_env", lambda env, backend: dict(os.environ))  # never re-executed: the test's
+    monkeypatch.setattr(worker, "preload", preload)
+    made: list[warm.Template] = []
+
+    class Recorded(warm.Template):
+        def __init__(self, path):
+            super().__init__(path)
+            made.append(self)
+
+    monkeypatch.setattr(warm, "Template", Recorded)
+    handled = (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+    previous = {signum: signal.getsignal(signum) for signum in handled}
+    try:
+        assert warm.main() == 0
+    finally:  # the template's handlers and wake-up pipe, taken off the test's process again
+        signal.set_wakeup_fd(-1)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for template in made:
+            template.selector.close()
+            os.close(template.wakeup_read)
+            os.close(template.wakeup_write)
+    assert len(made) == 1 and not made[0].path.exists() and made[0].listener.fileno() == -1
+    assert ("could not load the training runtime (Unforeseen: the runtime broke in a way nobody foresaw): "
+            "ranks start cold") in capsys.readouterr().out

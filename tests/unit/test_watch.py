@@ -47,6 +47,41 @@ def test_heartbeats_reach_the_receiver_and_forged_replayed_or_stale_ones_do_not(
     assert receiver.refused == 5
 
 
+def test_a_datagram_that_breaks_the_reader_unforeseen_is_refused_and_the_reader_reads_on(monkeypatch):
+    """heartbeat.py's blind except in the reader: a datagram whose handling raises what nobody foresaw
+    is refused, and the reader thread goes on to hear the next heartbeat (a dead reader would make
+    every node look lost; narrowed to OSError, this test fails: checked)."""
+    import socket
+
+    from toolkit.watch import heartbeat
+
+    class Unforeseen(Exception):
+        pass
+
+    real_unseal = heartbeat.unseal
+
+    def unseal(secret, datagram, tag=None):
+        if b"poison" in datagram:
+            raise Unforeseen("a datagram nobody foresaw")
+        return real_unseal(secret, datagram, tag)
+
+    monkeypatch.setattr(heartbeat, "unseal", unseal)
+    failed = []
+    monkeypatch.setattr(threading, "excepthook", failed.append)
+    receiver = Receiver(SECRET, host="127.0.0.1").listen()
+    start = receiver.next_start()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+        sender.sendto(seal(SECRET, {"node": "node9", "start": start, "seq": 1, "poison": 1}),
+                      ("127.0.0.1", receiver.port))
+        time.sleep(0.3)
+        sender.sendto(seal(SECRET, {"node": "node1", "start": start, "seq": 1}), ("127.0.0.1", receiver.port))
+        deadline = time.monotonic() + 5
+        while "node1" not in receiver.seen() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    receiver.close()
+    assert set(receiver.seen()) == {"node1"} and receiver.refused == 1 and failed == []
+
+
 def test_a_launcher_notices_once_when_the_supervisor_stops_answering():
     from toolkit.watch.silence import QUIET_S
 
@@ -720,6 +755,26 @@ def test_the_last_scrape_is_waited_for_only_at_the_runs_end_for_good(tmp_path, m
     monkeypatch.setattr(Supervisor, "start_exporter", lambda self: exporter)
     supervised(tmp_path, monkeypatch, ["n1", "n2"], 2, plan, max_restarts=max_restarts)
     assert exporter.waits == [None if final else 0]
+
+
+def test_a_metrics_exporter_that_fails_unforeseen_turns_monitoring_off_not_the_run(tmp_path, monkeypatch, capfd):
+    """supervise.py's blind except around the exporter: its start failing in a way nobody foresaw (not
+    a missing prometheus_client nor a port taken) is said, and the run goes on to its end without
+    metrics (narrowed to OSError, this test fails: checked)."""
+    from toolkit.watch import metrics
+
+    class Unforeseen(Exception):
+        pass
+
+    class BrokenExporter:
+        def __init__(self, *args, **kwargs):
+            raise Unforeseen("the exporter broke in a way nobody foresaw")
+
+    monkeypatch.setattr(metrics, "RunExporter", BrokenExporter)
+    code, starts, events, _, _ = supervised(tmp_path, monkeypatch, ["n1", "n2"], 2, {"1": {"seconds": 0.3}})
+    assert code == 0 and len(starts) == 1 and events[-1]["event"] == "end"
+    out, _ = capfd.readouterr()
+    assert "no Prometheus metrics for this run: Unforeseen: the exporter broke in a way nobody foresaw" in out
 
 
 FLOODER = """
