@@ -210,6 +210,62 @@ def test_only_claims_slurm_vouches_for_are_published_with_slurms_labels(tmp_path
     assert (published / "runs.json").stat().st_mode & 0o777 == 0o644
 
 
+class Unforeseen(Exception):
+    """What nobody foresaw: no narrower `except` names it."""
+
+
+def test_a_claim_whose_owner_cannot_be_told_unforeseen_costs_only_itself(tmp_path, monkeypatch):
+    """run_targets.py's first blind except: telling a claim's owner (the account database, through NSS)
+    failing in a way nobody foresaw refuses that claim, and the others are published (narrowed to
+    OSError, this test fails: checked)."""
+    from toolkit.services import run_targets
+
+    users = {"alice": 5001, "bob": 5002}
+
+    def login_name(uid):
+        if uid == users["bob"]:
+            raise Unforeseen("the account database broke in a way nobody foresaw")
+        return {v: k for k, v in users.items()}.get(uid)
+
+    monkeypatch.setattr(run_targets, "login_name", login_name)
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    claim(claims, "alice-llama.42.json", users["alice"])
+    claim(claims, "bob-qwen.43.json", users["bob"], address="node5:40001")
+    groups, refusals = run_targets.verified_targets(claims, run_targets.ft_running(parse_queue(RUNNING)))
+    assert {group["labels"]["slurm_job"] for group in groups} == {"42"}
+    assert [(r.claim, r.why) for r in refusals] == [("bob-qwen.43.json",
+                                                     "the account database broke in a way nobody foresaw")]
+
+
+def test_a_claim_whose_reading_fails_unforeseen_costs_only_itself(tmp_path, monkeypatch):
+    """run_targets.py's second blind except: reading a claim failing in a way nobody foresaw (neither
+    an OSError nor a ValueError of a damaged file) refuses that claim; the job's older claim stands
+    (narrowed to OSError, this test fails: checked)."""
+    import os
+
+    from toolkit.services import run_targets
+
+    users = {"alice": 5001}
+    monkeypatch.setattr(run_targets, "login_name", lambda uid: {v: k for k, v in users.items()}.get(uid))
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    claim(claims, "alice-llama.42.json", users["alice"], address="node3:40001")
+    newer = claim(claims, "alice-llama.42-0000000a.json", users["alice"], address="node3:40002")
+    os.utime(newer, (time.time() + 60, time.time() + 60))
+    real = run_targets.read_claim
+
+    def read_claim(path, job):
+        if path.name == newer.name:
+            raise Unforeseen("a claim's reading broke in a way nobody foresaw")
+        return real(path, job)
+
+    monkeypatch.setattr(run_targets, "read_claim", read_claim)
+    groups, refusals = run_targets.verified_targets(claims, run_targets.ft_running(parse_queue(RUNNING)))
+    assert groups and all(group["targets"] == ["node3:40001"] for group in groups)
+    assert [(r.claim, r.why) for r in refusals] == [(newer.name, "a claim's reading broke in a way nobody foresaw")]
+
+
 def test_the_publisher_asks_slurm_when_claims_change_and_keeps_its_word_while_slurm_is_silent(tmp_path):
     import os
 

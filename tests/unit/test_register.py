@@ -50,6 +50,29 @@ def test_a_failure_to_record_never_stops_the_job(tmp_path):
     assert not (run_dir / "run.json").exists()
 
 
+def test_a_failure_to_record_of_a_kind_nobody_foresaw_never_stops_the_job_either(tmp_path, monkeypatch, capsys):
+    """register.py's blind except: not only the store's OSError or a missing spec; whatever the record's
+    write raises, the job script is told (exit 1, said on stderr) and goes on (narrowed to OSError,
+    this test fails: checked)."""
+    from toolkit.runs import register as register_module
+
+    class Unforeseen(Exception):
+        pass
+
+    def failing(*args, **kwargs):
+        raise Unforeseen("the run store broke in a way nobody foresaw")
+
+    run_dir = tmp_path / "runs" / "r4"
+    run_dir.mkdir(parents=True)
+    write_run_spec(run_dir, run_spec())
+    for name, value in {"FT_RUN_DIR": str(run_dir), "FT_RUN_ID": "r4", "SLURM_JOB_ID": "9"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(register_module, "register", failing)
+    assert register_module.main() == 1
+    assert "could not record job 9 in the run's record: the run store broke in a way nobody foresaw" in \
+        capsys.readouterr().err
+
+
 def test_a_planted_lock_or_a_stuck_holder_never_hangs_the_job(tmp_path, monkeypatch):
     import fcntl
 

@@ -10,6 +10,7 @@ import inspect
 import os
 from pathlib import Path
 
+import pytest
 import submitit
 
 from toolkit.submission import _sbatch
@@ -65,3 +66,27 @@ def test_sbatch_variables_of_the_users_shell_never_override_the_scripts_directiv
     assert seen.read_text() == ""  # sbatch saw none of them
     assert "SBATCH_ACCOUNT, SBATCH_QOS left out of sbatch's environment" in capsys.readouterr().err
     assert os.environ["SBATCH_ACCOUNT"] == "capped"  # the shell's own environment is left as it was
+
+
+def test_a_submission_failing_in_a_way_nobody_foresaw_is_refused_naming_the_script(tmp_path, monkeypatch):
+    """submission.py's blind except: not only submitit's FailedJobError or a CalledProcessError with
+    sbatch's text; whatever the submission raises (a submitit release's new error, say) is a
+    SubmitError naming the rendered script, never a traceback (narrowed to OSError, this test fails:
+    checked)."""
+    from toolkit.runs.layout import RunLayout
+    from toolkit.submission import SubmitError
+
+    class Unforeseen(Exception):
+        pass
+
+    def submit(self, command, *args, **kwargs):
+        raise Unforeseen("submitit broke in a way nobody foresaw")
+
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=coupling\n")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    monkeypatch.setattr(submitit.SlurmExecutor, "_submit_command", submit)
+    (tmp_path / "run").mkdir()
+    with pytest.raises(SubmitError, match="sbatch refused the job: submitit broke in a way nobody foresaw") as refused:
+        _sbatch(tmp_path / "run", SCRIPT)
+    assert str(RunLayout(tmp_path / "run").script) in refused.value.hint
