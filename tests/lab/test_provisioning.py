@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from toolkit.lab import lifecycle
 from toolkit.lab.processes import daemon_pid
 from toolkit.lab.provision import run_playbook
 from toolkit.slurm import commands
+from toolkit.slurm.nodes import SLURMD_PORT, slurmd_answers
 
 pytestmark = pytest.mark.whole_lab  # its playbooks and `ft lab up` act on every node
 
@@ -80,14 +82,20 @@ def test_lab_up_on_a_lab_that_is_up_says_so_and_changes_nothing(whole_lab):
 
 def test_lab_up_after_a_node_crash_heals_the_node_without_the_whole_playbook(whole_lab):
     before = Path(whole_lab.slurm_conf).stat().st_mtime_ns
-    crashed = whole_lab.nodes[-1].name
-    assert lifecycle.crash(crashed), "nothing ran in the node's namespace"
+    crashed = whole_lab.nodes[-1]
+    assert lifecycle.crash(crashed.name), "nothing ran in the node's namespace"
     assert not lifecycle.collect(whole_lab).healthy
+    # As a node without power: silent. A connection to it is neither taken nor refused (a node whose
+    # processes alone were killed would refuse it, and its peers would see their connections close).
+    with pytest.raises(OSError) as silence:
+        socket.create_connection((crashed.address, SLURMD_PORT), timeout=1).close()
+    assert not isinstance(silence.value, ConnectionRefusedError), silence.value
 
     outcome = lifecycle.up()
 
     assert outcome.status.healthy, outcome.status.problems
     assert outcome.playbook is not None and "lab-heal" in outcome.playbook.log_path.name
+    assert slurmd_answers(crashed.address)  # its link back with it
     assert Path(whole_lab.slurm_conf).stat().st_mtime_ns == before
     assert lifecycle.up().playbook is None  # healed: the next `ft lab up` has nothing to do
 

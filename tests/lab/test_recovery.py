@@ -58,9 +58,21 @@ def events(run: dict) -> list[dict]:
 
 
 def finished(run: dict, runs: Path) -> None:
-    state = wait_done(run["run_id"], timeout=420, runs_dir=runs)
-    assert state == "COMPLETED", ft("logs", run["run_id"], "--rank", "0", runs_dir=runs).stdout[-3000:] + \
-        (Path(run["run_dir"]) / "logs" / f"slurm-{run['job_id']}.out").read_text()[-3000:]
+    try:
+        state = wait_done(run["run_id"], timeout=420, runs_dir=runs)
+    except AssertionError as exc:  # a run that never ends: what it did, for the one who reads CI's log
+        raise AssertionError(f"{exc}\n{story(run)}") from None
+    assert state == "COMPLETED", ft("logs", run["run_id"], "--rank", "0", runs_dir=runs).stdout[-3000:] + story(run)
+
+
+def story(run: dict) -> str:
+    """The run's timeline and the tails of its job's and nodes' logs."""
+    logs = Path(run["run_dir"]) / "logs"
+    parts = ["events:", *(json.dumps(e) for e in events(run))]
+    for path in [logs / f"slurm-{run['job_id']}.out", *sorted(logs.glob("node-*.log"))]:
+        if path.exists():
+            parts += [f"--- {path.name}:", path.read_text(errors="replace")[-2000:]]
+    return "\n".join(parts)
 
 
 def checkpoint_after(run: dict, step: int) -> None:

@@ -19,6 +19,7 @@ class ScriptedSlurm:
         self.states, self.accept, self.started_after = states, accept, []
         self.pids = pids  # what `scontrol listpids` says at each look (None: it cannot tell)
         self.kill_wait = 30
+        self.message_timeout: int | None = 10
 
     def job_brief(self, job_id: str) -> JobInfo | None:
         state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
@@ -31,8 +32,8 @@ class ScriptedSlurm:
         self.started_after.append((job_id, seconds))
         return self.accept
 
-    def config_seconds(self, name: str) -> int:
-        return {"KillWait": self.kill_wait}[name]
+    def config_seconds(self, name: str) -> int | None:
+        return {"KillWait": self.kill_wait, "MessageTimeout": self.message_timeout}[name]
 
     def job_pids_here(self, job_id: str) -> list[int] | None:
         if self.pids is None:
@@ -104,6 +105,26 @@ def test_as_slurms_kill_nears_the_begin_time_is_kept_further_ahead(monkeypatch):
     slurm.kill_wait = 0  # the KILL is due now
     assert requeue.stay_as_last(slurm, "41", after=1, restarts=0)
     assert set(slurm.started_after) == {("41", 1 + requeue.KILL_MARGIN_S)}
+
+
+def test_where_the_steps_clients_died_with_their_node_the_begin_time_covers_slurms_tries_to_tell_them(
+        monkeypatch):
+    """The batch host lost without power: its srun clients of the job's steps closed nothing, and each
+    step here completes only once its slurmstepd gave up telling its client that the tasks ended
+    (twice MessageTimeout, measured on the lab), after this process left. A begin time of a few
+    seconds would have passed by then, and Slurm's hold would be set after all."""
+    monkeypatch.setattr(requeue, "POLL_S", 0.01)
+    slurm = ScriptedSlurm(["COMPLETING 1"], pids=[[os.getpid()]])
+    slurm.message_timeout = 7
+    assert requeue.stay_as_last(slurm, "41", after=1, restarts=0, clients_lost=True)
+    assert set(slurm.started_after) == {("41", 1 + requeue.LEAVING_MARGIN_S + 2 * 7)}
+    unsaid = ScriptedSlurm(["COMPLETING 1"], pids=[[os.getpid()]])
+    unsaid.message_timeout = None  # Slurm's default, where its configuration does not say
+    assert requeue.stay_as_last(unsaid, "41", after=1, restarts=0, clients_lost=True)
+    assert set(unsaid.started_after) == {("41", 1 + requeue.LEAVING_MARGIN_S + 2 * 10)}
+    alive = ScriptedSlurm(["COMPLETING 1"], pids=[[os.getpid()]])  # clients alive: no wait for them
+    assert requeue.stay_as_last(alive, "41", after=1, restarts=0)
+    assert set(alive.started_after) == {("41", 1 + requeue.LEAVING_MARGIN_S)}
 
 
 def test_it_stays_while_another_node_still_completes_the_job(monkeypatch):
@@ -190,6 +211,42 @@ def test_one_surviving_node_reports_a_lost_batch_host(tmp_path, monkeypatch):
     assert "run run-1" in calls[1][2] and bool(node.REQUEUED_AT)
     (event,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert event["event"] == "node_lost" and event["node"] == "n1" and event["reported_by"] == "n2"
+
+
+def test_survivors_stop_their_ranks_at_once_when_the_lost_batch_host_trained(tmp_path, monkeypatch):
+    """The batch host trained ranks of this start: no checkpoint can be taken without them, and a host
+    without power closes none of their connections, so the survivors' ranks would wait in their
+    collectives (the requeue's TERM, a checkpoint, included) until Slurm's KILL. The reporter stops
+    its ranks once the requeue is asked (it stays to lift the hold only then); the others at once."""
+    from toolkit.launch import node
+
+    calls = []
+
+    class Slurm:
+        def requeue(self, job):
+            return calls.append("requeue") or True
+
+        def mark_node_down(self, node_name, reason):
+            return calls.append("down") or True
+
+    class Sender:
+        def __init__(self, name):
+            self.name = name
+
+        def peers_gone(self, nodes):
+            calls.append((f"{self.name} stops its ranks", nodes))
+
+    monkeypatch.setattr("toolkit.slurm.client.CliSlurmClient", Slurm)
+    monkeypatch.setattr(node, "REQUEUED_AT", [])
+    monkeypatch.setattr(node, "slurmd_answers", lambda address: False)
+    (tmp_path / "marks").mkdir()
+    for name, value in {"FT_WATCH_NODE": "n1", "FT_WATCH_NODES": "n1,n2,n3", "SLURM_JOB_ID": "41",
+                        "FT_RUN_DIR": str(tmp_path), "FT_LAUNCH_MARKS": str(tmp_path / "marks")}.items():
+        monkeypatch.setenv(name, value)
+
+    assert node.batch_host_lost("n2", 1.2, sender=Sender("n2")) is True
+    assert node.batch_host_lost("n3", 1.3, sender=Sender("n3")) is True
+    assert calls == ["requeue", ("n2 stops its ranks", ["n1"]), "down", ("n3 stops its ranks", ["n1"])]
 
 
 def test_a_batch_host_whose_slurmd_answers_is_left_to_slurm(tmp_path, monkeypatch):

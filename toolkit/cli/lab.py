@@ -148,7 +148,7 @@ def down(purge: bool = typer.Option(False, "--purge",
 
 @app.command()
 def crash(node: str = typer.Argument(..., help="Lab node to crash, e.g. node2.")) -> None:
-    """Kill every process of one node, as a power loss would. `ft lab up` brings it back."""
+    """Crash one node as a power loss would: its link cut, every process killed. `ft lab up` brings it back."""
     from toolkit.lab import lifecycle
 
     killed = lifecycle.crash(node)

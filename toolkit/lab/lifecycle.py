@@ -12,7 +12,7 @@ from pathlib import Path
 
 from toolkit.base.errors import FtError, UsageError
 from toolkit.lab.manifest import BUILT_SLURMS, PACKAGE_SLURM, LabManifest, state_dir
-from toolkit.lab.processes import kill_netns
+from toolkit.lab.processes import cut_link, kill_netns
 from toolkit.lab.provision import PlaybookFailed, PlaybookResult, ansible_dir, run_playbook
 from toolkit.lab.status import LabStatus, NodeStatus, collect
 
@@ -228,9 +228,12 @@ def down(purge: bool = False, on_task: Callable[[str], None] | None = None) -> P
 
 
 def crash(node_name: str) -> list[int]:
-    """Kill every process in a lab node's namespace, as a power loss would. `ft lab up` heals it."""
+    """A power loss: the node's link cut first, so that nothing it held open is seen closing, then
+    every process in its namespace killed. `ft lab up` heals it."""
     require_root("ft lab crash")
     manifest = LabManifest.load()
     if manifest is None:
         raise FtError("there is no lab on this machine", hint="run `ft lab up` first")
-    return kill_netns(manifest.node(node_name).netns)
+    netns = manifest.node(node_name).netns
+    cut_link(netns)
+    return kill_netns(netns)

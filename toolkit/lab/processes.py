@@ -14,6 +14,8 @@ import time
 from toolkit.lab.manifest import LabDaemon
 
 NETNS_DIR = "/run/netns"
+# A lab node's one link, inside its namespace (the lab_nodes Ansible module names it).
+NODE_LINK = "eth0"
 
 
 def read_pid(pidfile: str) -> int | None:
@@ -55,6 +57,15 @@ def daemon_pid(daemon: LabDaemon) -> int | None:
 def netns_pids(netns: str) -> list[int]:
     result = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, check=False)
     return [int(pid) for pid in result.stdout.split()]
+
+
+def cut_link(netns: str) -> None:
+    """Take a lab node's link down: what it sends from now on reaches nobody, what is sent to it is
+    lost. A node that loses power says nothing, while a process killed on a live network closes its
+    connections in its peers' sight (a FIN or RST within milliseconds), which Slurm and gloo act on
+    at once: a crash without the cut would test a kinder failure than the one it stands for.
+    `ft lab up` brings the link back with the node."""
+    subprocess.run(["ip", "-n", netns, "link", "set", NODE_LINK, "down"], check=True, capture_output=True)
 
 
 def kill_netns(netns: str, timeout: float = 5.0) -> list[int]:

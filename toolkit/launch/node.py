@@ -166,6 +166,8 @@ def batch_host_lost(node: str, quiet: float, timeout: float = float("inf"),
     survivable = bool(marks) and bool(training) and batch_host not in training and sender is not None
     if not first_to_report(marks, f"lost-{batch_host}"):
         log(f"the batch host {batch_host} did not answer for {quiet:.1f} s: another node reports it")
+        if batch_host in training and sender is not None:  # the job is requeued: see requeue_for_lost
+            sender.peers_gone([batch_host])
         # Following a successor, a silence later is its loss: judged afresh (False: asked again).
         return not (survivable and follow_successor(sender, Path(marks), batch_host))
     why = (f"ft: batch host of job {job} (run {os.environ.get('FT_RUN_ID', '?')}) lost: its supervisor did not "
@@ -175,7 +177,7 @@ def batch_host_lost(node: str, quiet: float, timeout: float = float("inf"),
             record(Path(os.environ["FT_RUN_DIR"]), "node_lost", node=batch_host, reason=why, reported_by=node)
     if survivable and succeed(node, batch_host, why, sender, Path(marks), training):
         return False  # the successor's own silence, should it come, is judged afresh
-    requeue_for_lost(node, batch_host, why, still_quiet)
+    requeue_for_lost(node, batch_host, why, still_quiet, sender if batch_host in training else None)
     return True
 
 
@@ -251,8 +253,10 @@ def retarget(sender: Sender, found) -> None:
     log(f"heartbeats now go to the successor on {found.node} ({found.address}:{found.port})")
 
 
-def requeue_for_lost(node: str, batch_host: str, why: str, still_quiet: Callable[[], bool]) -> None:
-    """The job requeued, and the lost node marked DOWN."""
+def requeue_for_lost(node: str, batch_host: str, why: str, still_quiet: Callable[[], bool],
+                     sender: Sender | None = None) -> None:
+    """The job requeued, and the lost node marked DOWN. `sender`: where the lost node trained ranks
+    of this start, whose loss stops this node's ranks once the requeue is asked."""
     from toolkit.slurm.client import CliSlurmClient
     from toolkit.watch.requeue import retried
 
@@ -266,6 +270,12 @@ def requeue_for_lost(node: str, batch_host: str, why: str, still_quiet: Callable
     slurm = CliSlurmClient()
     REQUEUED_AT.append(time.monotonic())
     requeued = retried(lambda: slurm.requeue(job), f"requeueing job {job}")
+    if sender is not None:
+        # No checkpoint can be taken without the lost node's ranks, and a node without power closes
+        # none of their connections: the ranks here would wait in their collectives, the requeue's
+        # TERM (a checkpoint) included, until Slurm's KILL. Stopped now (after the requeue: this
+        # launcher stays to lift Slurm's hold only where it asked for one).
+        sender.peers_gone([batch_host])
     if not still_quiet():  # the requeue stands (the job resumes from its checkpoint); the node is sound
         log(f"the supervisor on {batch_host} answers again: not marking it DOWN")
         return
@@ -292,8 +302,8 @@ def lift_requeue_hold() -> None:
         if run_dir:
             record(Path(run_dir), "requeue_hold_lifted", after=1)
 
-    if job:
-        stay_as_last(CliSlurmClient(), job, on_lifted=lifted, terminated_at=REQUEUED_AT[0])
+    if job:  # the steps' srun clients ran on the lost batch host
+        stay_as_last(CliSlurmClient(), job, on_lifted=lifted, terminated_at=REQUEUED_AT[0], clients_lost=True)
 
 
 def train(run_dir: Path, node_rank: int, nodes: int, beat: Sender | None) -> int:

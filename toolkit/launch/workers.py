@@ -160,8 +160,7 @@ def supervise(layout: RunLayout, host: str, workers: dict[int, subprocess.Popen]
         if peers_lost is not None and peers_lost.is_set():
             # No checkpoint can be taken without the lost node's ranks: stopped now, not after the
             # TERM a requeue brings and the KillWait they would wait out on its collectives.
-            print(f"[ft-launch {host}] {', '.join(lost())} lost (the supervisor says): stopping this node's "
-                  "ranks at once", flush=True)
+            print(f"[ft-launch {host}] {', '.join(lost())} lost: stopping this node's ranks at once", flush=True)
             stop(workers, grace=0)
             return 1
         failed = {rank: p.returncode for rank, p in workers.items() if p.poll() not in (None, 0)}

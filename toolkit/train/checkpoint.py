@@ -101,7 +101,8 @@ class Checkpointer:
                 return tag, str(self.tiers.remote)
             except RemoteProblem as exc:
                 warn(f"checkpoint {tag} in {self.tiers.remote} is unusable ({exc}); trying the one before")
-            except Exception as exc:  # noqa: BLE001 - the store's trouble, whatever its kind: this tag is skipped
+            except Exception as exc:  # noqa: BLE001 - the store's trouble, whatever its kind: the shared copy is taken
+                # The store itself failing (not one damaged tag): an older tag would fail the same way.
                 warn(f"could not fetch checkpoint {tag} from {self.tiers.remote} ({type(exc).__name__}: {exc})")
                 break
         return (best, str(shared)) if best else None

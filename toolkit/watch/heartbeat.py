@@ -151,8 +151,13 @@ class Sender:
                 self.judged = False  # a later silence is judged afresh
                 lost = answer.get("lost")
                 if isinstance(lost, list) and lost and all(isinstance(node, str) for node in lost):
-                    self.lost = lost
-                    self.peers_lost.set()
+                    self.peers_gone(lost)
+
+    def peers_gone(self, nodes: list[str]) -> None:
+        """Nodes of this start are lost (the supervisor says so, or this launcher found the batch host
+        gone): this node's ranks stop at once (toolkit/launch/workers.py)."""
+        self.lost = nodes
+        self.peers_lost.set()
 
     def stop(self, exit_code: int, linger: float = 0.0) -> None:
         """Say goodbye. A launcher that failed first lingers until the supervisor answers, or until

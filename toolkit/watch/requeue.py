@@ -46,6 +46,8 @@ LEAVING_MARGIN_S = 3
 # few seconds after its KILL (its slurmstepd retrying a srun that is gone: 2.3 s on the lab).
 KILL_MARGIN_S = 5
 POLL_S = 0.5  # one `scontrol show job` each: light on the controller, which a failure keeps busy
+# Slurm's default MessageTimeout, where its configuration does not say (clients_lost below).
+ORPHANED_MESSAGE_TIMEOUT_S = 10
 # How long the requeue may take to show: it was asked for (or Slurm's TERM came from it) already.
 WAIT_S = 30.0
 
@@ -147,12 +149,16 @@ def lift_hold(slurm: SlurmClient, job_id: str, after: int | Callable[[], int], m
 
 def stay_as_last(slurm: SlurmClient, job_id: str, after: int = AFTER_S, restarts: int | None = None,
                  wait_s: float = WAIT_S, on_lifted: Callable[[], object] = lambda: None,
-                 terminated_at: float | None = None) -> bool:
+                 terminated_at: float | None = None, clients_lost: bool = False) -> bool:
     """This process, of a job being requeued, ends what it started, lifts the hold while anything
     else of the job runs on its node, and returns as the last one (or once the job turns out not
     to be requeued): the caller then ends. True where the hold was lifted. terminated_at: when
     Slurm's TERM came (time.monotonic(); None: now), from which its KILL follows after KillWait.
-    restarts: the job's restart count before the requeue (None: this start's, SLURM_RESTART_COUNT)."""
+    restarts: the job's restart count before the requeue (None: this start's, SLURM_RESTART_COUNT).
+    clients_lost: the srun clients of the job's steps ran on a node that is lost (the batch host):
+    each step here completes only after its slurmstepd has given up telling its client that its
+    tasks ended (twice MessageTimeout: 19-20 s on the lab, whose MessageTimeout is 10 s), long after
+    this process leaves or Slurm's KILL ends it; the begin time it leaves covers that."""
     if restarts is None:
         count = os.environ.get("SLURM_RESTART_COUNT", "0")
         restarts = int(count) if count.isdigit() else 0
@@ -179,10 +185,17 @@ def stay_as_last(slurm: SlurmClient, job_id: str, after: int = AFTER_S, restarts
         kill_wait = None
     # 30 s: Slurm's default.
     kill_at = (terminated_at or time.monotonic()) + (30 if kill_wait is None else kill_wait)
+    orphaned_s = 0
+    if clients_lost:
+        try:
+            message_timeout = slurm.config_seconds("MessageTimeout")
+        except FtError:
+            message_timeout = None
+        orphaned_s = 2 * (ORPHANED_MESSAGE_TIMEOUT_S if message_timeout is None else message_timeout)
 
     def ahead() -> int:
         near_kill = time.monotonic() > kill_at - 2 * POLL_S - 1
-        return max(AFTER_S, after) + (KILL_MARGIN_S if near_kill else LEAVING_MARGIN_S)
+        return max(AFTER_S, after) + (KILL_MARGIN_S if near_kill else LEAVING_MARGIN_S) + orphaned_s
 
     lifted = lift_hold(slurm, job_id, ahead, last_one, restarts, wait_s, on_lifted)
     if lifted:  # the begin time from the moment it leaves
