@@ -4,9 +4,11 @@ not the whole playbook (which would change nothing for it, in half a minute)."""
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
-from toolkit.base.errors import UsageError
+from toolkit.base.errors import FtError, UsageError
 from toolkit.lab import lifecycle
 from toolkit.lab.manifest import LabDaemon, LabManifest, LabNode, LabSlice
 from toolkit.lab.status import DaemonStatus, LabStatus, NodeStatus
@@ -155,3 +157,56 @@ def test_a_slices_view_holds_its_nodes_daemons_and_tiers_and_the_controllers_dae
     assert lab_manifest(8, slices=2).slice(1).tiers["standard"] == "standard"
     with pytest.raises(UsageError, match="no slice 3"):
         lab_manifest(8, slices=2).slice(3)
+
+
+class OneNodeLab:
+    """The lab's description, for a crash (the namespace itself never touched: `ip` is a stand-in)."""
+
+    @staticmethod
+    def load():
+        return OneNodeLab()
+
+    def node(self, name):
+        return LabNode(name, "10.213.7.11", "ftlab-node1", 4)
+
+
+def test_a_crash_cuts_the_nodes_link_before_it_kills_anything(monkeypatch):
+    """A power loss says nothing: the link goes first, so no process's end is seen closing its
+    connections. (The lab's provisioning test crashes a real node and finds it silent.)"""
+    from toolkit.lab import processes
+
+    steps = []
+    monkeypatch.setattr(lifecycle, "require_root", lambda *args: None)
+    monkeypatch.setattr(lifecycle, "LabManifest", OneNodeLab)
+    monkeypatch.setattr(lifecycle, "netns_exists", lambda netns: True)
+    monkeypatch.setattr(processes.subprocess, "run", lambda command, **kwargs: steps.append(command))
+    monkeypatch.setattr(lifecycle, "kill_netns", lambda netns: steps.append(("kill", netns)) or [7])
+    assert lifecycle.crash("node1") == [7]
+    assert steps == [["ip", "-n", "ftlab-node1", "link", "set", "eth0", "down"], ("kill", "ftlab-node1")]
+
+
+def test_a_crash_whose_link_cannot_be_cut_still_kills_and_says_it_was_no_power_loss(monkeypatch):
+    from toolkit.lab import processes
+
+    killed = []
+
+    def refused(command, **kwargs):
+        raise subprocess.CalledProcessError(2, command, stderr=b'Cannot find device "eth0"')
+
+    monkeypatch.setattr(lifecycle, "require_root", lambda *args: None)
+    monkeypatch.setattr(lifecycle, "LabManifest", OneNodeLab)
+    monkeypatch.setattr(lifecycle, "netns_exists", lambda netns: True)
+    monkeypatch.setattr(processes.subprocess, "run", refused)
+    monkeypatch.setattr(lifecycle, "kill_netns", lambda netns: killed.append(netns) or [7, 8])
+    with pytest.raises(FtError) as refusal:
+        lifecycle.crash("node1")
+    assert killed == ["ftlab-node1"]
+    message = refusal.value.message
+    assert "killed 2 processes of node1" in message and 'Cannot find device "eth0"' in message
+    assert "ft lab up" in refusal.value.hint
+
+    monkeypatch.setattr(lifecycle, "netns_exists", lambda netns: False)  # no namespace: nothing done
+    killed.clear()
+    with pytest.raises(FtError, match="no namespace"):
+        lifecycle.crash("node1")
+    assert killed == []

@@ -10,6 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from toolkit.slurm.client import JobInfo
 from toolkit.watch import requeue
 
@@ -20,6 +22,7 @@ class ScriptedSlurm:
         self.pids = pids  # what `scontrol listpids` says at each look (None: it cannot tell)
         self.kill_wait = 30
         self.message_timeout: int | None = 10
+        self.cred_expire: int | None = None  # Slurm's hold (None: unknown, no bound)
 
     def job_brief(self, job_id: str) -> JobInfo | None:
         state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
@@ -33,7 +36,8 @@ class ScriptedSlurm:
         return self.accept
 
     def config_seconds(self, name: str) -> int | None:
-        return {"KillWait": self.kill_wait, "MessageTimeout": self.message_timeout}[name]
+        said = {"KillWait": self.kill_wait, "MessageTimeout": self.message_timeout, "cred_expire": self.cred_expire}
+        return said[name]
 
     def job_pids_here(self, job_id: str) -> list[int] | None:
         if self.pids is None:
@@ -125,6 +129,19 @@ def test_where_the_steps_clients_died_with_their_node_the_begin_time_covers_slur
     alive = ScriptedSlurm(["COMPLETING 1"], pids=[[os.getpid()]])  # clients alive: no wait for them
     assert requeue.stay_as_last(alive, "41", after=1, restarts=0)
     assert set(alive.started_after) == {("41", 1 + requeue.LEAVING_MARGIN_S)}
+
+
+@pytest.mark.parametrize("message_timeout, cred_expire", [(10, 10), (60, 120), (30, 120)])
+def test_the_begin_time_is_never_later_than_slurms_own_hold(monkeypatch, message_timeout, cred_expire):
+    """Slurm's hold counts cred_expire from the job's completion, which comes only after this process
+    leaves: a begin time further ahead than that would start the job later than no lift at all
+    (where the steps complete sooner than feared: the clients were alive after all)."""
+    monkeypatch.setattr(requeue, "POLL_S", 0.01)
+    slurm = ScriptedSlurm(["COMPLETING 1"], pids=[[os.getpid()]])
+    slurm.message_timeout, slurm.cred_expire = message_timeout, cred_expire
+    assert requeue.stay_as_last(slurm, "41", after=1, restarts=0, clients_lost=True)
+    wanted = 1 + requeue.LEAVING_MARGIN_S + 2 * message_timeout
+    assert set(slurm.started_after) == {("41", min(wanted, cred_expire))}
 
 
 def test_it_stays_while_another_node_still_completes_the_job(monkeypatch):
@@ -245,8 +262,47 @@ def test_survivors_stop_their_ranks_at_once_when_the_lost_batch_host_trained(tmp
         monkeypatch.setenv(name, value)
 
     assert node.batch_host_lost("n2", 1.2, sender=Sender("n2")) is True
-    assert node.batch_host_lost("n3", 1.3, sender=Sender("n3")) is True
+    assert node.batch_host_lost("n3", 1.3, sender=Sender("n3")) is True  # told by the reporter's mark
     assert calls == ["requeue", ("n2 stops its ranks", ["n1"]), "down", ("n3 stops its ranks", ["n1"])]
+
+
+@pytest.mark.parametrize("refused, flapped", [(True, False), (False, True)])
+def test_no_ranks_are_stopped_where_slurm_refused_the_requeue_or_the_host_answers_again(
+        tmp_path, monkeypatch, refused, flapped):
+    """A requeue refused (no rights, requeue off): nothing would end this start, so its ranks go on.
+    A host that answers again right after the requeue (a flap): the requeue stands, and its TERM's
+    checkpoint may still be taken with every rank. Neither survivor stops its ranks."""
+    from toolkit.launch import node
+
+    calls = []
+
+    class Slurm:
+        def requeue(self, job):
+            return calls.append("requeue") or not refused
+
+        def mark_node_down(self, node_name, reason):
+            return calls.append("down") or True
+
+    class Sender:
+        def __init__(self, name):
+            self.name = name
+
+        def peers_gone(self, nodes):
+            calls.append(f"{self.name} stops its ranks")
+
+    answers = iter([True, not flapped])  # still quiet: before the report, and after the requeue
+    monkeypatch.setattr("toolkit.slurm.client.CliSlurmClient", Slurm)
+    monkeypatch.setattr(node, "REQUEUED_AT", [])
+    monkeypatch.setattr(node, "REQUEUE_MARK_WAIT_S", 0.3)
+    monkeypatch.setattr(node, "slurmd_answers", lambda address: False)
+    (tmp_path / "marks").mkdir()
+    for name, value in {"FT_WATCH_NODE": "n1", "FT_WATCH_NODES": "n1,n2,n3", "SLURM_JOB_ID": "41",
+                        "FT_RUN_DIR": str(tmp_path), "FT_LAUNCH_MARKS": str(tmp_path / "marks")}.items():
+        monkeypatch.setenv(name, value)
+
+    node.batch_host_lost("n2", 1.2, still_quiet=lambda: next(answers), sender=Sender("n2"))
+    node.batch_host_lost("n3", 1.3, sender=Sender("n3"))
+    assert calls == ["requeue"] + (["down"] if not flapped else [])
 
 
 def test_a_batch_host_whose_slurmd_answers_is_left_to_slurm(tmp_path, monkeypatch):

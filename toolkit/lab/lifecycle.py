@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from toolkit.base.errors import FtError, UsageError
 from toolkit.lab.manifest import BUILT_SLURMS, PACKAGE_SLURM, LabManifest, state_dir
-from toolkit.lab.processes import cut_link, kill_netns
+from toolkit.lab.processes import cut_link, kill_netns, netns_exists
 from toolkit.lab.provision import PlaybookFailed, PlaybookResult, ansible_dir, run_playbook
 from toolkit.lab.status import LabStatus, NodeStatus, collect
 
@@ -235,5 +236,15 @@ def crash(node_name: str) -> list[int]:
     if manifest is None:
         raise FtError("there is no lab on this machine", hint="run `ft lab up` first")
     netns = manifest.node(node_name).netns
-    cut_link(netns)
+    if not netns_exists(netns):
+        raise FtError(f"lab node {node_name} has no namespace ({netns}): nothing to crash",
+                      hint="`ft lab up` builds it")
+    try:
+        cut_link(netns)
+    except subprocess.CalledProcessError as exc:  # killed all the same: a crash asked for is a crash
+        killed = kill_netns(netns)
+        raise FtError(f"killed {len(killed)} processes of {node_name}, but its link could not be cut "
+                      f"({exc.stderr.decode(errors='replace').strip() or exc}): its peers saw their "
+                      "connections close, a kinder failure than a power loss",
+                      hint="`ft lab up` heals the node; then crash it again") from None
     return kill_netns(netns)

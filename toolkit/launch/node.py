@@ -131,6 +131,9 @@ def first_to_report(marks: str | None, what: str) -> bool:
 # This launcher asked Slurm to requeue the job (its batch host lost): it lifts Slurm's hold on the
 # requeued job as it ends.
 REQUEUED_AT: list[float] = []  # when it asked (time.monotonic()): Slurm's TERM follows at once
+# How long a survivor that did not report the batch host's loss waits for the reporter's requeue:
+# three tries of a busy controller's `scontrol requeue`, and some.
+REQUEUE_MARK_WAIT_S = 30.0
 # The srun clients of the successors this launcher started: their steps live as long as they do.
 SUCCESSORS: list = []
 
@@ -166,8 +169,9 @@ def batch_host_lost(node: str, quiet: float, timeout: float = float("inf"),
     survivable = bool(marks) and bool(training) and batch_host not in training and sender is not None
     if not first_to_report(marks, f"lost-{batch_host}"):
         log(f"the batch host {batch_host} did not answer for {quiet:.1f} s: another node reports it")
-        if batch_host in training and sender is not None:  # the job is requeued: see requeue_for_lost
-            sender.peers_gone([batch_host])
+        if batch_host in training and sender is not None and requeue_asked(Path(marks) if marks else None,
+                                                                           batch_host):
+            sender.peers_gone([batch_host])  # as the reporter's own: see requeue_for_lost
         # Following a successor, a silence later is its loss: judged afresh (False: asked again).
         return not (survivable and follow_successor(sender, Path(marks), batch_host))
     why = (f"ft: batch host of job {job} (run {os.environ.get('FT_RUN_ID', '?')}) lost: its supervisor did not "
@@ -179,6 +183,19 @@ def batch_host_lost(node: str, quiet: float, timeout: float = float("inf"),
         return False  # the successor's own silence, should it come, is judged afresh
     requeue_for_lost(node, batch_host, why, still_quiet, sender if batch_host in training else None)
     return True
+
+
+def requeue_asked(marks: Path | None, batch_host: str) -> bool:
+    """Whether the reporter of the batch host's loss had the job requeued (its mark), waiting for
+    the word a while (REQUEUE_MARK_WAIT_S): its requeue may take Slurm some seconds."""
+    deadline = time.monotonic() + REQUEUE_MARK_WAIT_S
+    while marks is not None:
+        if (marks / f"requeued-{batch_host}").exists():
+            return True
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return False
 
 
 def training_nodes() -> list[str]:
@@ -270,13 +287,17 @@ def requeue_for_lost(node: str, batch_host: str, why: str, still_quiet: Callable
     slurm = CliSlurmClient()
     REQUEUED_AT.append(time.monotonic())
     requeued = retried(lambda: slurm.requeue(job), f"requeueing job {job}")
-    if sender is not None:
+    lost = still_quiet()
+    if requeued and lost:
         # No checkpoint can be taken without the lost node's ranks, and a node without power closes
-        # none of their connections: the ranks here would wait in their collectives, the requeue's
-        # TERM (a checkpoint) included, until Slurm's KILL. Stopped now (after the requeue: this
-        # launcher stays to lift Slurm's hold only where it asked for one).
-        sender.peers_gone([batch_host])
-    if not still_quiet():  # the requeue stands (the job resumes from its checkpoint); the node is sound
+        # none of their connections: the ranks here (and on the other survivors, told by a mark)
+        # would wait in their collectives, the requeue's TERM (a checkpoint) included, until Slurm's
+        # KILL. Stopped now; not where the requeue was refused, nor where the host answers again
+        # (a flap: its ranks may still take the TERM's checkpoint).
+        first_to_report(os.environ.get("FT_LAUNCH_MARKS"), f"requeued-{batch_host}")
+        if sender is not None:
+            sender.peers_gone([batch_host])
+    if not lost:  # the requeue stands (the job resumes from its checkpoint); the node is sound
         log(f"the supervisor on {batch_host} answers again: not marking it DOWN")
         return
     marked = retried(lambda: slurm.mark_node_down(batch_host, why), f"marking {batch_host} DOWN")

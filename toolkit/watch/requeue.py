@@ -158,7 +158,8 @@ def stay_as_last(slurm: SlurmClient, job_id: str, after: int = AFTER_S, restarts
     clients_lost: the srun clients of the job's steps ran on a node that is lost (the batch host):
     each step here completes only after its slurmstepd has given up telling its client that its
     tasks ended (twice MessageTimeout: 19-20 s on the lab, whose MessageTimeout is 10 s), long after
-    this process leaves or Slurm's KILL ends it; the begin time it leaves covers that."""
+    this process leaves or Slurm's KILL ends it; the begin time it leaves covers that. Never more
+    than Slurm's own hold (cred_expire), which counts from the job's completion, after it leaves."""
     if restarts is None:
         count = os.environ.get("SLURM_RESTART_COUNT", "0")
         restarts = int(count) if count.isdigit() else 0
@@ -179,23 +180,18 @@ def stay_as_last(slurm: SlurmClient, job_id: str, after: int = AFTER_S, restarts
         # Still running: not this process, nor the scontrol it ran to ask (listed too, gone since).
         return not [pid for pid in pids if pid != me and os.path.exists(f"/proc/{pid}")]
 
-    try:
-        kill_wait = slurm.config_seconds("KillWait")
-    except FtError:
-        kill_wait = None
+    kill_wait = config_seconds(slurm, "KillWait")
     # 30 s: Slurm's default.
     kill_at = (terminated_at or time.monotonic()) + (30 if kill_wait is None else kill_wait)
-    orphaned_s = 0
+    orphaned_s, hold = 0, None
     if clients_lost:
-        try:
-            message_timeout = slurm.config_seconds("MessageTimeout")
-        except FtError:
-            message_timeout = None
+        message_timeout, hold = (config_seconds(slurm, name) for name in ("MessageTimeout", "cred_expire"))
         orphaned_s = 2 * (ORPHANED_MESSAGE_TIMEOUT_S if message_timeout is None else message_timeout)
 
     def ahead() -> int:
         near_kill = time.monotonic() > kill_at - 2 * POLL_S - 1
-        return max(AFTER_S, after) + (KILL_MARGIN_S if near_kill else LEAVING_MARGIN_S) + orphaned_s
+        wanted = max(AFTER_S, after) + (KILL_MARGIN_S if near_kill else LEAVING_MARGIN_S) + orphaned_s
+        return wanted if hold is None else min(wanted, max(hold, AFTER_S))
 
     lifted = lift_hold(slurm, job_id, ahead, last_one, restarts, wait_s, on_lifted)
     if lifted:  # the begin time from the moment it leaves
@@ -204,6 +200,14 @@ def stay_as_last(slurm: SlurmClient, job_id: str, after: int = AFTER_S, restarts
         log(f"job {job_id}: nothing else of it runs here or completes elsewhere: leaving, its begin time "
             f"{ahead()} s ahead")
     return lifted
+
+
+def config_seconds(slurm: SlurmClient, name: str) -> int | None:
+    """A duration of Slurm's configuration; None where Slurm does not say (or cannot be asked)."""
+    try:
+        return slurm.config_seconds(name)
+    except FtError:
+        return None
 
 
 def retried(call: Callable[[], bool], what: str, tries: int = 3) -> bool:
