@@ -22,7 +22,6 @@ class ScriptedSlurm:
         self.pids = pids  # what `scontrol listpids` says at each look (None: it cannot tell)
         self.kill_wait = 30
         self.message_timeout: int | None = 10
-        self.cred_expire: int | None = None  # Slurm's hold (None: unknown, no bound)
 
     def job_brief(self, job_id: str) -> JobInfo | None:
         state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
@@ -36,8 +35,7 @@ class ScriptedSlurm:
         return self.accept
 
     def config_seconds(self, name: str) -> int | None:
-        said = {"KillWait": self.kill_wait, "MessageTimeout": self.message_timeout, "cred_expire": self.cred_expire}
-        return said[name]
+        return {"KillWait": self.kill_wait, "MessageTimeout": self.message_timeout}[name]
 
     def job_pids_here(self, job_id: str) -> list[int] | None:
         if self.pids is None:
@@ -131,19 +129,6 @@ def test_where_the_steps_clients_died_with_their_node_the_begin_time_covers_slur
     assert set(alive.started_after) == {("41", 1 + requeue.LEAVING_MARGIN_S)}
 
 
-@pytest.mark.parametrize("message_timeout, cred_expire", [(10, 10), (60, 120), (30, 120)])
-def test_the_begin_time_is_never_later_than_slurms_own_hold(monkeypatch, message_timeout, cred_expire):
-    """Slurm's hold counts cred_expire from the job's completion, which comes only after this process
-    leaves: a begin time further ahead than that would start the job later than no lift at all
-    (where the steps complete sooner than feared: the clients were alive after all)."""
-    monkeypatch.setattr(requeue, "POLL_S", 0.01)
-    slurm = ScriptedSlurm(["COMPLETING 1"], pids=[[os.getpid()]])
-    slurm.message_timeout, slurm.cred_expire = message_timeout, cred_expire
-    assert requeue.stay_as_last(slurm, "41", after=1, restarts=0, clients_lost=True)
-    wanted = 1 + requeue.LEAVING_MARGIN_S + 2 * message_timeout
-    assert set(slurm.started_after) == {("41", min(wanted, cred_expire))}
-
-
 def test_it_stays_while_another_node_still_completes_the_job(monkeypatch):
     """Alone on its node, but a step on another node still ending (its slurmstepd retrying a dead
     srun, say): the job completes only after that one, so the begin time is kept ahead until then."""
@@ -213,6 +198,7 @@ def test_one_surviving_node_reports_a_lost_batch_host(tmp_path, monkeypatch):
 
     monkeypatch.setattr("toolkit.slurm.client.CliSlurmClient", Slurm)
     monkeypatch.setattr(node, "REQUEUED_AT", [])
+    monkeypatch.setattr(node, "SILENT_AFTER", [])
     monkeypatch.setattr(node, "slurmd_answers", lambda address: False)
     (tmp_path / "marks").mkdir()
     for name, value in {"FT_WATCH_NODE": "n1", "SLURM_JOB_ID": "41", "FT_RUN_ID": "run-1",
@@ -255,6 +241,7 @@ def test_survivors_stop_their_ranks_at_once_when_the_lost_batch_host_trained(tmp
 
     monkeypatch.setattr("toolkit.slurm.client.CliSlurmClient", Slurm)
     monkeypatch.setattr(node, "REQUEUED_AT", [])
+    monkeypatch.setattr(node, "SILENT_AFTER", [])
     monkeypatch.setattr(node, "slurmd_answers", lambda address: False)
     (tmp_path / "marks").mkdir()
     for name, value in {"FT_WATCH_NODE": "n1", "FT_WATCH_NODES": "n1,n2,n3", "SLURM_JOB_ID": "41",
@@ -264,6 +251,7 @@ def test_survivors_stop_their_ranks_at_once_when_the_lost_batch_host_trained(tmp
     assert node.batch_host_lost("n2", 1.2, sender=Sender("n2")) is True
     assert node.batch_host_lost("n3", 1.3, sender=Sender("n3")) is True  # told by the reporter's mark
     assert calls == ["requeue", ("n2 stops its ranks", ["n1"]), "down", ("n3 stops its ranks", ["n1"])]
+    assert node.SILENT_AFTER == ["n1"]  # its srun clients lost with it: the hold's lift waits for their steps
 
 
 @pytest.mark.parametrize("refused, flapped", [(True, False), (False, True)])
@@ -293,6 +281,7 @@ def test_no_ranks_are_stopped_where_slurm_refused_the_requeue_or_the_host_answer
     answers = iter([True, not flapped])  # still quiet: before the report, and after the requeue
     monkeypatch.setattr("toolkit.slurm.client.CliSlurmClient", Slurm)
     monkeypatch.setattr(node, "REQUEUED_AT", [])
+    monkeypatch.setattr(node, "SILENT_AFTER", [])
     monkeypatch.setattr(node, "REQUEUE_MARK_WAIT_S", 0.3)
     monkeypatch.setattr(node, "slurmd_answers", lambda address: False)
     (tmp_path / "marks").mkdir()
@@ -300,9 +289,12 @@ def test_no_ranks_are_stopped_where_slurm_refused_the_requeue_or_the_host_answer
                         "FT_RUN_DIR": str(tmp_path), "FT_LAUNCH_MARKS": str(tmp_path / "marks")}.items():
         monkeypatch.setenv(name, value)
 
+    monkeypatch.setattr(node, "SILENT_AFTER", [])
     node.batch_host_lost("n2", 1.2, still_quiet=lambda: next(answers), sender=Sender("n2"))
     node.batch_host_lost("n3", 1.3, sender=Sender("n3"))
     assert calls == ["requeue"] + (["down"] if not flapped else [])
+    # The host answered again: its srun clients too, so the hold's lift waits for no orphaned step.
+    assert node.SILENT_AFTER == []
 
 
 def test_a_batch_host_whose_slurmd_answers_is_left_to_slurm(tmp_path, monkeypatch):
@@ -323,6 +315,7 @@ def test_a_batch_host_whose_slurmd_answers_is_left_to_slurm(tmp_path, monkeypatc
 
     monkeypatch.setattr("toolkit.slurm.client.CliSlurmClient", Slurm)
     monkeypatch.setattr(node, "REQUEUED_AT", [])
+    monkeypatch.setattr(node, "SILENT_AFTER", [])
     monkeypatch.setattr(node, "slurmd_answers", lambda address: next(answers))
     (tmp_path / "marks").mkdir()
     for name, value in {"FT_WATCH_NODE": "n1", "SLURM_JOB_ID": "41", "FT_RUN_DIR": str(tmp_path),

@@ -171,15 +171,9 @@ def test_a_json_reader_that_forgot_json_still_asks_for_it(release):
     assert nodes.parse_node_details(answer)
 
 
-def test_the_durations_a_requeue_waits_on_read_alike_on_every_release(release, monkeypatch):
-    """KillWait, MessageTimeout, and cred_expire (an option inside AuthInfo: 120 s where unset), as
-    the requeue's hold lifting reads them (toolkit/watch/requeue.py)."""
-    from toolkit.slurm import client
 
+def test_the_durations_a_requeue_waits_on_read_alike_on_every_release(release, monkeypatch):
+    """KillWait and MessageTimeout, as the requeue's hold lifting reads them (toolkit/watch/requeue.py)."""
     monkeypatch.setattr(commands, "run", answering(release, {"scontrol show config": "scontrol-show-config.txt"}))
     slurm = CliSlurmClient()
     assert (slurm.config_seconds("KillWait"), slurm.config_seconds("MessageTimeout")) == (5, 10)
-    assert slurm.config_seconds("cred_expire") == 10
-    unset = recorded(release, "scontrol-show-config.txt").replace("cred_expire=10", "(null)")
-    monkeypatch.setattr(commands, "run", lambda argv, **options: CommandResult(tuple(argv), 0, unset, ""))
-    assert slurm.config_seconds("cred_expire") == client.CRED_EXPIRE_DEFAULT_S

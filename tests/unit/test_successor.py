@@ -251,6 +251,7 @@ def launcher(tmp_path, monkeypatch):
     slurm = LauncherSlurm()
     monkeypatch.setattr("toolkit.slurm.client.CliSlurmClient", lambda: slurm)
     monkeypatch.setattr(node, "REQUEUED_AT", [])
+    monkeypatch.setattr(node, "SILENT_AFTER", [])
     monkeypatch.setattr(node, "SUCCESSORS", [])
     monkeypatch.setattr(node, "WATCHED", node.Watched("", ""))
     monkeypatch.setattr(node, "slurmd_answers", lambda address: False)

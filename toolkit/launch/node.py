@@ -131,6 +131,7 @@ def first_to_report(marks: str | None, what: str) -> bool:
 # This launcher asked Slurm to requeue the job (its batch host lost): it lifts Slurm's hold on the
 # requeued job as it ends.
 REQUEUED_AT: list[float] = []  # when it asked (time.monotonic()): Slurm's TERM follows at once
+SILENT_AFTER: list[str] = []  # the batch host, still silent after the requeue: its srun clients lost
 # How long a survivor that did not report the batch host's loss waits for the reporter's requeue:
 # three tries of a busy controller's `scontrol requeue`, and some.
 REQUEUE_MARK_WAIT_S = 30.0
@@ -295,6 +296,7 @@ def requeue_for_lost(node: str, batch_host: str, why: str, still_quiet: Callable
         # KILL. Stopped now; not where the requeue was refused, nor where the host answers again
         # (a flap: its ranks may still take the TERM's checkpoint).
         first_to_report(os.environ.get("FT_LAUNCH_MARKS"), f"requeued-{batch_host}")
+        SILENT_AFTER.append(batch_host)
         if sender is not None:
             sender.peers_gone([batch_host])
     if not lost:  # the requeue stands (the job resumes from its checkpoint); the node is sound
@@ -323,8 +325,9 @@ def lift_requeue_hold() -> None:
         if run_dir:
             record(Path(run_dir), "requeue_hold_lifted", after=1)
 
-    if job:  # the steps' srun clients ran on the lost batch host
-        stay_as_last(CliSlurmClient(), job, on_lifted=lifted, terminated_at=REQUEUED_AT[0], clients_lost=True)
+    if job:  # the steps' srun clients ran on the batch host: lost with it, unless it answered again
+        stay_as_last(CliSlurmClient(), job, on_lifted=lifted, terminated_at=REQUEUED_AT[0],
+                     clients_lost=bool(SILENT_AFTER))
 
 
 def train(run_dir: Path, node_rank: int, nodes: int, beat: Sender | None) -> int:

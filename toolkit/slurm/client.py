@@ -129,9 +129,6 @@ def _state(value) -> str:
     return shapes.state(value) or "UNKNOWN"
 
 
-CRED_EXPIRE_DEFAULT_S = 120  # AuthInfo's cred_expire where it is not set (slurm.conf(5))
-
-
 class CliSlurmClient:
     name = "cli"
 
@@ -227,15 +224,7 @@ class CliSlurmClient:
     def config_seconds(self, name: str) -> int | None:
         """A duration of Slurm's configuration, in seconds (SlurmdTimeout: how long the controller
         waits for a silent slurmd before marking its node DOWN; KillWait: from a job's TERM to its
-        KILL; cred_expire, an option of AuthInfo: the hold of a requeued job, 120 s where unset);
-        None where `scontrol show config` does not say."""
-        if name == "cred_expire":
-            try:
-                options = slurm_nodes.config(commands.run, timeout=self.timeout).get("AuthInfo", "")
-            except SlurmCommandError:
-                return None
-            match = re.search(r"(?:^|,)cred_expire=(\d+)", options)
-            return int(match[1]) if match else CRED_EXPIRE_DEFAULT_S
+        KILL); None where `scontrol show config` does not say."""
         return self.config_number(name)
 
     def node_addresses(self, nodes: list[str]) -> dict[str, str]:

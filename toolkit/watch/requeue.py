@@ -158,8 +158,8 @@ def stay_as_last(slurm: SlurmClient, job_id: str, after: int = AFTER_S, restarts
     clients_lost: the srun clients of the job's steps ran on a node that is lost (the batch host):
     each step here completes only after its slurmstepd has given up telling its client that its
     tasks ended (twice MessageTimeout: 19-20 s on the lab, whose MessageTimeout is 10 s), long after
-    this process leaves or Slurm's KILL ends it; the begin time it leaves covers that. Never more
-    than Slurm's own hold (cred_expire), which counts from the job's completion, after it leaves."""
+    this process leaves or Slurm's KILL ends it; the begin time it leaves covers that (still sooner
+    than Slurm's own hold, which would count from that completion)."""
     if restarts is None:
         count = os.environ.get("SLURM_RESTART_COUNT", "0")
         restarts = int(count) if count.isdigit() else 0
@@ -183,15 +183,14 @@ def stay_as_last(slurm: SlurmClient, job_id: str, after: int = AFTER_S, restarts
     kill_wait = config_seconds(slurm, "KillWait")
     # 30 s: Slurm's default.
     kill_at = (terminated_at or time.monotonic()) + (30 if kill_wait is None else kill_wait)
-    orphaned_s, hold = 0, None
+    orphaned_s = 0
     if clients_lost:
-        message_timeout, hold = (config_seconds(slurm, name) for name in ("MessageTimeout", "cred_expire"))
+        message_timeout = config_seconds(slurm, "MessageTimeout")
         orphaned_s = 2 * (ORPHANED_MESSAGE_TIMEOUT_S if message_timeout is None else message_timeout)
 
     def ahead() -> int:
         near_kill = time.monotonic() > kill_at - 2 * POLL_S - 1
-        wanted = max(AFTER_S, after) + (KILL_MARGIN_S if near_kill else LEAVING_MARGIN_S) + orphaned_s
-        return wanted if hold is None else min(wanted, max(hold, AFTER_S))
+        return max(AFTER_S, after) + (KILL_MARGIN_S if near_kill else LEAVING_MARGIN_S) + orphaned_s
 
     lifted = lift_hold(slurm, job_id, ahead, last_one, restarts, wait_s, on_lifted)
     if lifted:  # the begin time from the moment it leaves
