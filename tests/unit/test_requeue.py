@@ -216,70 +216,40 @@ def test_one_surviving_node_reports_a_lost_batch_host(tmp_path, monkeypatch):
     assert event["event"] == "node_lost" and event["node"] == "n1" and event["reported_by"] == "n2"
 
 
-def test_survivors_stop_their_ranks_at_once_when_the_lost_batch_host_trained(tmp_path, monkeypatch):
-    """The batch host trained ranks of this start: no checkpoint can be taken without them, and a host
-    without power closes none of their connections, so the survivors' ranks would wait in their
-    collectives (the requeue's TERM, a checkpoint, included) until Slurm's KILL. The reporter stops
-    its ranks once the requeue is asked (it stays to lift the hold only then); the others at once."""
+class Survivors:
+    """Slurm and the survivors' heartbeat senders as a lost batch host's survivors see them: every
+    call, in order. The batch host n1 trained; n2 and n3 survive it."""
+
+    def __init__(self, refuses_requeue: bool = False):
+        self.calls: list = []
+        self.refuses_requeue = refuses_requeue
+        survivors = self
+
+        class Slurm:
+            def requeue(self, job):
+                return survivors.calls.append("requeue") or not survivors.refuses_requeue
+
+            def mark_node_down(self, node_name, reason):
+                return survivors.calls.append("down") or True
+
+        self.slurm = Slurm
+
+    def sender(self, name: str):
+        calls = self.calls
+
+        class Sender:
+            def peers_gone(self, nodes):
+                calls.append((f"{name} stops its ranks", nodes))
+
+        return Sender()
+
+
+@pytest.fixture
+def survivors(tmp_path, monkeypatch):
     from toolkit.launch import node
 
-    calls = []
-
-    class Slurm:
-        def requeue(self, job):
-            return calls.append("requeue") or True
-
-        def mark_node_down(self, node_name, reason):
-            return calls.append("down") or True
-
-    class Sender:
-        def __init__(self, name):
-            self.name = name
-
-        def peers_gone(self, nodes):
-            calls.append((f"{self.name} stops its ranks", nodes))
-
-    monkeypatch.setattr("toolkit.slurm.client.CliSlurmClient", Slurm)
-    monkeypatch.setattr(node, "REQUEUED_AT", [])
-    monkeypatch.setattr(node, "SILENT_AFTER", [])
-    monkeypatch.setattr(node, "slurmd_answers", lambda address: False)
-    (tmp_path / "marks").mkdir()
-    for name, value in {"FT_WATCH_NODE": "n1", "FT_WATCH_NODES": "n1,n2,n3", "SLURM_JOB_ID": "41",
-                        "FT_RUN_DIR": str(tmp_path), "FT_LAUNCH_MARKS": str(tmp_path / "marks")}.items():
-        monkeypatch.setenv(name, value)
-
-    assert node.batch_host_lost("n2", 1.2, sender=Sender("n2")) is True
-    assert node.batch_host_lost("n3", 1.3, sender=Sender("n3")) is True  # told by the reporter's mark
-    assert calls == ["requeue", ("n2 stops its ranks", ["n1"]), "down", ("n3 stops its ranks", ["n1"])]
-    assert node.SILENT_AFTER == ["n1"]  # its srun clients lost with it: the hold's lift waits for their steps
-
-
-@pytest.mark.parametrize("refused, flapped", [(True, False), (False, True)])
-def test_no_ranks_are_stopped_where_slurm_refused_the_requeue_or_the_host_answers_again(
-        tmp_path, monkeypatch, refused, flapped):
-    """A requeue refused (no rights, requeue off): nothing would end this start, so its ranks go on.
-    A host that answers again right after the requeue (a flap): the requeue stands, and its TERM's
-    checkpoint may still be taken with every rank. Neither survivor stops its ranks."""
-    from toolkit.launch import node
-
-    calls = []
-
-    class Slurm:
-        def requeue(self, job):
-            return calls.append("requeue") or not refused
-
-        def mark_node_down(self, node_name, reason):
-            return calls.append("down") or True
-
-    class Sender:
-        def __init__(self, name):
-            self.name = name
-
-        def peers_gone(self, nodes):
-            calls.append(f"{self.name} stops its ranks")
-
-    answers = iter([True, not flapped])  # still quiet: before the report, and after the requeue
-    monkeypatch.setattr("toolkit.slurm.client.CliSlurmClient", Slurm)
+    found = Survivors()
+    monkeypatch.setattr("toolkit.slurm.client.CliSlurmClient", found.slurm)
     monkeypatch.setattr(node, "REQUEUED_AT", [])
     monkeypatch.setattr(node, "SILENT_AFTER", [])
     monkeypatch.setattr(node, "REQUEUE_MARK_WAIT_S", 0.3)
@@ -288,11 +258,35 @@ def test_no_ranks_are_stopped_where_slurm_refused_the_requeue_or_the_host_answer
     for name, value in {"FT_WATCH_NODE": "n1", "FT_WATCH_NODES": "n1,n2,n3", "SLURM_JOB_ID": "41",
                         "FT_RUN_DIR": str(tmp_path), "FT_LAUNCH_MARKS": str(tmp_path / "marks")}.items():
         monkeypatch.setenv(name, value)
+    return found
 
-    monkeypatch.setattr(node, "SILENT_AFTER", [])
-    node.batch_host_lost("n2", 1.2, still_quiet=lambda: next(answers), sender=Sender("n2"))
-    node.batch_host_lost("n3", 1.3, sender=Sender("n3"))
-    assert calls == ["requeue"] + (["down"] if not flapped else [])
+
+def test_survivors_stop_their_ranks_at_once_when_the_lost_batch_host_trained(survivors):
+    """The batch host trained ranks of this start: no checkpoint can be taken without them, and a host
+    without power closes none of their connections, so the survivors' ranks would wait in their
+    collectives (the requeue's TERM, a checkpoint, included) until Slurm's KILL. The reporter stops
+    its ranks once the requeue is taken; the others on its word (a mark)."""
+    from toolkit.launch import node
+
+    assert node.batch_host_lost("n2", 1.2, sender=survivors.sender("n2")) is True
+    assert node.batch_host_lost("n3", 1.3, sender=survivors.sender("n3")) is True
+    assert survivors.calls == ["requeue", ("n2 stops its ranks", ["n1"]), "down", ("n3 stops its ranks", ["n1"])]
+    assert node.SILENT_AFTER == ["n1"]  # its srun clients lost with it: the hold's lift waits for their steps
+
+
+@pytest.mark.parametrize("refused, flapped", [(True, False), (False, True)])
+def test_no_ranks_are_stopped_where_slurm_refused_the_requeue_or_the_host_answers_again(
+        survivors, refused, flapped):
+    """A requeue refused (no rights, requeue off): nothing would end this start, so its ranks go on.
+    A host that answers again right after the requeue (a flap): the requeue stands, and its TERM's
+    checkpoint may still be taken with every rank. Neither survivor stops its ranks."""
+    from toolkit.launch import node
+
+    survivors.refuses_requeue = refused
+    answers = iter([True, not flapped])  # still quiet: before the report, and after the requeue
+    node.batch_host_lost("n2", 1.2, still_quiet=lambda: next(answers), sender=survivors.sender("n2"))
+    node.batch_host_lost("n3", 1.3, sender=survivors.sender("n3"))
+    assert survivors.calls == ["requeue"] + (["down"] if not flapped else [])
     # The host answered again: its srun clients too, so the hold's lift waits for no orphaned step.
     assert node.SILENT_AFTER == []
 
