@@ -299,6 +299,30 @@ def test_the_templates_folder_is_named_by_the_jobs_secret(monkeypatch, tmp_path)
     assert warm.socket_path().parent.name == f"ft-warm-{os.getuid()}"  # outside a rendered job
 
 
+def test_a_per_job_tmpdir_too_long_for_a_socket_puts_the_template_in_tmp(monkeypatch, tmp_path):
+    """A site's per-job TMPDIR can be long: a socket's path over sun_path's 108 bytes cannot be bound,
+    and every rank would start cold. The template goes to /tmp then; a short TMPDIR is kept."""
+    import socket
+
+    long_tmpdir = tmp_path / ("per-job-scratch-" + "x" * 60)
+    long_tmpdir.mkdir()
+    for name, value in {"TMPDIR": str(long_tmpdir), "FT_JOB_SECRET": "a" * 64, "SLURM_JOB_ID": "123456789",
+                        "SLURM_RESTART_COUNT": "2", "SLURMD_NODENAME": "gpu-node-0042"}.items():
+        monkeypatch.setenv(name, value)
+    path = warm.socket_path()
+    assert len(os.fsencode(long_tmpdir / path.parent.name / path.name)) > warm.UNIX_PATH_MAX  # too long there
+    assert path.parent.parent == Path("/tmp") and len(os.fsencode(path)) <= warm.UNIX_PATH_MAX
+    assert warm.private_folder(path.parent)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(str(path))  # where it was before, this raised OSError: AF_UNIX path too long
+    finally:
+        path.unlink(missing_ok=True)
+        path.parent.rmdir()
+    monkeypatch.setenv("TMPDIR", "/var/tmp")
+    assert warm.socket_path().parent.parent == Path("/var/tmp")
+
+
 class Unforeseen(Exception):
     """What nobody foresaw: no narrower `except` names it."""
 

@@ -68,6 +68,11 @@ def runtime_env(env: dict[str, str], backend: str) -> dict[str, str]:
     return env
 
 
+# The longest path a Unix socket binds to (sun_path's 108 bytes, the last a NUL): a longer one is
+# refused, and the ranks would start cold.
+UNIX_PATH_MAX = 107
+
+
 def log(message: str) -> None:
     print(f"[ft-warm {socket.gethostname()} {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
@@ -75,11 +80,13 @@ def log(message: str) -> None:
 def socket_path(node: str | None = None) -> Path:
     """The node's template for this start of the job (a requeue keeps the job id: the restart
     count tells the incarnations apart). Node-local /tmp on a cluster; on the lab the nodes share
-    one, and the node's name keeps them apart."""
+    one, and the node's name keeps them apart. In $TMPDIR where a socket's path fits there (a
+    site's per-job TMPDIR can be long), else in /tmp."""
     node = node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     name = "{}.{}.{}.sock".format(os.environ.get("SLURM_JOB_ID", "0"), os.environ.get("SLURM_RESTART_COUNT", "0"),
                                   re.sub(r"[^A-Za-z0-9_.-]", "_", node))
-    return Path(os.environ.get("TMPDIR") or "/tmp") / folder_name() / name
+    path = Path(os.environ.get("TMPDIR") or "/tmp") / folder_name() / name
+    return path if len(os.fsencode(path)) <= UNIX_PATH_MAX else Path("/tmp") / folder_name() / name
 
 
 def folder_name() -> str:
