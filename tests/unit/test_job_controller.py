@@ -473,3 +473,21 @@ def run_spec_json() -> str:
     resolved = resolve(REPO / "recipes" / "tiny-lora-sft.yaml", "lab")
     script = render(resolved, RunPlacement("r1", "/shared/runs/r1"), login_python=sys.executable)
     return script.split("<<'FT_RECIPE_JSON'\n", 1)[1].split("\nFT_RECIPE_JSON\n", 1)[0]
+
+
+def test_a_successors_requeue_keeps_its_begin_time_past_the_steps_whose_clients_died_with_the_batch_host(
+        tmp_path, monkeypatch):
+    """The adopted training step and the warm templates were started by the lost batch host's srun:
+    each completes only after its slurmstepd gave up telling that client (toolkit/watch/requeue.py),
+    so a successor's lift of Slurm's hold waits for them; the job script's own does not."""
+    from toolkit.job.supervise import Adoption
+    from toolkit.watch import requeue
+
+    asked = []
+    monkeypatch.setattr(requeue, "stay_as_last", lambda *args, **options: asked.append(options["clients_lost"]))
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    for adoption in (None, Adoption("n3", "7.2", ["n1", "n2"], 1)):
+        controller = JobController(tmp_path, FakeSlurm(["n1", "n2", "n3"]), adoption=adoption)
+        controller.expect_requeue()
+        controller.lift_requeue_hold()
+    assert asked == [False, True]

@@ -248,9 +248,11 @@ class JobController:
         if self.requeue_after is None:
             return
         after, self.requeue_after = self.requeue_after, None
+        # A successor's job holds steps whose srun clients died with the lost batch host (the adopted
+        # training step, the warm templates): each completes only after its slurmstepd gave up on them.
         requeue.stay_as_last(self.slurm, self.job_id, after,
                              on_lifted=lambda: record(self.layout.root, "requeue_hold_lifted", after=after),
-                             terminated_at=self.terminated_at)
+                             terminated_at=self.terminated_at, clients_lost=self.adoption is not None)
 
     # -- lost nodes ----------------------------------------------------------------------------
     def lost_nodes(self, status: int) -> tuple[list[str], str]:
