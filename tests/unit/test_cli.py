@@ -35,6 +35,7 @@ RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "llama3-8b-lora-s
                                   ["status", "no-such-run"], ["cluster", "ls"], ["cluster", "show", "lab"],
                                   ["doctor", "--cluster", "hyperpod", "--login-only"],
                                   ["report", "r1"], ["sync", "r1"], ["receipt", "verify", "r1"],
+                                  ["compare", "r1", "r1-other"],
                                   ["receipt", "show", "r1"]])
 def test_login_node_commands_never_import_the_training_stack(argv, tmp_path):
     (tmp_path / "r1").mkdir()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import functools
 import json
 import os
 import stat
@@ -252,6 +253,57 @@ def status(run_id: str = typer.Argument(None, help="The run (default: the newest
                       datetime.fromtimestamp(attempt["started"]).strftime("%H:%M:%S"))
     if current.attempts:
         console.print(table)
+
+
+def compare(run_ids: list[str] = typer.Argument(..., help="Two runs or more."),
+            cluster: str = typer.Option(None, "--cluster", "-c"),
+            as_json: bool = typer.Option(False, "--json")) -> None:
+    """Runs side by side: the recipe fields in which they differ, their losses, evaluation, speed,
+    GPU-hours, cost and goodput."""
+    from toolkit.report.compare import compare as side_by_side
+    from toolkit.runs.status import queued_runs, run_status
+    from toolkit.slurm.client import default_client
+
+    if len(set(run_ids)) < 2:
+        raise FtError("ft compare needs two runs or more", hint="name them: ft compare RUN RUN [RUN...] (`ft ls`)")
+    store, client = _store(cluster), default_client()
+    queued = queued_runs(client)  # one look at the queue for every run
+    found = side_by_side([run_status(store, run_id, client, queued) for run_id in dict.fromkeys(run_ids)])
+    if as_json:
+        print_json(found.to_dict())
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{len(found.runs)} runs" + (f", differing in {', '.join(found.varied)}" if found.varied
+                                                      else ", with alike recipes"), title_justify="left")
+    for column in ("run", "state", *found.varied, "steps", "final loss", "best loss", "eval loss", "gates",
+                   "tokens/s", "GPU-hours", "cost", "goodput"):
+        table.add_column(plain(column), justify="left" if column in ("run", "state", "gates") else "right")
+    for run in found.runs:
+        evaluated = ", ".join(f"{split.replace('_', '-')} {loss:.4f}" for split, loss in run.eval_loss.items())
+        price = _price(run.cluster)
+        cost = run.gpu_hours * price if run.gpu_hours is not None and price else None
+        varied = (plain(_shown(run.varied[name])) for name in found.varied)
+        table.add_row(plain(run.run_id), _coloured(run.state), *varied, _shown(run.steps),
+                      _shown(run.final_loss, "{:.4f}"), _shown(run.best_loss, "{:.4f}"),
+                      plain(evaluated or "-"), plain(run.verdict or "-"), _shown(run.tokens_per_s, "{:,.0f}"),
+                      _shown(run.gpu_hours, "{:.3f}"), _shown(cost, "${:,.2f}"), _shown(run.goodput, "{:.0%}"))
+    console.print(table)
+
+
+@functools.cache
+def _price(cluster: str) -> float:
+    """The cluster's price per GPU-hour (0 where its profile has none, or cannot be read)."""
+    from toolkit.cluster.profile import ProfileError, load_profile
+
+    try:
+        return load_profile(cluster).price_per_gpu_hour or 0.0
+    except ProfileError:
+        return 0.0
+
+
+def _shown(value, pattern: str = "{}") -> str:
+    return "-" if value is None else pattern.format(value)
 
 
 def report(run_id: str = typer.Argument(...), cluster: str = typer.Option(None, "--cluster", "-c"),
