@@ -20,7 +20,7 @@ from pathlib import Path
 from toolkit.launch.log import log
 from toolkit.launch.rendezvous import RendezvousError, barrier, job_secret
 from toolkit.runs import exits
-from toolkit.runs.layout import RunLayout, RunSpecError
+from toolkit.runs.layout import BATCH_HOST_LOST, REQUEUED_FOR, RunLayout, RunSpecError
 from toolkit.watch.heartbeat import Sender
 
 
@@ -168,7 +168,7 @@ def batch_host_lost(node: str, quiet: float, timeout: float = float("inf"),
         return False
     training = training_nodes()
     survivable = bool(marks) and bool(training) and batch_host not in training and sender is not None
-    if not first_to_report(marks, f"lost-{batch_host}"):
+    if not first_to_report(marks, BATCH_HOST_LOST.format(node=batch_host)):
         log(f"the batch host {batch_host} did not answer for {quiet:.1f} s: another node reports it")
         if batch_host in training and sender is not None and requeue_asked(Path(marks) if marks else None,
                                                                            batch_host):
@@ -191,7 +191,7 @@ def requeue_asked(marks: Path | None, batch_host: str) -> bool:
     the word a while (REQUEUE_MARK_WAIT_S): its requeue may take Slurm some seconds."""
     deadline = time.monotonic() + REQUEUE_MARK_WAIT_S
     while marks is not None:
-        if (marks / f"requeued-{batch_host}").exists():
+        if (marks / REQUEUED_FOR.format(node=batch_host)).exists():
             return True
         if time.monotonic() > deadline:
             break
@@ -295,7 +295,7 @@ def requeue_for_lost(node: str, batch_host: str, why: str, still_quiet: Callable
         # would wait in their collectives, the requeue's TERM (a checkpoint) included, until Slurm's
         # KILL. Stopped now; not where the requeue was refused, nor where the host answers again
         # (a flap: its ranks may still take the TERM's checkpoint).
-        first_to_report(os.environ.get("FT_LAUNCH_MARKS"), f"requeued-{batch_host}")
+        first_to_report(os.environ.get("FT_LAUNCH_MARKS"), REQUEUED_FOR.format(node=batch_host))
         SILENT_AFTER.append(batch_host)
         if sender is not None:
             sender.peers_gone([batch_host])

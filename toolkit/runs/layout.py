@@ -88,7 +88,8 @@ STACK_DUMP = "rank-{rank}.{stamp}.txt"  # in stacks/: a hung rank's threads, per
 # In launch/, a folder per start of the step (FT_LAUNCH_MARKS), named by the job, its restart, the
 # batch host it came after (a successor's) and the launch: srun's messages, the nodes an older job
 # script requeues without, the step's srun command and the nodes left out (for a successor), the
-# one claim to succeed a lost batch host, and where its successor listens.
+# one claim to succeed a lost batch host, and where its successor listens; the survivors' word that
+# the batch host is lost (the first to leave it reports), and that its reporter had the job requeued.
 START_MARKS = "{job}.{restart}{after}.{launch}"
 SRUN_ERRORS = "srun.err"
 LOST_NODES = "lost-nodes"
@@ -96,6 +97,8 @@ STEP_COMMAND = "step.json"
 EXCLUDED = "excluded.json"
 SUCCESSION = "succession-of-{node}"
 SUCCESSOR = "successor-of-{node}.json"
+BATCH_HOST_LOST = "lost-{node}"
+REQUEUED_FOR = "requeued-{node}"
 WANDB = "wandb"  # W&B's own folder (wandb.init(dir=<run dir>)): offline runs wait there for `ft sync`
 REPORT = "report.html"  # `ft report`'s page, unless -o says elsewhere
 
