@@ -37,7 +37,9 @@ def test_an_adapter_that_beats_the_base_by_the_asked_margin_is_promoted():
                                          "golden_token_f1_drop"]
     assert all(r.passed for r in results)
     state, why = gates.verdict(results, promote=True)
-    assert state == "promoted" and "held-out loss 3.5000 vs the base's 5.0000" in why
+    assert state == "promoted" and "held-out loss 3.5000 vs the base's 5.0000: 1.5000 lower (the gate asks for a " \
+        "drop of at least 1)" in why
+    assert "exact_match 0.250 vs the base's 0.250: +0.000 (the gate allows no drop)" in why
 
 
 def test_each_failed_gate_keeps_a_draft_and_says_why():
@@ -47,10 +49,12 @@ def test_each_failed_gate_keeps_a_draft_and_says_why():
     assert failed == {"held_out_loss_drop", "golden_exact_match_drop"}
     state, why = gates.verdict(results, promote=True)
     assert state == "draft" and why.startswith("failed held_out_loss_drop: held-out loss 4.5000")
-    assert "exact_match 0.000 vs the base's 0.250" in why
+    assert "exact_match 0.000 vs the base's 0.250: -0.250 (the gate allows a drop of at most 0.1)" in why
     # "0: any drop" still asks for a drop: an unchanged adapter is no better than its base.
     (same,) = gates.judge(GateSpec(held_out_loss_drop=0.0), BASE, trained(5.0, 4.0, 0.25))
-    assert not same.passed
+    assert not same.passed and same.detail.endswith("0.0000 lower (the gate asks for any drop)")
+    (worse,) = gates.judge(GateSpec(held_out_loss_drop=0.0), BASE, trained(5.5, 4.0, 0.25))
+    assert not worse.passed and "0.5000 higher" in worse.detail
 
 
 def test_a_gate_whose_numbers_are_missing_fails_and_no_gate_or_no_promotion_keeps_a_draft():

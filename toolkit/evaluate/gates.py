@@ -40,9 +40,10 @@ def loss_drop(base: dict | None, adapter: dict | None, at_least: float) -> GateR
         return GateResult(name, False, "the held-out loss was not measured for both models")
     drop = base["loss"] - adapter["loss"]
     passed = drop > 0 if at_least == 0 else drop >= at_least  # 0: any drop, but a drop
-    return GateResult(name, passed,
-                      f"held-out loss {adapter['loss']:.4f} vs the base's {base['loss']:.4f}: "
-                      f"{drop:+.4f} lower, {at_least:g} asked")
+    change = f"{drop:.4f} lower" if drop >= 0 else f"{-drop:.4f} higher"
+    asked = "any drop" if at_least == 0 else f"a drop of at least {at_least:g}"
+    return GateResult(name, passed, f"held-out loss {adapter['loss']:.4f} vs the base's {base['loss']:.4f}: "
+                                    f"{change} (the gate asks for {asked})")
 
 
 def loss_rise(base: dict | None, adapter: dict | None, at_most: float) -> GateResult:
@@ -50,8 +51,9 @@ def loss_rise(base: dict | None, adapter: dict | None, at_most: float) -> GateRe
     if not base or not adapter:
         return GateResult(name, False, "the golden loss was not measured for both models")
     rise = adapter["loss"] - base["loss"]
+    allowed = "no rise" if at_most == 0 else f"a rise of at most {at_most:g}"
     return GateResult(name, rise <= at_most, f"golden loss {adapter['loss']:.4f} vs the base's "
-                                             f"{base['loss']:.4f}: {rise:+.4f}, at most +{at_most:g} allowed")
+                                             f"{base['loss']:.4f}: {rise:+.4f} (the gate allows {allowed})")
 
 
 def metric_drop(metric: str, base: dict | None, adapter: dict | None, at_most: float) -> GateResult:
@@ -61,8 +63,9 @@ def metric_drop(metric: str, base: dict | None, adapter: dict | None, at_most: f
     if before is None or after is None:
         return GateResult(name, False, f"{metric} was not measured on the golden set for both models")
     drop = before - after
+    allowed = "no drop" if at_most == 0 else f"a drop of at most {at_most:g}"
     return GateResult(name, drop <= at_most, f"{metric} {after:.3f} vs the base's {before:.3f}: "
-                                             f"{-drop:+.3f}, at most -{at_most:g} allowed")
+                                             f"{after - before:+.3f} (the gate allows {allowed})")
 
 
 def verdict(results: list[GateResult], promote: bool) -> tuple[str, str]:
