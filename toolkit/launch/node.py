@@ -132,6 +132,10 @@ def first_to_report(marks: str | None, what: str) -> bool:
 # requeued job as it ends.
 REQUEUED_AT: list[float] = []  # when it asked (time.monotonic()): Slurm's TERM follows at once
 SILENT_AFTER: list[str] = []  # the batch host, still silent after the requeue: its srun clients lost
+# The looks at the lost node Slurm may take back on a stale word (toolkit/watch/silence.py): threads of
+# this process, which the launcher waits for before it ends (its ranks stopped, it would end first).
+KEEPING_DOWN: list = []
+KEEP_DOWN_WAIT_S = 5.0  # the last look (3 s after the mark) and a slow answer of Slurm's
 # How long a survivor that did not report the batch host's loss waits for the reporter's requeue:
 # three tries of a busy controller's `scontrol requeue`, and some.
 REQUEUE_MARK_WAIT_S = 30.0
@@ -307,7 +311,7 @@ def requeue_for_lost(node: str, batch_host: str, why: str, still_quiet: Callable
         from toolkit.watch.silence import keep_down
 
         address = watched().address
-        keep_down(slurm, batch_host, why, lambda: not slurmd_answers(address), log)
+        KEEPING_DOWN.append(keep_down(slurm, batch_host, why, lambda: not slurmd_answers(address), log))
     if not requeued and not marked:
         log(f"Slurm took neither (operator rights?): it requeues job {job} once it notices (SlurmdTimeout)")
 
@@ -359,6 +363,8 @@ def main() -> None:
     code = run_node(run_dir, mode, node_rank, nodes, host, beat)
     if beat:
         beat.stop(code, linger=0 if REQUEUED_AT else beat.silence_s + 2 if code else 0)
+    for looks in KEEPING_DOWN:
+        looks.join(timeout=KEEP_DOWN_WAIT_S)
     if REQUEUED_AT and code != 0:  # ended by Slurm's TERM: the requeue (or a cancel)
         lift_requeue_hold()
     wait_for_successor()
