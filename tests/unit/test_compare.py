@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from tests.support.run_specs import run_spec, write_run_spec
-from toolkit.report.compare import compare, flatten, varied_fields
+from toolkit.recipe.resolve import dotted_values
+from toolkit.report.compare import compare, varied_fields
 from toolkit.runs.status import RunStatus
 from toolkit.runs.store import RunRecord
 from toolkit.slurm.client import JobInfo
@@ -62,8 +63,10 @@ def test_a_run_whose_files_are_damaged_is_still_compared_on_what_can_be_read(tmp
 
 
 def test_fields_missing_from_one_recipe_count_as_differing_and_the_runs_name_never_does():
-    assert flatten({"training": {"learning_rate": 1e-4, "mix": [1, 2]}, "name": "x"}) == {
-        "training.learning_rate": 1e-4, "training.mix": [1, 2], "name": "x"}
+    spec = run_spec(1, env={"HF_HOME": "/x"})
+    spec.recipe.training.learning_rate = 1e-4
+    fields = dotted_values(spec.recipe)  # the recipe's own dotted fields (ft render's sources use them)
+    assert fields["training.learning_rate"] == 1e-4 and fields["name"] == "unit" and fields["env"] == {"HF_HOME": "/x"}
     recipes = [{"name": "a", "training.seed": 1}, {"name": "b"}, None]
     assert varied_fields(recipes) == ["training.seed"]
 

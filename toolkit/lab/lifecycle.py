@@ -239,12 +239,15 @@ def crash(node_name: str) -> list[int]:
     if not netns_exists(netns):
         raise FtError(f"lab node {node_name} has no namespace ({netns}): nothing to crash",
                       hint="`ft lab up` builds it")
+    uncut = None
     try:
         cut_link(netns)
     except subprocess.CalledProcessError as exc:  # killed all the same: a crash asked for is a crash
-        killed = kill_netns(netns)
+        uncut = exc
+    killed = kill_netns(netns)
+    if uncut is not None:
         raise FtError(f"killed {len(killed)} processes of {node_name}, but its link could not be cut "
-                      f"({exc.stderr.decode(errors='replace').strip() or exc}): its peers saw their "
+                      f"({uncut.stderr.decode(errors='replace').strip() or uncut}): its peers saw their "
                       "connections close, a kinder failure than a power loss",
-                      hint="`ft lab up` heals the node; then crash it again") from None
-    return kill_netns(netns)
+                      hint="`ft lab up` heals the node; then crash it again")
+    return killed

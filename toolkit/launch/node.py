@@ -193,14 +193,14 @@ def batch_host_lost(node: str, quiet: float, timeout: float = float("inf"),
 def requeue_asked(marks: Path | None, batch_host: str) -> bool:
     """Whether the reporter of the batch host's loss had the job requeued (its mark), waiting for
     the word a while (REQUEUE_MARK_WAIT_S): its requeue may take Slurm some seconds."""
-    deadline = time.monotonic() + REQUEUE_MARK_WAIT_S
-    while marks is not None:
-        if (marks / REQUEUED_FOR.format(node=batch_host)).exists():
-            return True
+    if marks is None:
+        return False
+    mark, deadline = marks / REQUEUED_FOR.format(node=batch_host), time.monotonic() + REQUEUE_MARK_WAIT_S
+    while not mark.exists():
         if time.monotonic() > deadline:
-            break
+            return False
         time.sleep(0.1)
-    return False
+    return True
 
 
 def training_nodes() -> list[str]:

@@ -53,7 +53,7 @@ class ResolvedRecipe:
 
     def values(self) -> dict[str, Any]:
         """Dotted field -> value, for every leaf of the resolved recipe."""
-        return dict(_flatten(self.recipe.model_dump(mode="json")))
+        return dotted_values(self.recipe)
 
     def with_tier(self, tier: str) -> ResolvedRecipe:
         """The same run in another of the profile's tiers (the broker's choice): its partition and QOS."""
@@ -62,6 +62,11 @@ class ResolvedRecipe:
         return replace(self, recipe=self.recipe.model_copy(update={"resources": resources}),
                        derived=self.derived.model_copy(update={"partition": target.partition, "qos": target.qos}),
                        sources=self.sources | {"resources.tier": "ft plan's choice (--cluster auto)"})
+
+
+def dotted_values(recipe: Recipe) -> dict[str, Any]:
+    """Dotted field -> value, for every leaf of a recipe (`env` one value, a list one value)."""
+    return dict(_flatten(recipe.model_dump(mode="json")))
 
 
 def _flatten(data: Any, prefix: str = "") -> list[tuple[str, Any]]:

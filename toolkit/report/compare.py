@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from toolkit.recipe.resolve import dotted_values
 from toolkit.report.page import by_start, metrics_entries
 from toolkit.runs.layout import RunLayout, RunSpecError
 from toolkit.runs.progress import number
@@ -46,23 +47,12 @@ class Comparison:
         return {"varied": self.varied, "runs": [asdict(run) for run in self.runs]}
 
 
-def flatten(value: object, prefix: str = "") -> dict[str, object]:
-    """A recipe as dotted fields: {"train": {"lr": 1e-4}} -> {"train.lr": 1e-4}. Lists stay whole
-    values (a data mix is one choice)."""
-    if isinstance(value, dict):
-        flat: dict[str, object] = {}
-        for key, inner in value.items():
-            flat |= flatten(inner, f"{prefix}{key}.")
-        return flat
-    return {prefix[:-1]: value}
-
-
 def recipe_fields(current: RunStatus) -> dict[str, object] | None:
     try:
         spec = RunLayout(current.run_dir).read_spec()
     except RunSpecError:  # a damaged or foreign spec: the run is still compared on what it did
         return None
-    return flatten(spec.recipe.model_dump(mode="json"))
+    return dotted_values(spec.recipe)
 
 
 def varied_fields(recipes: list[dict[str, object] | None]) -> list[str]:
